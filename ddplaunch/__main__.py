@@ -1,0 +1,5 @@
+"""`python -m ddplaunch` is the `ddplaunch` command."""
+
+from ddplaunch.cli import main
+
+main()

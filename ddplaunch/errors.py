@@ -1,0 +1,49 @@
+"""The one error hierarchy of ddplaunch.
+
+Every error a user can cause or meet carries a message that says what went wrong, where
+(file:line and key path, host, rank) and how to fix it. The CLI maps each class to an exit
+code in one place (`exit_code`), so library code never calls `sys.exit`.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class DdplaunchError(Exception):
+    """Base class; `str(err)` is the one-line message shown to the user."""
+
+    exit_code = EXIT_FAILURE
+
+
+class SpecError(DdplaunchError):
+    """The cluster spec cannot be read or is invalid (bad input, exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class PlanError(DdplaunchError):
+    """A valid spec that cannot be turned into a launch plan (e.g. no free port), exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class BackendError(DdplaunchError):
+    """A backend could not start or follow the run (unreachable host, missing command)."""
+
+    exit_code = EXIT_FAILURE
+
+
+class RunNotFoundError(DdplaunchError):
+    """A run id that has no run record."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class Interrupted(DdplaunchError):
+    """The user stopped the run (Ctrl-C or SIGTERM); everything started was ended."""
+
+    exit_code = EXIT_INTERRUPTED

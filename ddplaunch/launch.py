@@ -1,0 +1,165 @@
+"""`up`: spec -> plans -> backend -> report, the one sentence of ddplaunch.
+
+`plan_run` is pure apart from the master-port probe; `up` creates the run record, runs the
+health check and then the job through the same backend, stops at the first failed stage and
+turns Ctrl-C/SIGTERM into an orderly stop of every host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any, Iterator, Optional
+
+from ddplaunch.backends import get_backend
+from ddplaunch.backends.base import Backend, LineSink, StageResult
+from ddplaunch.errors import PlanError
+from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, render_plan
+from ddplaunch.report import exit_code, summarize
+from ddplaunch.runs import RunRecord, new_run_id
+from ddplaunch.spec import ClusterSpec
+
+PORT_ATTEMPTS = 20
+
+
+@dataclass
+class UpOptions:
+    """What the `up`/`check` command line adds to the spec."""
+
+    skip_healthcheck: bool = False
+    healthcheck_only: bool = False
+    job_args: Optional[list[str]] = None
+    run_id: Optional[str] = None
+
+
+@dataclass
+class RunReport:
+    """The outcome of one `up`."""
+
+    run_id: str
+    stages: list[StageResult] = field(default_factory=list)
+    healthcheck: Optional[dict[str, Any]] = None
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.stages)
+
+
+def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
+    """The stages `up` runs, in order."""
+    stages = []
+    if spec.healthcheck.enabled and not opts.skip_healthcheck:
+        stages.append("healthcheck")
+    if not opts.healthcheck_only:
+        stages.append("job")
+    if not stages:
+        raise PlanError("nothing to run: the health check is disabled (healthcheck.enabled: false "
+                        "or --skip-healthcheck) and `check` runs no job")
+    return stages
+
+
+def plan_run(spec: ClusterSpec, run_id: str, opts: UpOptions,
+             backend: Optional[Backend] = None) -> list[LaunchPlan]:
+    """Every stage's plan. Without a backend (dry run) nothing is probed: ports are derived."""
+    plans = []
+    for stage in stages_of(spec, opts):
+        port = spec.master.port or derive_port(f"{run_id}:{stage}")
+        if backend is not None:
+            port = _free_port(spec, run_id, stage, backend)
+        plans.append(make_plan(spec, run_id, stage, port, opts.job_args))
+    return plans
+
+
+def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
+    """The text `up --dry-run` prints: the plan `up` would execute, nothing run."""
+    return render_plan(plan_run(spec, opts.run_id or new_run_id(spec.name), opts))
+
+
+def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
+       stream: Optional[IO[str]] = None) -> RunReport:
+    """Launch: health check, then the job, through the spec's backend.
+
+    Returns:
+        The report; `report.exit_code` is the process exit code. Failures of hosts and ranks
+        are in the report, not raised.
+    Raises:
+        PlanError: no free master port. BackendError: the backend cannot start at all.
+    """
+    stream = stream or sys.stdout
+    backend = get_backend(spec)
+    run_id = opts.run_id or new_run_id(spec.name)
+    plans = plan_run(spec, run_id, opts, backend)
+    record = RunRecord(run_id=run_id, spec_path=spec_path, backend=spec.backend,
+                       hosts=[h.label for h in spec.hosts], spec=spec.model_dump(mode="json"),
+                       plan_text=render_plan(plans))
+    record.state = "running"
+    record.save()
+    report = RunReport(run_id=run_id)
+    with open(record.log_path, "a") as log, _stop_on_signals() as stop:
+        sink = LineSink(stream, log)
+        sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
+                  f"{spec.nproc_per_node} proc; record in {record.dir}")
+        for plan in plans:
+            sink.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
+            result = backend.run(plan, sink, stop)
+            report.stages.append(result)
+            if plan.stage == "healthcheck":
+                report.healthcheck = _healthcheck_payload(sink, record)
+            record.stages.append(result.to_dict())
+            record.save()
+            if not result.ok:
+                break
+    record.state = {0: "ok", 130: "interrupted"}.get(report.exit_code, "failed")
+    record.ended_at = time.time()
+    record.save()
+    stream.write(summarize(run_id, report.stages) + "\n")
+    stream.flush()
+    return report
+
+
+def _free_port(spec: ClusterSpec, run_id: str, stage: str, backend: Backend) -> int:
+    addr = master_addr(spec)
+    if spec.master.port:
+        if not backend.port_free(addr, spec.master.port):
+            raise PlanError(f"master.port {spec.master.port} is already in use on {addr}; free it or "
+                            "remove master.port so ddplaunch picks a free one")
+        return spec.master.port
+    for attempt in range(PORT_ATTEMPTS):
+        port = derive_port(f"{run_id}:{stage}", attempt)
+        if backend.port_free(addr, port):
+            return port
+    raise PlanError(f"no free master port on {addr} after {PORT_ATTEMPTS} tries; set master.port")
+
+
+def _healthcheck_payload(sink: LineSink, record: RunRecord) -> Optional[dict[str, Any]]:
+    raw = sink.payloads.get("HEALTHCHECK")
+    if raw is None:
+        return None
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        return None
+    (record.dir / "healthcheck.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+    return payload
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGINT/SIGTERM while the run is in progress (main thread only)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)

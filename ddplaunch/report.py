@@ -1,0 +1,53 @@
+"""Run summaries and the exit code, computed in one place.
+
+`summarize` turns stage results into the text users read after a run: the first failing host
+and rank with its last lines, then every host's outcome. `exit_code` maps results to 0/1/130.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from ddplaunch.backends.base import STATE_ORDER, StageResult
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+
+
+def exit_code(stages: list[StageResult]) -> int:
+    """0 when every stage passed, 130 when the user interrupted, else 1."""
+    if any(s.interrupted for s in stages):
+        return EXIT_INTERRUPTED
+    return EXIT_OK if stages and all(s.ok for s in stages) else EXIT_FAILURE
+
+
+def summarize(run_id: str, stages: list[StageResult], tail_lines: int = 10) -> str:
+    """The human summary of a run, worst news first."""
+    out = []
+    for stage in stages:
+        bad = [o for o in stage.outcomes if o.state != "ok"]
+        took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
+        if stage.ok:
+            out.append(f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}")
+            continue
+        verdict = "INTERRUPTED" if stage.interrupted else "FAILED"
+        out.append(f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}")
+        first = stage.first_failure
+        if first is not None:
+            out.append(f"  first failure: {first.describe()}")
+            if first.tail:
+                out.append(f"  last lines from {first.host}:")
+                out += [f"    {line}" for line in first.tail[-tail_lines:]]
+        out.append("  every node:")
+        for o in sorted(stage.outcomes, key=lambda o: (STATE_ORDER.index(o.state)
+                                                        if o.state in STATE_ORDER else 0, o.node_rank)):
+            out.append(f"    {o.describe()}")
+    code = exit_code(stages)
+    out.append(f"run {run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
+               f"(exit {code})")
+    return "\n".join(out)
+
+
+def summary_json(run_id: str, stages: list[StageResult], healthcheck: Optional[dict[str, Any]]) -> str:
+    """The machine-readable summary printed by `--json`."""
+    return json.dumps({"run_id": run_id, "exit_code": exit_code(stages), "healthcheck": healthcheck,
+                       "stages": [s.to_dict() for s in stages]}, indent=2, sort_keys=True)
