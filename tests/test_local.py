@@ -1,0 +1,133 @@
+"""End to end on one machine through the real CLI: `ddplaunch up` on localhost runs the health
+check and then the job with real torchrun; failures and Ctrl-C end cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from ddplaunch import reaper
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def env(tmp_path):
+    """ddplaunch's process env: records and host run dirs inside tmp_path."""
+    e = dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state"), HOME=str(tmp_path))
+    e.pop("DDPLAUNCH_HC_FAULT_RANK", None)
+    return e
+
+
+def ddplaunch(args, env, timeout=120, **kw):
+    return subprocess.run([sys.executable, "-m", "ddplaunch", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env, **kw)
+
+
+def spec_file(tmp_path, extra: str, nproc: int = 2) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: t\nworkdir: {ROOT}\nnproc_per_node: {nproc}\n" + textwrap.dedent(extra))
+    return path
+
+
+def test_readme_default_runs_healthcheck_then_toy_job(env, tmp_path):
+    proc = ddplaunch(["up", "cluster.yaml"], env)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "HEALTHCHECK OK world=2" in out
+    assert "busbw" in out.lower()
+    for rank in (0, 1):
+        assert f"[localhost:{rank}] rank={rank} mean_grad=4.0 updated_weight=0.6" in out
+    assert out.index("HEALTHCHECK OK") < out.index("updated_weight=0.6")
+    (run_dir,) = (tmp_path / "state" / "runs").iterdir()
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["state"] == "ok" and [s["stage"] for s in record["stages"]] == ["healthcheck", "job"]
+    hc = json.loads((run_dir / "healthcheck.json").read_text())
+    assert hc["ok"] and hc["world_size"] == 2
+    for row in hc["bandwidth"]:
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
+
+
+def test_dry_run_prints_plan_and_runs_nothing(env, tmp_path):
+    proc = ddplaunch(["up", "cluster.yaml", "--dry-run", "--run-id", "dry"], env)
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    cmds = [line for line in lines if not line.startswith("#")]
+    assert len(cmds) == 2 and all("-m torch.distributed.run --nnodes 1 --node-rank 0" in c for c in cmds)
+    assert "--master-addr 127.0.0.1" in cmds[0] and "jobs/toy_ddp.py" in cmds[1]
+    assert not (tmp_path / "state").exists() and not (tmp_path / ".ddplaunch").exists()
+
+
+def test_dry_run_line_is_what_runs(env, tmp_path):
+    """The job line printed by --dry-run, run by hand with bash, is the job ddplaunch runs."""
+    proc = ddplaunch(["up", "cluster.yaml", "--dry-run", "--run-id", "same", "--skip-healthcheck"], env)
+    (line,) = [x for x in proc.stdout.splitlines() if not x.startswith("#")]
+    by_hand = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120, env=env)
+    assert by_hand.returncode == 0
+    assert "[localhost:1] rank=1 mean_grad=4.0 updated_weight=0.6" in by_hand.stdout
+
+
+def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path):
+    path = spec_file(tmp_path, "env: {DDPLAUNCH_HC_FAULT_RANK: '1'}\nhealthcheck: {sizes: [4K]}\n")
+    proc = ddplaunch(["up", str(path)], env)
+    assert proc.returncode == 1
+    assert "HEALTHCHECK FAIL" in proc.stdout and "rank 1" in proc.stdout
+    assert "stage healthcheck: FAILED on 1 of 1 node(s)" in proc.stdout
+    assert "updated_weight" not in proc.stdout and "stage job" not in proc.stdout
+
+
+def test_job_failure_names_rank_and_exit_code(env, tmp_path):
+    path = spec_file(tmp_path, """\
+        healthcheck: {enabled: false}
+        job: {script: jobs/train.py, args: [--fail-at-step, "2", --fail-rank, "1"]}
+        env: {DDPLAUNCH_CKPT_DIR: %s}
+    """ % (tmp_path / "ckpt"))
+    proc = ddplaunch(["up", str(path)], env)
+    assert proc.returncode == 1
+    assert "first failure: localhost (node 0): failed, exit code 1; rank 1 (local rank 1) exit code 3" \
+        in proc.stdout
+
+
+def test_env_values_arrive_literally(env, tmp_path):
+    marker = tmp_path / "pwned"
+    script = tmp_path / "show_env.py"
+    script.write_text("import os\nprint('NOTE=' + os.environ['NOTE'], flush=True)\n")
+    path = spec_file(tmp_path, f"""\
+        healthcheck: {{enabled: false}}
+        env: {{NOTE: "$(touch {marker}); echo"}}
+        job: {{script: {script}}}
+    """, nproc=1)
+    proc = ddplaunch(["up", str(path)], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[localhost:0] NOTE=$(touch {marker}); echo" in proc.stdout
+    assert not marker.exists()
+
+
+def test_sigint_ends_every_process_exit_130(env, tmp_path):
+    path = spec_file(tmp_path, """\
+        healthcheck: {enabled: false}
+        job: {script: jobs/train.py, args: [--step-sleep, "1"]}
+        env: {DDPLAUNCH_CKPT_DIR: %s}
+    """ % (tmp_path / "ckpt"))
+    proc = subprocess.Popen([sys.executable, "-m", "ddplaunch", "up", str(path), "--run-id", "sigint-1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    deadline = time.time() + 90
+    seen = []
+    for line in proc.stdout:  # wait until both ranks are training
+        seen.append(line)
+        if line.startswith(("[localhost:0]", "[localhost:1]")) or time.time() > deadline:
+            break
+    assert len(reaper.run_pids("sigint-1")) >= 3, "".join(seen)  # torchrun + 2 workers
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, "".join(seen) + rest
+    assert time.time() - t0 < 15
+    assert reaper.run_pids("sigint-1") == []
+    assert "stage job: INTERRUPTED" in rest
