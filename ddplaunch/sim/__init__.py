@@ -1,0 +1,22 @@
+"""A simulated cluster of real hosts on one machine: the product's `ddplaunch sim` and the
+project's test bed. Hosts are network namespaces on a bridge, each with its own hostname,
+/etc/hosts and a real sshd; faults (rate limit, link down, sshd stopped) can be injected.
+
+    cluster = sim_up(SimConfig(n_hosts=4))      # needs root
+    cluster.run("dls2", ["hostname"])            # -> "dls2\n"
+    sim_fault(cluster.state_dir, "dls2", rate="1gbit")
+    sim_down(cluster.state_dir)
+"""
+
+from ddplaunch.sim.cluster import (DEFAULT_PREFIX, DEFAULT_SUBNET, DownResult, Fault, SimCluster,
+                                   SimConfig, SimHost, check_requirements, default_state_dir,
+                                   host_exec_argv, load_cluster, render_spec, sim_down, sim_up)
+from ddplaunch.sim.faults import sim_fault
+from ddplaunch.sim.netns import Naming
+from ddplaunch.sim.proc import SimError
+from ddplaunch.sim.status import HostStatus, sim_status
+
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "DownResult", "Fault", "HostStatus", "Naming",
+           "SimCluster", "SimConfig", "SimError", "SimHost", "check_requirements",
+           "default_state_dir", "host_exec_argv", "load_cluster", "render_spec", "sim_down",
+           "sim_fault", "sim_status", "sim_up"]

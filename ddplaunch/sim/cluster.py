@@ -1,0 +1,366 @@
+"""The simulated cluster as a whole: config, state file, up / down / status, cluster spec.
+
+`sim_up` builds hosts (netns.py) and puts one sshd on each (sshd.py); everything it starts is
+recorded in `<state_dir>/state.json`, which `sim_down`, `sim_status` and `sim_fault` read.
+`up` first removes whatever the state file or the naming says exists, so it repairs a crashed
+or half-built cluster. A Slurm layer would add its daemons after the sshd step the same way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from subprocess import CompletedProcess
+
+from ddplaunch.sim import netns, sshd
+from ddplaunch.sim.proc import SimError, require_root, require_tool, run
+
+DEFAULT_PREFIX = "dls"
+DEFAULT_SUBNET = "10.213.0.0/24"
+STATE_FILE = "state.json"
+STATE_VERSION = 1
+LOCK_TIMEOUT_S = 120.0
+
+
+def default_state_dir(prefix: str) -> Path:
+    return Path(f"/tmp/ddplaunch-sim-{prefix}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """What `sim up` builds. `state_dir` defaults to /tmp/ddplaunch-sim-<prefix>."""
+
+    n_hosts: int = 4
+    prefix: str = DEFAULT_PREFIX
+    subnet: str = DEFAULT_SUBNET
+    state_dir: Path | None = None
+    spec_out: Path | None = None       # default <state_dir>/cluster.yaml
+    workdir: Path | None = None        # default: the current directory
+    python: str | None = None          # default: sys.executable
+    nproc_per_node: int = 2
+
+    @property
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir) if self.state_dir else default_state_dir(self.prefix)
+
+
+@dataclass
+class Fault:
+    """Faults injected into one host (see faults.py); all off by default."""
+
+    rate: str | None = None
+    down: bool = False
+    sshd_stopped: bool = False
+
+    def describe(self) -> str:
+        parts = ([f"rate {self.rate}"] if self.rate else []) + (["link down"] if self.down else []) \
+            + (["sshd stopped"] if self.sshd_stopped else [])
+        return ", ".join(parts) or "-"
+
+
+@dataclass
+class SimHost:
+    index: int
+    name: str
+    addr: str
+    ns: str
+    sshd_pid: int | None = None
+    fault: Fault = field(default_factory=Fault)
+
+
+@dataclass
+class SimCluster:
+    """A running sim cluster as recorded in its state file.
+
+    `key`/`known_hosts` are the SSH client key and the known_hosts that holds exactly the
+    hosts' keys; `spec_path` is the cluster spec written by `sim up`.
+    """
+
+    prefix: str
+    subnet: str
+    state_dir: Path
+    hosts: list[SimHost]
+    bridge: str
+    ifname: str
+    key: Path
+    known_hosts: Path
+    spec_path: Path
+    hosts_file: Path
+    resolv_conf: Path
+
+    @property
+    def naming(self) -> netns.Naming:
+        return netns.Naming.parse(self.prefix, self.subnet)
+
+    @property
+    def addrs(self) -> list[str]:
+        return [h.addr for h in self.hosts]
+
+    def host(self, name_or_addr: str | SimHost) -> SimHost:
+        """The host with this name (dls2) or address; raises SimError listing the valid ones."""
+        if isinstance(name_or_addr, SimHost):
+            return name_or_addr
+        for h in self.hosts:
+            if name_or_addr in (h.name, h.addr):
+                return h
+        valid = ", ".join(f"{h.name} ({h.addr})" for h in self.hosts)
+        raise SimError(f"no sim host {name_or_addr!r} in {self.state_dir}: valid hosts are {valid}")
+
+    def host_dir(self, host: str | SimHost) -> Path:
+        return self.state_dir / "hosts" / self.host(host).name
+
+    def enter_prefix(self, host: str | SimHost) -> list[str]:
+        """argv prefix that runs whatever is appended to it inside `host`; pure."""
+        h = self.host(host)
+        return netns.enter_prefix(h.ns, h.name, self.hosts_file, self.resolv_conf)
+
+    def exec_argv(self, host: str | SimHost, argv: Sequence[str]) -> list[str]:
+        """argv that runs `argv` inside `host` (its netns, hostname, /etc/hosts); pure."""
+        h = self.host(host)
+        return netns.enter_argv(h.ns, h.name, self.hosts_file, self.resolv_conf, argv)
+
+    def run(self, host: str | SimHost, argv: Sequence[str], *, timeout: float = 15.0,
+            check: bool = True, input: str | None = None) -> CompletedProcess[str]:
+        """Run `argv` inside `host` and capture its output (SimError on failure when check)."""
+        return run(self.exec_argv(host, argv), timeout=timeout, check=check, input=input)
+
+
+def host_exec_argv(cluster: SimCluster, host: str, argv: Sequence[str]) -> list[str]:
+    """Function form of `SimCluster.exec_argv`."""
+    return cluster.exec_argv(host, argv)
+
+
+# ----------------------------------------------------------------------------- state file
+
+def save_state(cluster: SimCluster) -> None:
+    data = {"version": STATE_VERSION, **asdict(cluster)}
+    data = json.loads(json.dumps(data, default=str))
+    tmp = cluster.state_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(cluster.state_dir / STATE_FILE)
+
+
+def load_cluster(state_dir: Path | str) -> SimCluster:
+    """Read the state file of a sim cluster.
+
+    Raises:
+        SimError: there is no (readable) state file; the message says how to create one.
+    """
+    path = Path(state_dir) / STATE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SimError(f"no sim cluster at {state_dir} (no {STATE_FILE}): "
+                       "start one with `ddplaunch sim up`, or pass --prefix/--state-dir") from None
+    except (OSError, ValueError) as exc:
+        raise SimError(f"unreadable sim state {path}: {exc}; `ddplaunch sim up` rebuilds it") from exc
+    if data.pop("version", None) != STATE_VERSION:
+        raise SimError(f"sim state {path} has another format version; run `ddplaunch sim up` again")
+    paths = {k: Path(data[k]) for k in ("state_dir", "key", "known_hosts", "spec_path",
+                                        "hosts_file", "resolv_conf")}
+    hosts = [SimHost(**{**h, "fault": Fault(**h["fault"])}) for h in data["hosts"]]
+    return SimCluster(**{**data, **paths, "hosts": hosts})
+
+
+@contextmanager
+def prefix_lock(prefix: str, suffix: str = "lock", timeout: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Serialize sim operations on one prefix across processes (flock on a /tmp file)."""
+    path = Path(f"/tmp/ddplaunch-sim-{prefix}.{suffix}")
+    with open(path, "a") as fh:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise SimError(f"another process holds {path} for more than {timeout:g}s "
+                                   f"(a sim up/down of prefix {prefix!r} is running)") from None
+                time.sleep(0.1)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ----------------------------------------------------------------------------- up / down
+
+def check_requirements() -> None:
+    """Raise SimError naming the first missing requirement (root, tools, sshd)."""
+    require_root()
+    for tool in ("ip", "tc", "nsenter", "unshare"):
+        require_tool(tool, "install iproute2 and util-linux: apt-get install iproute2 util-linux")
+    sshd.require_sshd()
+
+
+def sim_up(cfg: SimConfig) -> SimCluster:
+    """Build (or rebuild) a sim cluster of `cfg.n_hosts` hosts, each running sshd.
+
+    Anything left from an earlier cluster of the same state dir or prefix is torn down first.
+    Returns the cluster, whose state file and cluster spec are written.
+
+    Raises:
+        SimError: not root, a tool is missing, the config is invalid, or a step failed
+            (everything half-built is removed again).
+    """
+    check_requirements()
+    naming = netns.Naming.parse(cfg.prefix, cfg.subnet)
+    if not 1 <= cfg.n_hosts <= naming.max_hosts:
+        raise SimError(f"--hosts must be 1..{naming.max_hosts} for subnet {naming.subnet}, "
+                       f"got {cfg.n_hosts}")
+    state_dir = cfg.resolved_state_dir.absolute()
+    with prefix_lock(cfg.prefix):
+        if (state_dir / STATE_FILE).exists():
+            _teardown(state_dir, purge=False)
+        netns.destroy_network(naming)
+        clash = netns.foreign_addr_in_subnet(naming)
+        if clash:
+            raise SimError(f"subnet {naming.subnet} is already used by {clash}: "
+                           "pick another with --subnet")
+        try:
+            cluster = _build(cfg, naming, state_dir)
+        except BaseException:
+            _teardown(state_dir, purge=False, naming=naming)
+            raise
+    return cluster
+
+
+def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    key = state_dir / "client_key"
+    sshd.ensure_keypair(key, f"ddplaunch-sim-{cfg.prefix}")
+    authorized = state_dir / "authorized_keys"
+    authorized.write_text(sshd.public_key(key) + "\n")
+    hosts = [SimHost(i, naming.host_name(i), str(naming.addr(i)), naming.ns(i))
+             for i in range(1, cfg.n_hosts + 1)]
+    hosts_file, resolv = netns.write_etc_files(state_dir / "etc", [(h.name, h.addr) for h in hosts])
+    cluster = SimCluster(prefix=cfg.prefix, subnet=str(naming.subnet), state_dir=state_dir, hosts=hosts,
+                         bridge=naming.bridge, ifname=naming.ifname, key=key,
+                         known_hosts=state_dir / "known_hosts",
+                         spec_path=Path(cfg.spec_out or state_dir / "cluster.yaml").absolute(),
+                         hosts_file=hosts_file, resolv_conf=resolv)
+    netns.create_network(naming, cfg.n_hosts)
+    save_state(cluster)  # from here on `down` finds everything, even if a later step fails
+    entries = []
+    for h in hosts:
+        host_dir = cluster.host_dir(h)
+        host_dir.mkdir(parents=True, exist_ok=True)
+        sshd.write_sshd_config(host_dir, h.addr, authorized)
+        entries.append((h.addr, sshd.public_key(host_dir / "ssh_host_ed25519_key")))
+    for h in hosts:
+        h.sshd_pid = sshd.start_sshd(cluster.host_dir(h), cluster.enter_prefix(h))
+        save_state(cluster)
+    cluster.known_hosts.write_text(sshd.known_hosts_text(entries))
+    cluster.spec_path.parent.mkdir(parents=True, exist_ok=True)
+    cluster.spec_path.write_text(render_spec(cluster, python=cfg.python or sys.executable,
+                                             workdir=Path(cfg.workdir or Path.cwd()).absolute(),
+                                             nproc_per_node=cfg.nproc_per_node))
+    return cluster
+
+
+@dataclass
+class DownResult:
+    """What `sim_down` removed."""
+
+    prefix: str | None
+    namespaces: list[str] = field(default_factory=list)
+    sshd_stopped: list[int] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+
+
+def sim_down(state_dir: Path | str | None = None, prefix: str | None = None,
+             purge: bool = False) -> DownResult:
+    """Remove a sim cluster: its sshds (by recorded PID), every process still inside its
+    namespaces, the namespaces, veths and bridge (and with them their tc qdiscs).
+
+    The cluster is found by its state file; without one, by the naming of `prefix` (the
+    default prefix when neither argument is given). Idempotent: nothing there is fine.
+    Files (keys, logs) stay in the state dir unless `purge`.
+
+    Raises:
+        SimError: not root, or a namespace/link could not be removed.
+    """
+    require_root()
+    if state_dir is None:
+        prefix = prefix or DEFAULT_PREFIX
+        state_dir = default_state_dir(prefix)
+    state_dir = Path(state_dir).absolute()
+    if (state_dir / STATE_FILE).exists():
+        prefix = load_cluster(state_dir).prefix
+    if prefix is None:
+        if purge:
+            shutil.rmtree(state_dir, ignore_errors=True)
+        return DownResult(None)
+    with prefix_lock(prefix):
+        return _teardown(state_dir, purge=purge, naming=netns.Naming.parse(prefix, DEFAULT_SUBNET))
+
+
+def _teardown(state_dir: Path, purge: bool, naming: netns.Naming | None = None) -> DownResult:
+    result = DownResult(naming.prefix if naming else None)
+    try:
+        cluster: SimCluster | None = load_cluster(state_dir)
+    except SimError:
+        cluster = None
+    if cluster is not None:
+        result.prefix = cluster.prefix
+        naming = cluster.naming
+        for h in cluster.hosts:  # sshd first, gracefully, then whatever is left in the netns
+            if sshd.stop_sshd(h.sshd_pid, cluster.host_dir(h)):
+                result.sshd_stopped.append(h.sshd_pid or 0)
+    if naming is not None:
+        result.namespaces = [ns for ns in netns.list_netns() if naming.owns_netns(ns)]
+        result.killed = netns.destroy_network(naming)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    for pid_file in state_dir.glob("hosts/*/sshd.pid"):
+        pid_file.unlink(missing_ok=True)
+    if purge:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- cluster spec
+
+def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_node: int = 2) -> str:
+    """The cluster spec (YAML) for launching on this sim over SSH (pure)."""
+    q = _yaml_scalar
+    n = len(cluster.hosts)
+    lines = [f"# written by `ddplaunch sim up` — a simulated cluster of {n} hosts",
+             f"name: {q('sim-' + cluster.prefix)}",
+             "backend: ssh",
+             "hosts:"]
+    lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
+    lines += [f"nproc_per_node: {nproc_per_node}",
+              f"python: {q(python)}",
+              f"workdir: {q(str(workdir))}",
+              "dist_backend: gloo",
+              f"socket_ifname: {q(cluster.ifname)}",
+              "rdzv_timeout: 30",
+              "ssh:",
+              "  user: root",
+              f"  key: {q(str(cluster.key))}",
+              f"  known_hosts: {q(str(cluster.known_hosts))}",
+              "  host_key_policy: strict",
+              "  connect_timeout: 5",
+              "job:",
+              "  script: jobs/toy_ddp.py",
+              ""]
+    return "\n".join(lines)
+
+
+def _yaml_scalar(value: str) -> str:
+    """A plain YAML scalar when that reads back as the same string, else a quoted one."""
+    import yaml  # local: only `sim up` needs it
+
+    if value and all(c.isalnum() or c in "/._-+" for c in value) \
+            and yaml.safe_load(value) == value:
+        return value
+    return json.dumps(value)  # a JSON string is a valid YAML double-quoted scalar

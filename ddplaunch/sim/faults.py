@@ -1,0 +1,85 @@
+"""Fault injection on sim hosts: rate limits, dead links, stopped sshd — and undoing them.
+
+The kernel here has no netem, so a "slow link" is a `tbf` rate limit on both legs of the
+host's veth (egress in the host and egress on the bridge side, i.e. both directions).
+Every fault is recorded in the state file so `sim status` and `--clear` know about it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ddplaunch.sim import sshd
+from ddplaunch.sim.cluster import Fault, SimCluster, SimHost, load_cluster, prefix_lock, save_state
+from ddplaunch.sim.netns import NETNS_DIR
+from ddplaunch.sim.proc import SimError, require_root, run
+
+RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
+TBF_OPTS = ["burst", "256kb", "latency", "50ms"]
+
+
+def sim_fault(state_dir: Path | str, host: str, *, rate: str | None = None, down: bool = False,
+              sshd_stop: bool = False, clear: bool = False) -> SimHost:
+    """Apply exactly one fault action to `host` (name or address) and record it.
+
+    Args:
+        rate: rate-limit both directions of the host's link, e.g. "1gbit", "100mbit".
+        down: set both legs of the host's link down (connections to it time out).
+        sshd_stop: stop the host's sshd listener (by its recorded PID).
+        clear: remove rate limits, bring the link up, restart sshd if it is not running.
+
+    Returns:
+        The host as now recorded.
+    Raises:
+        SimError: not exactly one action, bad rate, unknown host, or a command failed.
+    """
+    if sum([rate is not None, down, sshd_stop, clear]) != 1:
+        raise SimError("give exactly one of --rate RATE, --down, --sshd-stop, --clear")
+    if rate is not None and not RATE_RE.match(rate):
+        raise SimError(f"bad rate {rate!r}: use a tc rate such as 1gbit, 100mbit or 500kbit")
+    require_root("ddplaunch sim fault")
+    cluster = load_cluster(state_dir)
+    with prefix_lock(cluster.prefix):
+        cluster = load_cluster(state_dir)  # re-read under the lock
+        h = cluster.host(host)
+        if rate is not None:
+            _set_rate(cluster, h, rate)
+            h.fault.rate = rate
+        elif down:
+            _set_link(cluster, h, "down")
+            h.fault.down = True
+        elif sshd_stop:
+            sshd.stop_sshd(h.sshd_pid, cluster.host_dir(h))
+            h.sshd_pid, h.fault.sshd_stopped = None, True
+        else:
+            _clear(cluster, h)
+        save_state(cluster)
+    return h
+
+
+def _in_ns(h: SimHost, argv: list[str]) -> list[str]:
+    # network-only entry is enough for tc/ip, and it needs no private /etc
+    return ["nsenter", f"--net={NETNS_DIR / h.ns}", *argv]
+
+
+def _set_rate(cluster: SimCluster, h: SimHost, rate: str) -> None:
+    tbf = ["root", "tbf", "rate", rate, *TBF_OPTS]
+    run(_in_ns(h, ["tc", "qdisc", "replace", "dev", cluster.ifname, *tbf]))       # host -> bridge
+    run(["tc", "qdisc", "replace", "dev", cluster.naming.veth(h.index), *tbf])    # bridge -> host
+
+
+def _set_link(cluster: SimCluster, h: SimHost, state: str) -> None:
+    run(["ip", "link", "set", cluster.naming.veth(h.index), state])
+    run(["ip", "-n", h.ns, "link", "set", cluster.ifname, state])
+
+
+def _clear(cluster: SimCluster, h: SimHost) -> None:
+    for argv in (_in_ns(h, ["tc", "qdisc", "del", "dev", cluster.ifname, "root"]),
+                 ["tc", "qdisc", "del", "dev", cluster.naming.veth(h.index), "root"]):
+        run(argv, check=False)  # fails harmlessly when there is no root qdisc
+    _set_link(cluster, h, "up")
+    host_dir = cluster.host_dir(h)
+    if not sshd.is_our_sshd(h.sshd_pid, host_dir):
+        h.sshd_pid = sshd.start_sshd(host_dir, cluster.enter_prefix(h))
+    h.fault = Fault()
