@@ -1,0 +1,267 @@
+"""A real, small DDP training run: deterministic, checkpointed, resumable, self-checking.
+
+A plain torchrun script (needs only torch): an MLP learns a fixed synthetic function,
+rank 0 writes atomic checkpoints, a restarted run resumes bitwise-identically, and the
+run ends by proving every replica holds the same weights (exit 1 if they differ).
+"""
+
+import argparse
+import glob
+import hashlib
+import os
+import random
+import re
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+IN_DIM, HIDDEN, OUT_DIM = 16, 64, 4
+DATA_SEED = 1234  # the task itself never changes; --seed varies init and data order
+CKPT_RE = re.compile(r"ckpt_step(\d+)\.pt$")
+
+
+def say(line: str) -> None:
+    """Writes one whole flushed line; local ranks share a stdout pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=1024, help="synthetic data set size")
+    p.add_argument("--steps-per-epoch", type=int, default=None, help="cap on steps per epoch")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-name", default=os.environ.get("DDPLAUNCH_RUN_NAME", "default"))
+    p.add_argument("--ckpt-dir", default=None,
+                   help="default: $DDPLAUNCH_CKPT_DIR, else checkpoints/<run name>")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at epoch ends")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    # Test hooks.
+    p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--corrupt-rank", type=int, default=None, help="perturb this rank's weights")
+    args = p.parse_args(argv)
+    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CKPT_DIR") or \
+        os.path.join("checkpoints", args.run_name)
+    return args
+
+
+def make_data(samples: int):
+    """A learnable target: a fixed random linear map followed by tanh, same on every rank."""
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    x = torch.randn(samples, IN_DIM, generator=gen)
+    w = torch.randn(IN_DIM, OUT_DIM, generator=gen) / IN_DIM ** 0.5
+    return x, torch.tanh(2.0 * (x @ w))
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+                         nn.Tanh(), nn.Linear(HIDDEN, OUT_DIM))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def find_latest(ckpt_dir: str):
+    """Returns the newest complete checkpoint path, or None.
+
+    Only complete files ever carry the final name (they arrive by os.replace), so the
+    highest step number is the latest; the ``latest`` file is for humans and tools.
+    """
+    found = [(int(m.group(1)), path) for path in glob.glob(os.path.join(ckpt_dir, "ckpt_step*.pt"))
+             if (m := CKPT_RE.search(path))]
+    return max(found)[1] if found else None
+
+
+def replace_atomically(path: str, write) -> None:
+    """Writes via ``write(fileobj)`` to a temp file, fsyncs, then renames over ``path``."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as out:
+        write(out)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(args, state: dict) -> None:
+    """Rank 0 only: atomic checkpoint file, then the ``latest`` pointer, then pruning."""
+    os.makedirs(args.ckpt_dir, exist_ok=True)
+    name = f"ckpt_step{state['step']}.pt"
+    replace_atomically(os.path.join(args.ckpt_dir, name), lambda out: torch.save(state, out))
+    replace_atomically(os.path.join(args.ckpt_dir, "latest"), lambda out: out.write(name.encode() + b"\n"))
+    dir_fd = os.open(args.ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the renames themselves durable
+    finally:
+        os.close(dir_fd)
+    steps = sorted(int(m.group(1)) for p in os.listdir(args.ckpt_dir) if (m := CKPT_RE.search(p)))
+    for old in steps[:-args.keep] if args.keep > 0 else []:
+        os.remove(os.path.join(args.ckpt_dir, f"ckpt_step{old}.pt"))
+
+
+def load_checkpoint(args, rank: int):
+    """Rank 0 reads the newest checkpoint and broadcasts it, so hosts need no shared disk."""
+    box = [None]
+    if rank == 0:
+        path = find_latest(args.ckpt_dir)
+        if path:
+            box[0] = (path, torch.load(path, map_location="cpu", weights_only=False))
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def params_sha256(model: nn.Module) -> str:
+    """Hashes every parameter's bytes, on CPU, in the module's fixed order."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_replicas(model: nn.Module, rank: int, world: int) -> bool:
+    """Gathers every rank's parameter hash; rank 0 reports. Same verdict on all ranks."""
+    hashes = [None] * world
+    dist.all_gather_object(hashes, params_sha256(model))
+    if len(set(hashes)) == 1:
+        if rank == 0:
+            say(f"replicas identical: {hashes[0][:16]} on {world} ranks")
+            say(f"final_weights_sha256={hashes[0]}")
+        return True
+    if rank == 0:
+        groups = {}
+        for r, h in enumerate(hashes):
+            groups.setdefault(h, []).append(r)
+        detail = "; ".join(f"ranks {ranks} have {h[:16]}" for h, ranks in
+                           sorted(groups.items(), key=lambda item: -len(item[1])))
+        say(f"replicas DIFFER: {len(groups)} distinct weight hashes: {detail}")
+    return False
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")))
+    dist.init_process_group(backend, timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        say(f"train: world_size={world} backend={backend} host={socket.gethostname()} "
+            f"restart={restart} ckpt_dir={args.ckpt_dir}")
+
+    seed_everything(args.seed)  # same seed on every rank: identical initial weights
+    x_all, y_all = make_data(args.samples)
+    sampler = DistributedSampler(range(args.samples), num_replicas=world, rank=rank,
+                                 shuffle=True, seed=args.seed)
+    steps_per_epoch = len(sampler) // args.batch_size  # equal on every rank, as DDP needs
+    if args.steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, args.steps_per_epoch)
+    if steps_per_epoch < 1:
+        raise SystemExit(f"train: --samples {args.samples} gives no full batch of "
+                         f"{args.batch_size} per rank on {world} ranks; lower --batch-size")
+    total_steps = steps_per_epoch * args.epochs
+
+    model = make_model().to(device)
+    loss_fn = nn.MSELoss()
+    with torch.no_grad():
+        start_loss = loss_fn(model(x_all.to(device)), y_all.to(device)).item()
+    step = 0
+    resumed = load_checkpoint(args, rank)
+    if resumed:
+        path, ckpt = resumed
+        model.load_state_dict(ckpt["model"])
+        step, start_loss = ckpt["step"], ckpt["start_loss"]
+        if ckpt["world_size"] != world and rank == 0:
+            say(f"warning: checkpoint was written by {ckpt['world_size']} ranks, now {world}: "
+                "the data order differs from an uninterrupted run")
+        if rank == 0:
+            say(f"resumed from {path} at step {step}")
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    if resumed:
+        optimizer.load_state_dict(resumed[1]["optimizer"])
+        set_rng_state(resumed[1]["rng"])
+
+    def checkpoint() -> None:
+        if rank == 0:
+            save_checkpoint(args, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                   "step": step, "epoch": step // steps_per_epoch,
+                                   "start_loss": start_loss, "rng": rng_state(), "world_size": world,
+                                   "config": vars(args)})
+        dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to resume
+
+    while step < total_steps:
+        epoch, done_in_epoch = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        # Skipping the batches already done this epoch keeps a resumed run's batch sequence
+        # identical to an uninterrupted one.
+        for batch_no in range(done_in_epoch, steps_per_epoch):
+            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
+                say(f"rank={rank} failing on purpose at step {step} (--fail-at-step)")
+                os._exit(3)
+            idx = torch.tensor(order[batch_no * args.batch_size:(batch_no + 1) * args.batch_size])
+            xb, yb = x_all[idx].to(device), y_all[idx].to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(xb), yb)
+            loss.backward()  # DDP all_reduces (averages) gradients here
+            optimizer.step()
+            step += 1
+            if step % args.log_every == 0 or step == total_steps:
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                if rank == 0:
+                    say(f"step={step} epoch={epoch} loss={mean.item() / world:.6f}")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if (args.ckpt_every and step % args.ckpt_every == 0) or batch_no == steps_per_epoch - 1:
+                checkpoint()
+
+    with torch.no_grad():
+        final_loss = loss_fn(model(x_all.to(device)), y_all.to(device)).item()
+    if rank == 0:
+        say(f"final loss={final_loss:.4f} (start {start_loss:.4f}) steps={step}")
+    if args.corrupt_rank == rank:
+        with torch.no_grad():  # test hook: no collective, so only this replica drifts
+            next(model.parameters()).add_(1e-3)
+    identical = check_replicas(model, rank, world)
+    dist.destroy_process_group()
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
