@@ -19,11 +19,12 @@ RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
 TBF_OPTS = ["burst", "256kb", "latency", "50ms"]
 
 
-def sim_fault(state_dir: Path | str, host: str, *, rate: str | None = None, down: bool = False,
+def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = None, down: bool = False,
               sshd_stop: bool = False, clear: bool = False) -> SimHost:
     """Apply exactly one fault action to `host` (name or address) and record it.
 
     Args:
+        target: the cluster's state dir, or a loaded SimCluster (updated in place).
         rate: rate-limit both directions of the host's link, e.g. "1gbit", "100mbit".
         down: set both legs of the host's link down (connections to it time out).
         sshd_stop: stop the host's sshd listener (by its recorded PID).
@@ -39,8 +40,8 @@ def sim_fault(state_dir: Path | str, host: str, *, rate: str | None = None, down
     if rate is not None and not RATE_RE.match(rate):
         raise SimError(f"bad rate {rate!r}: use a tc rate such as 1gbit, 100mbit or 500kbit")
     require_root("ddplaunch sim fault")
-    cluster = load_cluster(state_dir)
-    with prefix_lock(cluster.prefix):
+    state_dir = target.state_dir if isinstance(target, SimCluster) else Path(target)
+    with prefix_lock(load_cluster(state_dir).prefix):
         cluster = load_cluster(state_dir)  # re-read under the lock
         h = cluster.host(host)
         if rate is not None:
@@ -55,6 +56,8 @@ def sim_fault(state_dir: Path | str, host: str, *, rate: str | None = None, down
         else:
             _clear(cluster, h)
         save_state(cluster)
+    if isinstance(target, SimCluster):
+        target.hosts = cluster.hosts
     return h
 
 

@@ -1,0 +1,35 @@
+"""Pytest fixtures for tests that need a real (simulated) cluster.
+
+Import them where needed (`from tests.simfixture import sim_cluster`) or re-export them
+from tests/conftest.py. `sim_cluster` is session-scoped: a 4-host cluster with prefix
+`dlt` on 10.213.7.0/24 (env DDPLAUNCH_TEST_PREFIX / DDPLAUNCH_TEST_SUBNET), torn down at the
+end of the session, also after failures. Tests are skipped where it cannot be built (not
+root, no sshd). A test that injects a fault must clear it (`sim_fault(..., clear=True)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from ddplaunch.sim import SimCluster
+from ddplaunch.sim.testing import missing_requirement, shared_cluster
+
+SIM_HOSTS = 4
+
+
+def sim_skip_reason() -> str | None:
+    """Reason to skip sim tests here, or None (for `pytest.mark.skipif`)."""
+    reason = missing_requirement()
+    return f"needs root, ip and sshd: {reason}" if reason else None
+
+
+@pytest.fixture(scope="session")
+def sim_cluster() -> Iterator[SimCluster]:
+    """A running 4-host sim cluster (SimCluster: .hosts, .spec_path, .key, .known_hosts, .run)."""
+    reason = sim_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with shared_cluster(SIM_HOSTS) as cluster:
+        yield cluster
