@@ -100,7 +100,7 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
     record.state = "running"
     record.save()
     report = RunReport(run_id=run_id)
-    with open(record.log_path, "a") as log, _stop_on_signals() as stop:
+    with open(record.log_path, "a") as log, _stop_on_signals() as stop, contextlib.closing(backend):
         sink = LineSink(stream, log)
         sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
                   f"{spec.nproc_per_node} proc; record in {record.dir}")

@@ -20,9 +20,9 @@ from ddplaunch.plan import LaunchPlan
 TAIL_LINES = 40
 
 # Node states, in the order a report lists them (worst first).
-FAILED, LOST, UNREACHABLE, INTERRUPTED, NOT_STARTED, OK = (
-    "failed", "lost", "unreachable", "interrupted", "not-started", "ok")
-STATE_ORDER = (FAILED, LOST, UNREACHABLE, INTERRUPTED, NOT_STARTED, OK)
+FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK = (
+    "failed", "lost", "unreachable", "interrupted", "running", "not-started", "ok")
+STATE_ORDER = (FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK)
 
 
 @dataclass
@@ -179,3 +179,6 @@ class Backend(Protocol):
 
     def down(self, run_id: str) -> list[str]:
         """End every process left of run `run_id`; returns one line per host on what was done."""
+
+    def close(self) -> None:
+        """Release connections; called once when the run is over."""

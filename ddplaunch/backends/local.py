@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from ddplaunch import reaper
-from ddplaunch.backends.base import INTERRUPTED, LineSink, NodeOutcome, StageResult, finish_outcome
+from ddplaunch.backends.base import INTERRUPTED, RUNNING, LineSink, NodeOutcome, StageResult, finish_outcome
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before everything is killed.
@@ -40,7 +40,7 @@ class LocalBackend:
         run_dir.mkdir(parents=True, exist_ok=True)
         for src, dst in plan.uploads:
             shutil.copyfile(src, run_dir / dst)
-        outcome = NodeOutcome(node_rank=0, host=node.host.label, state="running")
+        outcome = NodeOutcome(node_rank=0, host=node.host.label, state=RUNNING)
         result = StageResult(stage=plan.stage, outcomes=[outcome])
         proc = subprocess.Popen(["bash", "-c", node.shell_line()], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -61,6 +61,9 @@ class LocalBackend:
         finish_outcome(outcome, sink, proc.returncode)
         result.ended_at = outcome.ended_at
         return result
+
+    def close(self) -> None:
+        pass
 
     def down(self, run_id: str) -> list[str]:
         left = reaper.run_pids(run_id)

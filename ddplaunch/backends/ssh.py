@@ -1,0 +1,300 @@
+"""SSH backend: one torchrun per host over Fabric connections, in parallel, with fail-fast.
+
+Fabric makes and configures the connections; each node's command runs in its own channel
+with a pty, so a dropped connection (even a SIGKILLed ddplaunch) HUPs the remote torchrun.
+Host keys are verified against known_hosts (Fabric would accept any key). Stopping a node
+is explicit: SIGTERM to the recorded torchrun PID, then the run's env tag finds leftovers.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Optional, TypeVar
+
+import paramiko
+from fabric import Connection
+
+from ddplaunch.backends.base import (
+    INTERRUPTED, LOST, RUNNING, UNREACHABLE, LineSink, NodeOutcome, StageResult,
+    finish_outcome)
+from ddplaunch.errors import BackendError
+from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_run_dir, quote
+from ddplaunch.spec import ClusterSpec, HostSpec
+
+#: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
+SHUTDOWN_GRACE = 10.0
+REAPER_SOURCE = Path(__file__).resolve().parents[1] / "reaper.py"
+T = TypeVar("T")
+
+
+class SshBackend:
+    """Runs a plan on every host of an `ssh` spec."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self._conns: dict[str, Connection] = {}
+        self._synced: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ connections
+
+    def connect(self, host: HostSpec) -> Connection:
+        """An open, host-key-verified connection to `host` (cached).
+
+        Raises:
+            BackendError: unreachable, refused, auth failed or host key not trusted — the
+                message names the host and the fix.
+        """
+        with self._lock:
+            conn = self._conns.get(host.label)
+        if conn is not None and conn.is_connected:
+            return conn
+        ssh = self.spec.ssh
+        kwargs = {"timeout": ssh.connect_timeout, "banner_timeout": ssh.connect_timeout,
+                  "auth_timeout": ssh.connect_timeout}
+        if ssh.key:
+            kwargs.update(key_filename=[str(self.spec.resolve(ssh.key))], look_for_keys=False,
+                          allow_agent=False)
+        conn = Connection(host.addr, user=host.user or ssh.user, port=host.port or ssh.port,
+                          connect_kwargs=kwargs)
+        known = Path(self.spec.resolve(ssh.known_hosts) if ssh.known_hosts else "~/.ssh/known_hosts").expanduser()
+        # Fabric installs AutoAddPolicy: replace it so unknown keys are refused (strict) or
+        # recorded (accept-new); a changed key is always refused by paramiko.
+        if known.exists():
+            conn.client.load_host_keys(str(known))
+        elif ssh.host_key_policy == "accept-new":
+            known.parent.mkdir(parents=True, exist_ok=True)
+            known.touch(mode=0o600)
+            conn.client.load_host_keys(str(known))
+        conn.client.set_missing_host_key_policy(
+            paramiko.RejectPolicy() if ssh.host_key_policy == "strict" else paramiko.AutoAddPolicy())
+        try:
+            conn.open()
+        except paramiko.BadHostKeyException as err:
+            raise BackendError(
+                f"{host.label} ({host.addr}): host key MISMATCH — {known} has a different key "
+                f"({err.expected_key.get_name()}) than the host presented; refusing to connect. If the "
+                f"host was reinstalled, remove its old key: ssh-keygen -R {host.addr} -f {known}") from None
+        except paramiko.SSHException as err:
+            if "not found in known_hosts" in str(err):
+                raise BackendError(
+                    f"{host.label} ({host.addr}): host key unknown — not in {known}; add it after "
+                    f"checking it (ssh-keyscan {host.addr} >> {known}) or set ssh.host_key_policy: "
+                    "accept-new") from None
+            raise BackendError(f"{host.label} ({host.addr}): SSH failed: {err}") from None
+        except (socket.timeout, TimeoutError):
+            raise BackendError(f"{host.label} ({host.addr}:{conn.port}): no answer within "
+                               f"ssh.connect_timeout={ssh.connect_timeout}s (host down or unreachable)") from None
+        except OSError as err:
+            raise BackendError(f"{host.label} ({host.addr}:{conn.port}): cannot connect: "
+                               f"{err.strerror or err} (is sshd running?)") from None
+        conn.transport.set_keepalive(5)
+        with self._lock:
+            self._conns[host.label] = conn
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+
+    def _each(self, fn: Callable[[HostSpec], T]) -> list[tuple[HostSpec, Optional[T], Optional[BackendError]]]:
+        """Call fn on every host in parallel; one (host, value, error) per host."""
+        def one(host: HostSpec) -> tuple[HostSpec, Optional[T], Optional[BackendError]]:
+            try:
+                return host, fn(host), None
+            except BackendError as err:
+                return host, None, err
+        with ThreadPoolExecutor(max_workers=min(64, len(self.spec.hosts))) as pool:
+            return list(pool.map(one, self.spec.hosts))
+
+    def _exec(self, host: HostSpec, command: str, timeout: float = 30) -> tuple[int, str]:
+        """Run a short command (no pty); (exit status, stdout+stderr)."""
+        result = self.connect(host).run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
+        return result.exited, result.stdout + result.stderr
+
+    # ------------------------------------------------------------------ the contract
+
+    def port_free(self, addr: str, port: int) -> bool:
+        host = next((h for h in self.spec.hosts if h.addr == addr), self.spec.hosts[0])
+        probe = f"import socket; socket.socket().bind(('', {port}))"
+        try:
+            code, _ = self._exec(host, f"{quote(self._python())} -c {quote(probe)}")
+        except BackendError:
+            return True  # unreachable: `run` reports every host's connection problem
+        return code == 0
+
+    def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
+        outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host.label) for n in plan.nodes]
+        result = StageResult(stage=plan.stage, outcomes=outcomes)
+        ready = self._each(lambda h: self._prepare(h, plan))
+        for (host, _, err), outcome in zip(ready, outcomes):
+            if err is not None:
+                outcome.state, outcome.detail, outcome.ended_at = UNREACHABLE, str(err), time.time()
+                sink.note(f"{host.label}: {err}")
+        if any(o.state == UNREACHABLE for o in outcomes):
+            sink.note("not starting: every host must be reachable")
+            result.ended_at = time.time()
+            return result
+        channels = [self._start(node) for node in plan.nodes]
+        for outcome in outcomes:
+            outcome.state = RUNNING
+        readers = [threading.Thread(target=_pump, args=(ch, sink, n.node_rank, n.host.label), daemon=True)
+                   for ch, n in zip(channels, plan.nodes)]
+        for r in readers:
+            r.start()
+        done: dict[int, Optional[int]] = {}
+        stopping = False
+        while len(done) < len(channels):
+            for node, ch in zip(plan.nodes, channels):
+                if node.node_rank not in done and (ch.exit_status_ready() or ch.closed
+                                                   or not ch.get_transport().is_active()):
+                    done[node.node_rank] = _exit_status(ch)
+                    outcome = outcomes[node.node_rank]
+                    if done[node.node_rank] is None and not stopping:
+                        outcome.state, outcome.detail = LOST, "SSH connection lost"
+                    if done[node.node_rank] != 0 and not stopping:
+                        stopping = True
+                        cause = f"{node.host.label} (node {node.node_rank}) " + (
+                            "lost its connection" if done[node.node_rank] is None
+                            else f"exited with {done[node.node_rank]}")
+                        sink.note(f"{cause}: stopping every other host")
+            if not stopping and stop.is_set():
+                stopping = result.interrupted = True
+                cause = "interrupted by the user"
+                sink.note("interrupted: stopping every host")
+            if stopping:
+                for node in plan.nodes:
+                    if node.node_rank not in done and outcomes[node.node_rank].state == RUNNING:
+                        outcomes[node.node_rank].state = INTERRUPTED
+                        outcomes[node.node_rank].detail = f"stopped by ddplaunch: {cause}"
+                self._stop_all([n for n in plan.nodes if n.node_rank not in done])
+                stopping_deadline = time.time() + SHUTDOWN_GRACE + 5
+                while len(done) < len(channels) and time.time() < stopping_deadline:
+                    for node, ch in zip(plan.nodes, channels):
+                        if node.node_rank not in done and (ch.exit_status_ready() or ch.closed):
+                            done[node.node_rank] = _exit_status(ch)
+                    time.sleep(0.1)
+                break
+            time.sleep(0.1)
+        for r in readers:
+            r.join(timeout=5)
+        for node, ch in zip(plan.nodes, channels):
+            ch.close()
+            finish_outcome(outcomes[node.node_rank], sink, done.get(node.node_rank))
+        self._each(lambda h: self._reap(h, plan.run_id))
+        result.ended_at = time.time()
+        return result
+
+    def down(self, run_id: str) -> list[str]:
+        lines = []
+        for host, left, err in self._each(lambda h: self._kill(h, run_id)):
+            lines.append(f"{host.label}: {err}" if err else f"{host.label}: {left}")
+        self.close()
+        return lines
+
+    # ------------------------------------------------------------------ steps
+
+    def _python(self) -> str:
+        import sys
+
+        return self.spec.python or sys.executable
+
+    def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
+        """Connect, create the run dir, upload the plan's files and the spec's `sync` paths."""
+        conn = self.connect(host)
+        code, out = self._exec(host, f"mkdir -p {host_run_dir(plan.run_id)} && cd {quote(plan.nodes[0].workdir)}")
+        if code != 0:
+            raise BackendError(f"{host.label}: cannot prepare the run directory or enter workdir "
+                               f"{plan.nodes[0].workdir}: {out.strip()}")
+        try:
+            sftp = conn.sftp()
+            for src, dst in plan.uploads:
+                remote = f"{HOST_RUN_ROOT}/{plan.run_id}/{dst}"
+                tmp = f"{remote}.{host.label}.tmp"
+                sftp.put(src, tmp)
+                sftp.posix_rename(tmp, remote)
+            if self.spec.sync and host.label not in self._synced:
+                _sync(sftp, self.spec, plan.nodes[0].workdir)
+                self._synced.add(host.label)
+        except (OSError, paramiko.SSHException) as err:
+            raise BackendError(f"{host.label}: upload failed: {err}") from None
+
+    def _start(self, node: NodeCommand) -> paramiko.Channel:
+        channel = self.connect(node.host).transport.open_session()
+        channel.get_pty(width=500)
+        channel.exec_command("bash -c " + shlex.quote(node.shell_line()))
+        return channel
+
+    def _stop_all(self, nodes: list[NodeCommand]) -> None:
+        """SIGTERM every still-running node's torchrun (it stops its workers)."""
+        def term(node: NodeCommand) -> None:
+            try:
+                self._exec(node.host, f"kill -TERM $(cat {node.pid_file}) 2>/dev/null", timeout=10)
+            except Exception:  # noqa: BLE001 - a dead host: its channel ends on its own
+                pass
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool:
+            list(pool.map(term, nodes))
+
+    def _reaper_command(self, run_id: str, kill: bool) -> str:
+        args = [run_id, "--kill"] if kill else [run_id]
+        return (f"{quote(self._python())} -c {quote(REAPER_SOURCE.read_text())} "
+                + " ".join(quote(a) for a in args))
+
+    def _reap(self, host: HostSpec, run_id: str) -> str:
+        code, out = self._exec(host, self._reaper_command(run_id, kill=True), timeout=30)
+        return out.strip()
+
+    def _kill(self, host: HostSpec, run_id: str) -> str:
+        run_dir = host_run_dir(run_id)
+        self._exec(host, f"for f in {run_dir}/node*.pid; do [ -f \"$f\" ] && "
+                         f"kill -TERM $(cat \"$f\") 2>/dev/null; done; true", timeout=10)
+        before = self._exec(host, self._reaper_command(run_id, kill=False))[1].strip()
+        left = self._reap(host, run_id)
+        return ("nothing left" if before == "none" else f"ended pids {before}") + \
+            ("" if left == "none" else f"; STILL ALIVE: {left}")
+
+
+def _exit_status(ch: paramiko.Channel) -> Optional[int]:
+    """The remote exit status, or None when the connection died without one."""
+    if ch.exit_status_ready():
+        status = ch.recv_exit_status()
+        return None if status == -1 else status
+    return None
+
+
+def _pump(ch: paramiko.Channel, sink: LineSink, node_rank: int, host: str) -> None:
+    with ch.makefile("rb") as stream:
+        try:
+            for raw in stream:
+                sink.emit(node_rank, host, raw.decode("utf-8", "replace"))
+        except (OSError, EOFError, paramiko.SSHException):
+            return
+
+
+def _sync(sftp: paramiko.SFTPClient, spec: ClusterSpec, workdir: str) -> None:
+    """Copy each `sync:` path (relative to the spec's directory) into the host's workdir."""
+    for entry in spec.sync:
+        src = spec.resolve(entry)
+        files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+        for path in files:
+            rel = Path(entry).name if src.is_file() else Path(Path(entry).name) / path.relative_to(src)
+            remote = Path(workdir) / rel
+            _mkdirs(sftp, str(remote.parent))
+            sftp.put(str(path), str(remote))
+
+
+def _mkdirs(sftp: paramiko.SFTPClient, path: str) -> None:
+    parts = Path(path).parts
+    for i in range(1, len(parts) + 1):
+        p = str(Path(*parts[:i]))
+        try:
+            sftp.stat(p)
+        except OSError:
+            sftp.mkdir(p)

@@ -1,0 +1,80 @@
+"""Helpers for integration tests on the sim cluster: specs, running ddplaunch, finding a run's
+processes by its environment tag (all sim hosts share this machine's PID namespace)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sim_spec(cluster, tmp_path: Path, n_hosts: int = 3, **overrides: Any) -> Path:
+    """The sim's cluster spec with the first n_hosts and top-level keys replaced."""
+    data = yaml.safe_load(cluster.spec_path.read_text())
+    data["hosts"] = data["hosts"][:n_hosts]
+    data.update(overrides)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def launcher_env(tmp_path: Path) -> dict[str, str]:
+    return dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state"), PYTHONUNBUFFERED="1")
+
+
+def ddplaunch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddplaunch", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=launcher_env(tmp_path))
+
+
+def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ddplaunch", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=launcher_env(tmp_path))
+
+
+def run_processes(run_id: str) -> dict[int, dict[str, str]]:
+    """pid -> environment of every live process tagged with this run id."""
+    tag = f"DDPLAUNCH_RUN_ID={run_id}".encode()
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/environ").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if tag in raw.split(b"\0") and state != "Z":
+            found[int(name)] = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+    return found
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
+    """Poll until predicate() is truthy; returns its value, or raises after timeout seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"condition not met within {timeout}s")
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:
+    """Lines of proc's stdout up to and including the first one containing needle."""
+    lines: list[str] = []
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if needle in line:
+            return lines
+        if time.time() > deadline:
+            break
+    raise AssertionError(f"{needle!r} not seen within {timeout}s:\n" + "".join(lines[-40:]))

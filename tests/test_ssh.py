@@ -1,0 +1,199 @@
+"""The SSH backend on real hosts: network namespaces with their own sshd (`ddplaunch sim`),
+real Fabric connections, real torchrun with Gloo across hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ddplaunch.sim.faults import sim_fault
+from tests.ssh_util import (ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec,
+                            wait_for)
+
+TOY = {"healthcheck": {"enabled": False}, "job": {"script": "jobs/toy_ddp.py"}}
+
+
+def train_job(tmp_path, *args):
+    return {"healthcheck": {"enabled": False},
+            "env": {"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")},
+            "job": {"script": "jobs/train.py", "args": list(args)}}
+
+
+def test_healthcheck_and_toy_job_on_three_hosts(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, healthcheck={"sizes": ["4K", "1M"], "iterations": 3},
+                    job={"script": "jobs/toy_ddp.py"})
+    proc = ddplaunch(["up", str(spec), "--run-id", "ssh-toy"], tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr
+    assert "HEALTHCHECK OK world=6 backend=gloo" in out
+    # global ranks 0-5, two per host in node order, each computed the same update
+    for rank in range(6):
+        host = f"{sim_cluster.prefix}{rank // 2 + 1}"
+        assert re.search(rf"^\[{host}:{rank}\] rank={rank} host={host} ", out, re.M), out[-3000:]
+        assert f"[{host}:{rank}] rank={rank} mean_grad=4.0 updated_weight=0.6" in out
+    hc = json.loads((tmp_path / "state/runs/ssh-toy/healthcheck.json").read_text())
+    assert sorted(r["host"] for r in hc["ranks"]) == sorted(h.name for h in sim_cluster.hosts[:3] for _ in "ab")
+    assert {r["ip"] for r in hc["ranks"]} == set(sim_cluster.addrs[:3])
+    assert run_processes("ssh-toy") == {}
+
+
+def test_train_replicas_identical_across_hosts(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "2"))
+    proc = ddplaunch(["up", str(spec), "--run-id", "ssh-train"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert re.search(r"replicas identical: \w+ on 6 ranks", proc.stdout)
+
+
+def test_dry_run_lines_are_what_runs(sim_cluster, tmp_path):
+    """The per-host lines of --dry-run, run by hand with plain ssh, make a working 3-host job."""
+    spec = sim_spec(sim_cluster, tmp_path, **TOY)
+    dry = ddplaunch(["up", str(spec), "--dry-run", "--run-id", "ssh-dry"], tmp_path)
+    assert dry.returncode == 0
+    lines = [x for x in dry.stdout.splitlines() if not x.startswith("#")]
+    assert len(lines) == 3 and "--node-rank 2" in lines[2]
+    ssh = ["ssh", "-i", str(sim_cluster.key), "-o", f"UserKnownHostsFile={sim_cluster.known_hosts}",
+           "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"]
+    def by_hand(i):
+        cmd = ssh + [f"root@{sim_cluster.hosts[i].addr}", "bash -c " + shlex.quote(lines[i])]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(by_hand, range(3)))
+    assert f"[{sim_cluster.hosts[2].name}:5] rank=5 mean_grad=4.0 updated_weight=0.6" in outs[2]
+    assert f"[{sim_cluster.hosts[0].name}:0] rank=0 mean_grad=4.0 updated_weight=0.6" in outs[0]
+
+
+def test_killed_rank_ends_whole_run_and_is_named(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-kill"], tmp_path)
+    host2 = sim_cluster.hosts[1].name
+    read_until(proc, f"[{host2}:3]", timeout=120)
+    victim = wait_for(lambda: [p for p, e in run_processes("ssh-kill").items()
+                               if e.get("DDPLAUNCH_HOST") == host2 and e.get("RANK") == "3"], 30)[0]
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    rest, _ = proc.communicate(timeout=60)
+    ended = time.time() - t0
+    assert proc.returncode == 1, rest[-3000:]
+    assert ended < 15, f"run took {ended:.1f}s to end after the kill"
+    assert re.search(rf"first failure: {host2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
+                     r"killed by SIGKILL", rest), rest[-3000:]
+    assert "stopped by ddplaunch" in rest
+    assert run_processes("ssh-kill") == {}
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
+    run_id = f"ssh-{how.lower()}"
+    spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    read_until(proc, f"[{sim_cluster.hosts[2].name}:5]", timeout=120)
+    assert len(run_processes(run_id)) == 9  # 3 torchrun + 6 workers
+    t0 = time.time()
+    proc.send_signal(getattr(signal, how))
+    out, _ = proc.communicate(timeout=60)
+    if how == "SIGINT":
+        assert proc.returncode == 130, out[-3000:]
+        assert "stage job: INTERRUPTED" in out
+    else:
+        assert proc.returncode == -9
+    # SIGKILL: no cleanup by ddplaunch at all — the pty hang-up ends torchrun and its workers
+    wait_for(lambda: run_processes(run_id) == {}, timeout=15)
+    assert time.time() - t0 < 15
+    down = ddplaunch(["down", run_id], tmp_path)
+    assert down.returncode == 0 and down.stdout.count("nothing left") == 3, down.stdout
+
+
+def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
+    """A run whose launcher vanished (SIGKILL) and whose hosts did not hang up: `down` ends it."""
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-down"], tmp_path)
+    read_until(proc, f"[{sim_cluster.hosts[1].name}:3]", timeout=120)
+    proc.send_signal(signal.SIGSTOP)  # launcher frozen: connections stay open, nothing hangs up
+    try:
+        assert len(run_processes("ssh-down")) == 6
+        down = ddplaunch(["down", "ssh-down"], tmp_path, timeout=60)
+        assert down.returncode == 0
+        assert all("ended pids" in line for line in down.stdout.splitlines()), down.stdout
+        assert run_processes("ssh-down") == {}
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_sshd_down_named_and_nothing_started(sim_cluster, tmp_path):
+    bad = sim_cluster.hosts[1]
+    spec = sim_spec(sim_cluster, tmp_path, **TOY)
+    sim_fault(sim_cluster, bad.name, sshd_stop=True)
+    try:
+        t0 = time.time()
+        proc = ddplaunch(["up", str(spec), "--run-id", "ssh-nosshd"], tmp_path)
+        took = time.time() - t0
+    finally:
+        sim_fault(sim_cluster, bad.name, clear=True)
+    assert proc.returncode == 1
+    assert f"{bad.name} ({bad.addr}:22): cannot connect" in proc.stdout
+    assert f"first failure: {bad.name} (node 1): unreachable" in proc.stdout
+    assert "not starting" in proc.stdout and "updated_weight" not in proc.stdout
+    assert took < 30
+    assert run_processes("ssh-nosshd") == {}
+
+
+def test_link_down_unreachable_within_connect_timeout(sim_cluster, tmp_path):
+    bad = sim_cluster.hosts[2]
+    spec = sim_spec(sim_cluster, tmp_path, **TOY)
+    sim_fault(sim_cluster, bad.name, down=True)
+    try:
+        t0 = time.time()
+        proc = ddplaunch(["up", str(spec), "--run-id", "ssh-linkdown"], tmp_path)
+        took = time.time() - t0
+    finally:
+        sim_fault(sim_cluster, bad.name, clear=True)
+    assert proc.returncode == 1
+    assert f"{bad.name} ({bad.addr}:22): no answer within ssh.connect_timeout=5" in proc.stdout
+    assert took < 5 * 2 + 10
+
+
+def test_host_key_mismatch_refused_and_named(sim_cluster, tmp_path):
+    # known_hosts where host 2's entry carries host 1's key
+    lines = sim_cluster.known_hosts.read_text().splitlines()
+    keys = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.strip()}
+    h1, h2 = sim_cluster.hosts[0], sim_cluster.hosts[1]
+    keys[h2.addr] = keys[h1.addr]
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(f"{a} {k}\n" for a, k in keys.items()))
+    spec = sim_spec(sim_cluster, tmp_path, ssh={**_ssh(sim_cluster), "known_hosts": str(known)}, **TOY)
+    proc = ddplaunch(["up", str(spec)], tmp_path)
+    assert proc.returncode == 1
+    assert f"{h2.name} ({h2.addr}): host key MISMATCH" in proc.stdout
+    assert "updated_weight" not in proc.stdout
+    # strict: a host missing from known_hosts is refused too, and named
+    known.write_text("".join(f"{a} {k}\n" for a, k in keys.items() if a != h1.addr))
+    proc = ddplaunch(["up", str(spec)], tmp_path)
+    assert f"{h1.name} ({h1.addr}): host key unknown" in proc.stdout and proc.returncode == 1
+
+
+def test_env_value_arrives_literally(sim_cluster, tmp_path):
+    marker = tmp_path / "pwned"
+    script = tmp_path / "show_env.py"
+    script.write_text("import os\nprint('NOTE=' + os.environ['NOTE'], flush=True)\n")
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, nproc_per_node=1, healthcheck={"enabled": False},
+                    env={"NOTE": f"$(touch {marker}); echo"}, job={"script": str(script)})
+    proc = ddplaunch(["up", str(spec)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    for i, h in enumerate(sim_cluster.hosts[:2]):
+        assert f"[{h.name}:{i}] NOTE=$(touch {marker}); echo" in proc.stdout
+    assert not marker.exists()
+
+
+def _ssh(cluster):
+    import yaml
+
+    return yaml.safe_load(cluster.spec_path.read_text())["ssh"]
