@@ -80,7 +80,8 @@ def local_facts(backend: str, device: torch.device) -> dict:
     ip = "?"
     try:  # a "connected" UDP socket picks the route to the master; no packet is sent
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1"))))
+            master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1")))
+            sock.connect(master)
             ip = sock.getsockname()[0]
     except OSError:
         pass
@@ -91,7 +92,14 @@ def local_facts(backend: str, device: torch.device) -> dict:
 
 
 def barrier(backend: str, timeout: timedelta) -> None:
-    """Monitored barrier on gloo (names missing ranks); plain barrier on nccl."""
+    """Monitored barrier on gloo (names missing ranks); plain barrier on nccl.
+
+    On nccl a missing rank is caught by the NCCL watchdog at the process-group timeout,
+    which aborts the process (non-zero exit) instead of hanging.
+
+    Raises:
+        CheckFailed: the barrier failed; ``culprits`` lists the ranks rank 0 waited for.
+    """
     try:
         if backend == "gloo":
             dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
@@ -132,7 +140,7 @@ def check_collectives(device: torch.device) -> list:
     return failures
 
 
-def measure_bandwidth(sizes: list, iters: int, device: torch.device, backend: str) -> list:
+def measure_bandwidth(sizes: list, iters: int, device: torch.device) -> list:
     """Times all_reduce per size; the slowest rank's time counts, like nccl-tests."""
     world = dist.get_world_size()
     rows = []
@@ -174,6 +182,7 @@ def render_table(result: dict) -> str:
 
 
 def describe(failure: dict) -> str:
+    """Formats one failure as ``rank R (host H): message`` (no prefix when no rank is to blame)."""
     where = "" if failure["rank"] is None else f"rank {failure['rank']} (host {failure['host']}): "
     return where + failure["message"]
 
@@ -227,7 +236,7 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
     if result["failures"]:  # every rank saw the same gathered list, so all skip together
         return
     try:
-        result["bandwidth"] = measure_bandwidth(args.sizes, args.iters, device, backend)
+        result["bandwidth"] = measure_bandwidth(args.sizes, args.iters, device)
     except Exception as exc:
         raise CheckFailed("bandwidth", f"bandwidth sweep raised: {exc}") from exc
     largest = max(result["bandwidth"], key=lambda row: row["bytes"])

@@ -104,16 +104,14 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
         sink = LineSink(stream, log)
         sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
                   f"{spec.nproc_per_node} proc; record in {record.dir}")
-        for plan in plans:
-            sink.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
-            result = backend.run(plan, sink, stop)
-            report.stages.append(result)
+
+        def on_stage(plan: LaunchPlan, result: StageResult, sink: LineSink) -> None:
             if plan.stage == "healthcheck":
                 report.healthcheck = _healthcheck_payload(sink, record)
             record.stages.append(result.to_dict())
             record.save()
-            if not result.ok:
-                break
+
+        report.stages = backend.run_all(plans, sink, stop, on_stage)
     record.state = {0: "ok", 130: "interrupted"}.get(report.exit_code, "failed")
     record.ended_at = time.time()
     record.save()

@@ -16,15 +16,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))  # simfixture sits beside us, whatever the import mode
-from simfixture import sim_cluster, sim_skip_reason  # noqa: E402,F401
-
-from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, load_cluster,  # noqa: E402
+from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, load_cluster,
                            render_spec, sim_down, sim_fault, sim_status, sim_up)
-from ddplaunch.sim import cli as sim_cli  # noqa: E402
-from ddplaunch.sim.proc import pid_alive  # noqa: E402
-from ddplaunch.sim.sshd import sshd_config_text  # noqa: E402
-from ddplaunch.sim.testing import ssh_client, ssh_run, wait_listening  # noqa: E402
+from ddplaunch.sim import cli as sim_cli
+from ddplaunch.sim.cluster import prefix_lock
+from ddplaunch.sim.proc import pid_alive
+from ddplaunch.sim.sshd import sshd_config_text
+from ddplaunch.sim.testing import ssh_client, ssh_run, wait_listening
+from tests.simfixture import sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
 
 LIFECYCLE_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX2", "dlx")
 LIFECYCLE_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET2", "10.213.8.0/24")
@@ -231,6 +230,11 @@ def _our_netns(prefix):
 def test_lifecycle_up_is_idempotent_and_down_removes_everything(tmp_path):
     cfg = SimConfig(n_hosts=2, prefix=LIFECYCLE_PREFIX, subnet=LIFECYCLE_SUBNET, state_dir=tmp_path / "st")
     bridge = Naming.parse(LIFECYCLE_PREFIX, LIFECYCLE_SUBNET).bridge
+    with prefix_lock(LIFECYCLE_PREFIX, "session.lock", timeout=300):  # one such test per machine at a time
+        _lifecycle(cfg, bridge)
+
+
+def _lifecycle(cfg, bridge):
     try:
         first = sim_up(cfg)
         second = sim_up(cfg)  # up on a running cluster replaces it

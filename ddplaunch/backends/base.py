@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import IO, Optional, Protocol
+from typing import IO, Callable, Optional, Protocol
 
 from ddplaunch.plan import LaunchPlan
 
@@ -168,8 +168,29 @@ def finish_outcome(outcome: NodeOutcome, sink: LineSink, exit_code: Optional[int
     return outcome
 
 
+StageCallback = Callable[[LaunchPlan, StageResult, LineSink], None]
+
+
+def run_in_order(backend: "Backend", plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
+                 on_stage: StageCallback) -> list[StageResult]:
+    """`run_all` of backends that launch stage by stage: stop after the first failed stage."""
+    results = []
+    for plan in plans:
+        sink.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
+        result = backend.run(plan, sink, stop)
+        results.append(result)
+        on_stage(plan, result, sink)
+        if not result.ok:
+            break
+    return results
+
+
 class Backend(Protocol):
     """What `up` needs from a backend: the one place that executes."""
+
+    def run_all(self, plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
+                on_stage: StageCallback) -> list[StageResult]:
+        """Run the stages in order (health check, job); `on_stage` after each one ends."""
 
     def port_free(self, addr: str, port: int) -> bool:
         """Whether `port` can be bound on the master host."""

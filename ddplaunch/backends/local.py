@@ -16,7 +16,9 @@ import threading
 from pathlib import Path
 
 from ddplaunch import reaper
-from ddplaunch.backends.base import INTERRUPTED, RUNNING, LineSink, NodeOutcome, StageResult, finish_outcome
+from ddplaunch.backends.base import (
+    INTERRUPTED, RUNNING, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
+    run_in_order)
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before everything is killed.
@@ -33,6 +35,10 @@ class LocalBackend:
             except OSError:
                 return False
         return True
+
+    def run_all(self, plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
+                on_stage: StageCallback) -> list[StageResult]:
+        return run_in_order(self, plans, sink, stop, on_stage)
 
     def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
         (node,) = plan.nodes

@@ -20,8 +20,8 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.base import (
-    INTERRUPTED, LOST, RUNNING, UNREACHABLE, LineSink, NodeOutcome, StageResult,
-    finish_outcome)
+    INTERRUPTED, LOST, RUNNING, UNREACHABLE, LineSink, NodeOutcome, StageCallback, StageResult,
+    finish_outcome, run_in_order)
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_run_dir, quote
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -129,6 +129,10 @@ class SshBackend:
         except BackendError:
             return True  # unreachable: `run` reports every host's connection problem
         return code == 0
+
+    def run_all(self, plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
+                on_stage: StageCallback) -> list[StageResult]:
+        return run_in_order(self, plans, sink, stop, on_stage)
 
     def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
         outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host.label) for n in plan.nodes]

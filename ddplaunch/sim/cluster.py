@@ -176,11 +176,16 @@ def prefix_lock(prefix: str, suffix: str = "lock", timeout: float = LOCK_TIMEOUT
     path = Path(f"/tmp/ddplaunch-sim-{prefix}.{suffix}")
     with open(path, "a") as fh:
         deadline = time.monotonic() + timeout
+        told = False
         while True:
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not told:
+                    print(f"ddplaunch sim: waiting for {path} (another process uses prefix {prefix!r})",
+                          file=sys.stderr, flush=True)
+                    told = True
                 if time.monotonic() > deadline:
                     raise SimError(f"another process holds {path} for more than {timeout:g}s "
                                    f"(a sim up/down of prefix {prefix!r} is running)") from None
