@@ -105,6 +105,8 @@ class SshSpec(_Strict):
 class SlurmSpec(_Strict):
     """The allocation asked for by `backend: slurm`."""
 
+    conf: Optional[str] = None
+    output_dir: str = "slurm-logs"
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
