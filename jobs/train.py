@@ -168,6 +168,24 @@ def check_replicas(model: nn.Module, rank: int, world: int) -> bool:
     return False
 
 
+def init_distributed(backend: str, timeout: timedelta) -> None:
+    """init_process_group from the torchrun env, safe across torchrun restarts.
+
+    torchrun keeps one agent TCPStore for the whole job, and keys are not namespaced
+    per restart: a restarted worker can read its dead predecessor's entries and fail
+    ("Connection refused" from gloo) or hang. A per-restart key prefix avoids that.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ddplaunch/restart{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -176,7 +194,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")))
-    dist.init_process_group(backend, timeout=timeout)
+    init_distributed(backend, timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
