@@ -1,6 +1,7 @@
 """A simulated cluster of real hosts on one machine: the product's `ddplaunch sim` and the
 project's test bed. Hosts are network namespaces on a bridge, each with its own hostname,
 /etc/hosts and a real sshd; faults (rate limit, link down, sshd stopped) can be injected.
+With `SimConfig(slurm=True)` the hosts also form a real Slurm cluster (see slurm.py).
 
     cluster = sim_up(SimConfig(n_hosts=4))      # needs root
     cluster.run("dls2", ["hostname"])            # -> "dls2\n"
@@ -14,9 +15,11 @@ from ddplaunch.sim.cluster import (DEFAULT_PREFIX, DEFAULT_SUBNET, DownResult, F
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.netns import Naming
 from ddplaunch.sim.proc import SimError
-from ddplaunch.sim.status import HostStatus, sim_status
+from ddplaunch.sim.slurm import SlurmState, render_slurm_spec
+from ddplaunch.sim.status import DaemonStatus, HostStatus, sim_status, slurm_status
 
-__all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "DownResult", "Fault", "HostStatus", "Naming",
-           "SimCluster", "SimConfig", "SimError", "SimHost", "check_requirements",
-           "default_state_dir", "host_exec_argv", "load_cluster", "render_spec", "sim_down",
-           "sim_fault", "sim_status", "sim_up"]
+__all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "DaemonStatus", "DownResult", "Fault", "HostStatus",
+           "Naming", "SimCluster", "SimConfig", "SimError", "SimHost", "SlurmState",
+           "check_requirements", "default_state_dir", "host_exec_argv", "load_cluster",
+           "render_slurm_spec", "render_spec", "sim_down", "sim_fault", "sim_status",
+           "slurm_status", "sim_up"]

@@ -19,7 +19,7 @@ from ddplaunch.sim.cluster import (DEFAULT_PREFIX, DEFAULT_SUBNET, SimConfig, de
                                    load_cluster, sim_down, sim_up)
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.proc import SimError, require_root
-from ddplaunch.sim.status import sim_status
+from ddplaunch.sim.status import sim_status, slurm_status
 
 
 class SimUsageError(click.ClickException):
@@ -50,7 +50,7 @@ def _state_dir(prefix: str | None, state_dir: Path | None) -> Path:
 
 @click.group("sim")
 def sim_group() -> None:
-    """A local cluster of real hosts: network namespaces with sshd (needs root)."""
+    """A local cluster of real hosts: network namespaces with sshd, optionally Slurm (needs root)."""
 
 
 @sim_group.command("up")
@@ -59,25 +59,39 @@ def sim_group() -> None:
 @click.option("--subnet", default=DEFAULT_SUBNET, show_default=True, help="IPv4 CIDR of the sim network.")
 @_where
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Where to write the cluster spec [default: <state-dir>/cluster.yaml].")
+              help="Where to write the cluster spec [default: <state-dir>/cluster.yaml, with "
+                   "--slurm the Slurm spec at <state-dir>/cluster-slurm.yaml].")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="workdir in the spec [default: current directory].")
 @click.option("--nproc-per-node", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--slurm", is_flag=True,
+              help="Also run a Slurm cluster: munged, slurmctld (own namespace) and a slurmd per host.")
+@click.option("--slurm-nodes", type=click.IntRange(1), default=None,
+              help="slurm.nodes in the Slurm spec [default: min(2, hosts)].")
 @_sim_errors
 def up_cmd(n_hosts: int, subnet: str, prefix: str | None, state_dir: Path | None, out: Path | None,
-           workdir: Path | None, nproc_per_node: int) -> None:
+           workdir: Path | None, nproc_per_node: int, slurm: bool, slurm_nodes: int | None) -> None:
     """Build (or rebuild) a sim cluster and write its cluster spec."""
     t0 = time.monotonic()
     cluster = sim_up(SimConfig(n_hosts=n_hosts, prefix=prefix or DEFAULT_PREFIX, subnet=subnet,
-                               state_dir=state_dir, spec_out=out, workdir=workdir,
-                               nproc_per_node=nproc_per_node))
+                               state_dir=state_dir, spec_out=None if slurm else out, workdir=workdir,
+                               nproc_per_node=nproc_per_node, slurm=slurm,
+                               slurm_spec_out=out if slurm else None, slurm_nodes=slurm_nodes))
+    st = cluster.slurm
+    if st is not None:
+        click.echo(f"{st.controller_name:<8} {st.controller_addr:<15} slurmctld pid {st.slurmctld_pid}, "
+                   f"munged pid {st.munged_pid}")
     for h in cluster.hosts:
-        click.echo(f"{h.name:<8} {h.addr:<15} sshd pid {h.sshd_pid}")
+        click.echo(f"{h.name:<8} {h.addr:<15} sshd pid {h.sshd_pid}"
+                   + (f", slurmd pid {st.slurmd_pids.get(h.name)}" if st else ""))
     click.echo(f"sim cluster {cluster.prefix!r} up: {len(cluster.hosts)} hosts on {cluster.bridge} "
                f"({cluster.subnet}), ifname {cluster.ifname}, {time.monotonic() - t0:.1f}s")
     click.echo(f"cluster spec: {cluster.spec_path}")
     click.echo(f"ssh: ssh -i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
                f"root@{cluster.hosts[0].addr}")
+    if st is not None:
+        click.echo(f"slurm spec: {st.spec_path}")
+        click.echo(f"slurm: export SLURM_CONF={st.conf}; sinfo")
 
 
 @sim_group.command("down")
@@ -88,15 +102,17 @@ def down_cmd(prefix: str | None, state_dir: Path | None, purge: bool) -> None:
     """Remove everything `sim up` made (idempotent)."""
     t0 = time.monotonic()
     res = sim_down(state_dir, prefix=prefix, purge=purge)
-    click.echo(f"sim down: removed {len(res.namespaces)} namespaces, stopped {len(res.sshd_stopped)} sshd, "
-               f"killed {len(res.killed)} leftover processes ({time.monotonic() - t0:.1f}s)")
+    click.echo(f"sim down: removed {len(res.namespaces)} namespaces, stopped {len(res.sshd_stopped)} sshd"
+               + (f" and {len(res.slurm_stopped)} Slurm daemons" if res.slurm_stopped else "")
+               + f", killed {len(res.killed)} leftover processes ({time.monotonic() - t0:.1f}s)")
 
 
 @sim_group.command("status")
 @_where
 @_sim_errors
 def status_cmd(prefix: str | None, state_dir: Path | None) -> None:
-    """Table of hosts: namespace, sshd, link and faults. Exit 1 when a host is unhealthy."""
+    """Table of hosts: namespace, sshd, link and faults, and of the Slurm daemons when there
+    are some. Exit 1 when a host or daemon is unhealthy."""
     from rich.console import Console
     from rich.table import Table
 
@@ -107,7 +123,14 @@ def status_cmd(prefix: str | None, state_dir: Path | None) -> None:
                       f"{r.sshd_pid} " + ("alive" if r.sshd_alive else "DEAD") if r.sshd_pid else "-",
                       r.link, r.qdisc, r.fault)
     Console().print(table)
-    if not all(r.healthy for r in rows):
+    daemons = slurm_status(_state_dir(prefix, state_dir))
+    if daemons:
+        dtable = Table("slurm daemon", "where", "pid", "state")
+        for d in daemons:
+            dtable.add_row(d.label, d.where, str(d.pid or "-"),
+                           ("alive" if d.alive else "DEAD") + (f", node {d.node_state}" if d.node_state else ""))
+        Console().print(dtable)
+    if not all(r.healthy for r in rows) or not all(d.healthy for d in daemons):
         raise SystemExit(1)
 
 

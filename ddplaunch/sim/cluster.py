@@ -1,9 +1,10 @@
 """The simulated cluster as a whole: config, state file, up / down / status, cluster spec.
 
-`sim_up` builds hosts (netns.py) and puts one sshd on each (sshd.py); everything it starts is
-recorded in `<state_dir>/state.json`, which `sim_down`, `sim_status` and `sim_fault` read.
-`up` first removes whatever the state file or the naming says exists, so it repairs a crashed
-or half-built cluster. A Slurm layer would add its daemons after the sshd step the same way.
+`sim_up` builds hosts (netns.py) and puts one sshd on each (sshd.py); with `slurm` it adds
+munged, a controller namespace with slurmctld and a slurmd per host (slurm.py). Everything it
+starts is recorded in `<state_dir>/state.json`, which `sim_down`, `sim_status` and `sim_fault`
+read. `up` first removes whatever the state file or the naming says exists, so it repairs a
+crashed or half-built cluster.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from subprocess import CompletedProcess
 
-from ddplaunch.sim import netns, sshd
+from ddplaunch.sim import netns, slurm, sshd
 from ddplaunch.sim.proc import SimError, require_root, require_tool, run
 
 DEFAULT_PREFIX = "dls"
@@ -46,6 +47,9 @@ class SimConfig:
     workdir: Path | None = None        # default: the current directory
     python: str | None = None          # default: sys.executable
     nproc_per_node: int = 2
+    slurm: bool = False                # also run a Slurm cluster (munged, slurmctld, slurmds)
+    slurm_spec_out: Path | None = None  # default <state_dir>/cluster-slurm.yaml
+    slurm_nodes: int | None = None     # `slurm.nodes` in that spec; default min(2, n_hosts)
 
     @property
     def resolved_state_dir(self) -> Path:
@@ -95,6 +99,7 @@ class SimCluster:
     spec_path: Path
     hosts_file: Path
     resolv_conf: Path
+    slurm: slurm.SlurmState | None = None   # the Slurm layer, when built with `slurm`
 
     @property
     def naming(self) -> netns.Naming:
@@ -167,7 +172,8 @@ def load_cluster(state_dir: Path | str) -> SimCluster:
     paths = {k: Path(data[k]) for k in ("state_dir", "key", "known_hosts", "spec_path",
                                         "hosts_file", "resolv_conf")}
     hosts = [SimHost(**{**h, "fault": Fault(**h["fault"])}) for h in data["hosts"]]
-    return SimCluster(**{**data, **paths, "hosts": hosts})
+    slurm_state = slurm.SlurmState.from_dict(data["slurm"]) if data.get("slurm") else None
+    return SimCluster(**{**data, **paths, "hosts": hosts, "slurm": slurm_state})
 
 
 @contextmanager
@@ -198,25 +204,29 @@ def prefix_lock(prefix: str, suffix: str = "lock", timeout: float = LOCK_TIMEOUT
 
 # ----------------------------------------------------------------------------- up / down
 
-def check_requirements() -> None:
-    """Raise SimError naming the first missing requirement (root, tools, sshd)."""
+def check_requirements(slurm_too: bool = False) -> None:
+    """Raise SimError naming the first missing requirement (root, tools, sshd; Slurm and
+    munge with `slurm_too`)."""
     require_root()
     for tool in ("ip", "tc", "nsenter", "unshare"):
         require_tool(tool, "install iproute2 and util-linux: apt-get install iproute2 util-linux")
     sshd.require_sshd()
+    if slurm_too:
+        slurm.require_slurm()
 
 
 def sim_up(cfg: SimConfig) -> SimCluster:
-    """Build (or rebuild) a sim cluster of `cfg.n_hosts` hosts, each running sshd.
+    """Build (or rebuild) a sim cluster of `cfg.n_hosts` hosts, each running sshd (and with
+    `cfg.slurm` a Slurm cluster over them, waited for until every node is idle).
 
     Anything left from an earlier cluster of the same state dir or prefix is torn down first.
-    Returns the cluster, whose state file and cluster spec are written.
+    Returns the cluster, whose state file and cluster spec(s) are written.
 
     Raises:
         SimError: not root, a tool is missing, the config is invalid, or a step failed
             (everything half-built is removed again).
     """
-    check_requirements()
+    check_requirements(slurm_too=cfg.slurm)
     naming = netns.Naming.parse(cfg.prefix, cfg.subnet)
     if not 1 <= cfg.n_hosts <= naming.max_hosts:
         raise SimError(f"--hosts must be 1..{naming.max_hosts} for subnet {naming.subnet}, "
@@ -225,6 +235,7 @@ def sim_up(cfg: SimConfig) -> SimCluster:
     with prefix_lock(cfg.prefix):
         if (state_dir / STATE_FILE).exists():
             _teardown(state_dir, purge=False)
+        slurm.stop_munged(state_dir)
         netns.destroy_network(naming)
         clash = netns.foreign_addr_in_subnet(naming)
         if clash:
@@ -247,13 +258,22 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
     authorized.write_text(sshd.public_key(key) + "\n")
     hosts = [SimHost(i, naming.host_name(i), str(naming.addr(i)), naming.ns(i))
              for i in range(1, cfg.n_hosts + 1)]
-    hosts_file, resolv = netns.write_etc_files(state_dir / "etc", [(h.name, h.addr) for h in hosts])
+    etc_hosts = [(h.name, h.addr) for h in hosts]
+    if cfg.slurm:
+        etc_hosts.insert(0, (naming.controller_name, str(naming.controller_addr)))
+    hosts_file, resolv = netns.write_etc_files(state_dir / "etc", etc_hosts)
     cluster = SimCluster(prefix=cfg.prefix, subnet=str(naming.subnet), state_dir=state_dir, hosts=hosts,
                          bridge=naming.bridge, ifname=naming.ifname, key=key,
                          known_hosts=state_dir / "known_hosts",
                          spec_path=Path(cfg.spec_out or state_dir / "cluster.yaml").absolute(),
                          hosts_file=hosts_file, resolv_conf=resolv)
-    netns.create_network(naming, cfg.n_hosts)
+    if cfg.slurm:
+        cluster.slurm = slurm.SlurmState(
+            conf=state_dir / "etc" / "slurm.conf",
+            spec_path=Path(cfg.slurm_spec_out or state_dir / "cluster-slurm.yaml").absolute(),
+            controller_ns=naming.controller_ns, controller_name=naming.controller_name,
+            controller_addr=str(naming.controller_addr))
+    netns.create_network(naming, cfg.n_hosts, controller=cfg.slurm)
     save_state(cluster)  # from here on `down` finds everything, even if a later step fails
     entries = []
     for h in hosts:
@@ -265,10 +285,17 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
         h.sshd_pid = sshd.start_sshd(cluster.host_dir(h), cluster.enter_prefix(h))
         save_state(cluster)
     cluster.known_hosts.write_text(sshd.known_hosts_text(entries))
+    python, workdir = cfg.python or sys.executable, Path(cfg.workdir or Path.cwd()).absolute()
     cluster.spec_path.parent.mkdir(parents=True, exist_ok=True)
-    cluster.spec_path.write_text(render_spec(cluster, python=cfg.python or sys.executable,
-                                             workdir=Path(cfg.workdir or Path.cwd()).absolute(),
+    cluster.spec_path.write_text(render_spec(cluster, python=python, workdir=workdir,
                                              nproc_per_node=cfg.nproc_per_node))
+    if cluster.slurm is not None:
+        slurm.start_slurm(cluster, save=lambda: save_state(cluster))
+        save_state(cluster)
+        cluster.slurm.spec_path.parent.mkdir(parents=True, exist_ok=True)
+        cluster.slurm.spec_path.write_text(slurm.render_slurm_spec(
+            cluster, python=python, workdir=workdir, nproc_per_node=cfg.nproc_per_node,
+            nodes=cfg.slurm_nodes))
     return cluster
 
 
@@ -279,13 +306,15 @@ class DownResult:
     prefix: str | None
     namespaces: list[str] = field(default_factory=list)
     sshd_stopped: list[int] = field(default_factory=list)
+    slurm_stopped: list[int] = field(default_factory=list)   # munged, slurmctld, slurmds
     killed: list[int] = field(default_factory=list)
 
 
 def sim_down(state_dir: Path | str | None = None, prefix: str | None = None,
              purge: bool = False) -> DownResult:
-    """Remove a sim cluster: its sshds (by recorded PID), every process still inside its
-    namespaces, the namespaces, veths and bridge (and with them their tc qdiscs).
+    """Remove a sim cluster: its Slurm daemons and sshds (by recorded PID), every process still
+    inside its namespaces (e.g. job steps), the namespaces, veths and bridge (and with them
+    their tc qdiscs).
 
     The cluster is found by its state file; without one, by the naming of `prefix` (the
     default prefix when neither argument is given). Idempotent: nothing there is fine.
@@ -318,9 +347,14 @@ def _teardown(state_dir: Path, purge: bool, naming: netns.Naming | None = None) 
     if cluster is not None:
         result.prefix = cluster.prefix
         naming = cluster.naming
+        if cluster.slurm is not None:
+            result.slurm_stopped = slurm.stop_slurm(cluster.slurm, state_dir)
         for h in cluster.hosts:  # sshd first, gracefully, then whatever is left in the netns
             if sshd.stop_sshd(h.sshd_pid, cluster.host_dir(h)):
                 result.sshd_stopped.append(h.sshd_pid or 0)
+    munged = slurm.stop_munged(state_dir)  # one whose PID never made it into the state
+    if munged:
+        result.slurm_stopped.append(munged)
     if naming is not None:
         result.namespaces = [ns for ns in netns.list_netns() if naming.owns_netns(ns)]
         result.killed = netns.destroy_network(naming)

@@ -93,6 +93,19 @@ class Naming:
     def addr(self, i: int) -> ipaddress.IPv4Address:
         return self.subnet.network_address + FIRST_HOST_OFFSET + i
 
+    # The Slurm controller is "host 0": namespace <prefix>0 at network+10, hostname <prefix>ctl.
+    @property
+    def controller_ns(self) -> str:
+        return self.ns(0)
+
+    @property
+    def controller_name(self) -> str:
+        return f"{self.prefix}ctl"
+
+    @property
+    def controller_addr(self) -> ipaddress.IPv4Address:
+        return self.addr(0)
+
     def owns_netns(self, name: str) -> bool:
         return re.fullmatch(rf"{self.prefix}\d+", name) is not None
 
@@ -134,8 +147,9 @@ def foreign_addr_in_subnet(naming: Naming) -> str | None:
 
 # ----------------------------------------------------------------------------- effects
 
-def create_network(naming: Naming, n_hosts: int) -> None:
-    """Create the bridge and hosts 1..n: namespace, veth pair, address, links up.
+def create_network(naming: Naming, n_hosts: int, controller: bool = False) -> None:
+    """Create the bridge and hosts 1..n (and host 0, the controller, when asked):
+    namespace, veth pair, address, links up.
 
     Assumes nothing of this prefix exists (call `destroy_network` first).
     Raises:
@@ -145,13 +159,14 @@ def create_network(naming: Naming, n_hosts: int) -> None:
     root = [f"link add {naming.bridge} type bridge",
             f"addr add {naming.bridge_addr}/{plen} dev {naming.bridge}",
             f"link set {naming.bridge} up"]
-    for i in range(1, n_hosts + 1):
+    indices = range(0 if controller else 1, n_hosts + 1)
+    for i in indices:
         root += [f"netns add {naming.ns(i)}",
                  f"link add {naming.veth(i)} type veth peer name {naming.veth_peer(i)}",
                  f"link set {naming.veth(i)} master {naming.bridge} up",
                  f"link set {naming.veth_peer(i)} netns {naming.ns(i)}"]
     _ip_batch(root)
-    for i in range(1, n_hosts + 1):
+    for i in indices:
         _ip_batch([f"link set {naming.veth_peer(i)} name {naming.ifname}",
                    f"addr add {naming.addr(i)}/{plen} dev {naming.ifname}",
                    f"link set {naming.ifname} up",

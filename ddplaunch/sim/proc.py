@@ -13,7 +13,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ddplaunch.errors import EXIT_BAD_INPUT, DdplaunchError
@@ -28,8 +28,10 @@ class SimError(DdplaunchError):
 
 
 def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, check: bool = True,
-        input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run `argv`, capture its output and (by default) insist on exit status 0.
+        input: str | None = None, env: Mapping[str, str] | None = None
+        ) -> subprocess.CompletedProcess[str]:
+    """Run `argv` (with environment `env`, default ours), capture its output and (by
+    default) insist on exit status 0.
 
     Raises:
         SimError: the command is missing, timed out, or (with check) exited non-zero;
@@ -37,7 +39,8 @@ def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, check: bool 
     """
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              input=input, stdin=None if input is not None else subprocess.DEVNULL)
+                              input=input, env=None if env is None else dict(env),
+                              stdin=None if input is not None else subprocess.DEVNULL)
     except FileNotFoundError as exc:
         raise SimError(f"command not found: {argv[0]} ({exc.strerror})") from exc
     except subprocess.TimeoutExpired as exc:

@@ -1,4 +1,5 @@
-"""What a sim cluster looks like right now: per host, namespace, sshd, link and shaping.
+"""What a sim cluster looks like right now: per host, namespace, sshd, link and shaping;
+per Slurm daemon, whether it runs and (for a slurmd) its node's state in `sinfo`.
 
 Status reads the state file and then checks reality (namespaces, PIDs, link state, root
 qdiscs), so it also shows what a crash or a manual change left behind.
@@ -10,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddplaunch.sim import netns, sshd
+from ddplaunch.sim import netns, slurm, sshd
 from ddplaunch.sim.cluster import load_cluster
 from ddplaunch.sim.proc import require_root, run
 
@@ -53,6 +54,39 @@ def sim_status(state_dir: Path | str) -> list[HostStatus]:
                               sshd.is_our_sshd(h.sshd_pid, cluster.host_dir(h)), link, qdisc,
                               h.fault.describe()))
     return out
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    label: str            # munged, slurmctld, slurmd@<host>
+    where: str            # "root netns" or the namespace
+    pid: int | None
+    alive: bool
+    node_state: str       # sinfo state of a slurmd's node (idle, alloc, down*, ...), "" otherwise
+
+    @property
+    def healthy(self) -> bool:
+        return self.alive and (not self.label.startswith("slurmd@") or not self.node_state.endswith("*"))
+
+
+def slurm_status(state_dir: Path | str) -> list[DaemonStatus]:
+    """Status of every Slurm daemon of the cluster at `state_dir`; [] without a Slurm layer."""
+    require_root("ddplaunch sim status")
+    cluster = load_cluster(state_dir)
+    st = cluster.slurm
+    if st is None:
+        return []
+    nodes: dict[str, str] = {}
+    if slurm.is_our_daemon("slurmctld", st.slurmctld_pid, st):
+        out = run(["sinfo", "-h", "-N", "-o", "%N %T"], env=st.env(), check=False, timeout=5).stdout
+        nodes = dict(line.split(None, 1) for line in out.splitlines() if " " in line)
+    where = {"munged": "root netns", "slurmctld": st.controller_ns,
+             **{f"slurmd@{h.name}": h.ns for h in cluster.hosts}}
+    pids = {"munged": st.munged_pid, "slurmctld": st.slurmctld_pid,
+            **{f"slurmd@{h.name}": st.slurmd_pids.get(h.name) for h in cluster.hosts}}
+    return [DaemonStatus(label, where[label], pid, slurm.is_our_daemon(label, pid, st),
+                         nodes.get(label.split("@", 1)[1], "?").strip() if "@" in label else "")
+            for label, pid in pids.items()]
 
 
 def _root_qdisc(tc: list[str], dev: str) -> str:

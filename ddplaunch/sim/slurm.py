@@ -1,0 +1,344 @@
+"""A real Slurm cluster on the sim hosts: munged, slurmctld in a controller namespace, one
+slurmd per host.
+
+munged runs in the root namespace as user munge with its own key and a socket under the
+state dir (pathname sockets are reachable from every namespace). slurmctld runs in host 0
+(`<prefix>0`, hostname `<prefix>ctl`, network+10); each slurmd runs inside its host through
+the same nsenter wrapper as sshd. Clients (sbatch, squeue, ...) run anywhere with
+SLURM_CONF=<state>/etc/slurm.conf: they only talk to the controller's address.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddplaunch.sim.proc import SimError, pid_alive, pid_cmdline, require_tool, run, stop_pids, wait_until
+
+if TYPE_CHECKING:
+    from ddplaunch.sim.cluster import SimCluster
+
+SLURMCTLD, SLURMD, MUNGED = "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"
+SLURM_FIX = "install Slurm and munge: apt-get install slurm-wlm munge (or scripts/bootstrap.sh --test)"
+PARTITION = "debug"
+MUNGE_USER = "munge"
+IDLE_TIMEOUT_S = 30.0
+STOP_GRACE_S = 10.0   # a slurmd/slurmctld needs ~2 s to exit on SIGTERM
+
+# Keep the Popen objects of daemons we started, so they are never garbage-collected while
+# running (which would warn); `pid_alive` reaps them once they are stopped.
+_daemons: list[subprocess.Popen[bytes]] = []
+
+
+@dataclass
+class SlurmState:
+    """The Slurm layer of a sim cluster, as recorded in its state file."""
+
+    conf: Path
+    spec_path: Path
+    controller_ns: str
+    controller_name: str
+    controller_addr: str
+    partition: str = PARTITION
+    munged_pid: int | None = None
+    slurmctld_pid: int | None = None
+    slurmd_pids: dict[str, int] = field(default_factory=dict)   # host name -> PID
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SlurmState:
+        return cls(**{**data, "conf": Path(data["conf"]), "spec_path": Path(data["spec_path"]),
+                      "slurmd_pids": {k: int(v) for k, v in data.get("slurmd_pids", {}).items()}})
+
+    @property
+    def base(self) -> Path:
+        """<state>/slurm: controller state, node spools, logs, job outputs."""
+        return self.conf.parent.parent / "slurm"
+
+    @property
+    def munge_socket(self) -> Path:
+        return munge_dir(self.conf.parent.parent) / "munge.socket.2"
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Environment for Slurm clients (sbatch, squeue, scancel, ...): SLURM_CONF set."""
+        return {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
+
+
+def munge_dir(state_dir: Path) -> Path:
+    return state_dir / "munge"
+
+
+def require_slurm() -> None:
+    """Raise SimError with the apt-get fix unless the Slurm daemons, clients and munged exist."""
+    for tool in (SLURMCTLD, SLURMD, MUNGED, "sinfo", "sbatch", "squeue", "scancel", "scontrol",
+                 "runuser"):
+        require_tool(tool, SLURM_FIX)
+    try:
+        import pwd
+        pwd.getpwnam(MUNGE_USER)
+    except KeyError:
+        raise SimError(f"no user {MUNGE_USER!r}: {SLURM_FIX}") from None
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+def slurm_conf_text(*, cluster_name: str, controller: tuple[str, str], nodes: Sequence[tuple[str, str]],
+                    base: Path, munge_socket: Path, partition: str = PARTITION) -> str:
+    """slurm.conf of a sim cluster (pure). `controller` and `nodes` are (name, addr) pairs."""
+    ctl_name, ctl_addr = controller
+    lines = [
+        "# written by ddplaunch sim",
+        f"ClusterName={cluster_name}",
+        f"SlurmctldHost={ctl_name}({ctl_addr})",
+        "SlurmctldPort=6817",
+        "SlurmdPort=6818",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={base}/ctl/state",
+        f"SlurmctldPidFile={base}/ctl/slurmctld.pid",
+        f"SlurmctldLogFile={base}/ctl/slurmctld.log",
+        f"SlurmdSpoolDir={base}/nodes/%n/spool",
+        f"SlurmdPidFile={base}/nodes/%n/slurmd.pid",
+        f"SlurmdLogFile={base}/nodes/%n/slurmd.log",
+        # all hosts share one kernel: no cgroups, processes tracked by parentage
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "MailProg=/bin/true",
+        "SchedulerType=sched/backfill",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        "SlurmctldTimeout=30",
+        "SlurmdTimeout=30",
+        "InactiveLimit=0",
+        "KillWait=5",
+        "MinJobAge=300",
+    ]
+    lines += [f"NodeName={name} NodeAddr={addr} CPUs=2 RealMemory=2000 State=UNKNOWN"
+              for name, addr in nodes]
+    lines += [f"PartitionName={partition} Nodes={','.join(n for n, _ in nodes)} Default=YES "
+              "MaxTime=INFINITE State=UP", ""]
+    return "\n".join(lines)
+
+
+def render_slurm_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_node: int = 2,
+                      nodes: int | None = None) -> str:
+    """The cluster spec (YAML) for launching on this sim through Slurm (pure).
+
+    `nodes` defaults to min(2, number of hosts).
+    """
+    from ddplaunch.sim.cluster import _yaml_scalar as q
+
+    assert cluster.slurm is not None
+    n = len(cluster.hosts)
+    lines = [f"# written by `ddplaunch sim up --slurm` — a simulated Slurm cluster of {n} nodes",
+             f"name: {q('sim-' + cluster.prefix + '-slurm')}",
+             "backend: slurm",
+             "hosts:"]
+    lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
+    lines += [f"nproc_per_node: {nproc_per_node}",
+              f"python: {q(python)}",
+              f"workdir: {q(str(workdir))}",
+              "dist_backend: gloo",
+              f"socket_ifname: {q(cluster.ifname)}",
+              "rdzv_timeout: 30",
+              "slurm:",
+              f"  conf: {q(str(cluster.slurm.conf))}",
+              f"  partition: {q(cluster.slurm.partition)}",
+              f"  nodes: {nodes or min(2, n)}",
+              "job:",
+              "  script: jobs/toy_ddp.py",
+              ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- up
+
+def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> SlurmState:
+    """Write slurm.conf, start munged, slurmctld and every slurmd; wait until all nodes are idle.
+
+    `cluster.slurm` must hold a fresh SlurmState (conf/spec paths, controller names); its
+    PIDs are filled in and `save()` is called after each start, so `sim down` finds every
+    daemon even when a later one fails.
+
+    Raises:
+        SimError: a daemon failed to start or the nodes were not idle in time (names the logs).
+    """
+    st = cluster.slurm
+    assert st is not None
+    base = st.base
+    shutil.rmtree(base, ignore_errors=True)   # old controller state would resurrect old jobs
+    for d in (base / "ctl" / "state", base / "jobs", *(base / "nodes" / h.name / "spool" for h in cluster.hosts)):
+        d.mkdir(parents=True, exist_ok=True)
+    os.chmod(base / "jobs", 0o1777)            # jobs of non-root users write their output here
+    st.conf.write_text(slurm_conf_text(
+        cluster_name=cluster.prefix, controller=(st.controller_name, st.controller_addr),
+        nodes=[(h.name, h.addr) for h in cluster.hosts], base=base, munge_socket=st.munge_socket,
+        partition=st.partition))
+
+    st.munged_pid = start_munged(cluster.state_dir)
+    save()
+    ctl_enter = cluster_enter_controller(cluster)
+    st.slurmctld_pid = _spawn([*ctl_enter, SLURMCTLD, "-D", "-f", str(st.conf)],
+                              base / "ctl" / "slurmctld.out")
+    save()
+    for h in cluster.hosts:
+        st.slurmd_pids[h.name] = _spawn(
+            [*cluster.enter_prefix(h), SLURMD, "-D", "-N", h.name, "-f", str(st.conf)],
+            base / "nodes" / h.name / "slurmd.out")
+    save()
+    wait_nodes_idle(st, [h.name for h in cluster.hosts])
+    return st
+
+
+def cluster_enter_controller(cluster: SimCluster) -> list[str]:
+    """argv prefix that runs a command in the controller namespace (pure)."""
+    from ddplaunch.sim import netns
+
+    st = cluster.slurm
+    assert st is not None
+    return netns.enter_prefix(st.controller_ns, st.controller_name, cluster.hosts_file, cluster.resolv_conf)
+
+
+def start_munged(state_dir: Path) -> int:
+    """Start a private munged (own key, socket under `state_dir`/munge, user munge); its PID.
+
+    A munged left by an earlier cluster of this state dir is stopped first.
+    """
+    d = munge_dir(state_dir)
+    stop_munged(state_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    key, pid_file, socket = d / "munge.key", d / "munged.pid", d / "munge.socket.2"
+    for stale in (pid_file, socket, d / "munge.socket.2.lock"):
+        stale.unlink(missing_ok=True)
+    if not key.is_file() or key.stat().st_size < 32:
+        key.write_bytes(os.urandom(1024))
+    shutil.chown(d, MUNGE_USER, MUNGE_USER)
+    for f in d.iterdir():
+        shutil.chown(f, MUNGE_USER, MUNGE_USER)
+    os.chmod(d, 0o755)    # munged insists that everyone may traverse its socket dir
+    os.chmod(key, 0o400)
+    # the state dir must be traversable by munge (and by job users) to reach the socket
+    os.chmod(state_dir, os.stat(state_dir).st_mode & 0o777 | 0o711)
+    run(["runuser", "-u", MUNGE_USER, "--", MUNGED, f"--socket={socket}", f"--key-file={key}",
+         f"--log-file={d / 'munged.log'}", f"--pid-file={pid_file}", f"--seed-file={d / 'munged.seed'}"])
+    if not wait_until(lambda: socket.is_socket() and _read_pid(pid_file) is not None, 10.0):
+        raise SimError(f"munged made no socket {socket} within 10s: see {d / 'munged.log'}")
+    pid = _read_pid(pid_file)
+    assert pid is not None
+    return pid
+
+
+def wait_nodes_idle(st: SlurmState, names: Sequence[str], timeout: float = IDLE_TIMEOUT_S) -> None:
+    """Poll `sinfo` until every node in `names` is idle; SimError (with log paths) otherwise."""
+    last = ""
+
+    def idle() -> bool:
+        nonlocal last
+        dead = [n for n, p in daemon_pids(st).items() if not pid_alive(p)]
+        if dead:
+            raise SimError(f"Slurm daemon(s) {', '.join(dead)} exited during start: see the logs "
+                           f"under {st.base} ({_last_log_line(st, dead[0])})")
+        last = run(["sinfo", "-h", "-N", "-o", "%N %T"], env=st.env(), check=False).stdout
+        states = dict(line.split(None, 1) for line in last.splitlines() if " " in line)
+        return all(states.get(n, "").strip() == "idle" for n in names)
+
+    if not wait_until(idle, timeout, interval=0.2):
+        raise SimError(f"Slurm nodes not idle after {timeout:g}s (sinfo: {last.strip() or 'nothing'}): "
+                       f"see {st.base}/ctl/slurmctld.log and {st.base}/nodes/*/slurmd.log")
+
+
+def _spawn(argv: Sequence[str], out: Path) -> int:
+    """Start a foreground (-D) daemon in its own session, output to `out`; its PID.
+
+    The host wrapper only execs, so this PID is the daemon's own.
+    """
+    with open(out, "ab") as fh:
+        proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _daemons.append(proc)
+    return proc.pid
+
+
+# ----------------------------------------------------------------------------- down / status
+
+def daemon_pids(st: SlurmState) -> dict[str, int]:
+    """Label -> recorded PID of every daemon: munged, slurmctld, slurmd@<host>."""
+    pids = {"munged": st.munged_pid, "slurmctld": st.slurmctld_pid,
+            **{f"slurmd@{h}": p for h, p in st.slurmd_pids.items()}}
+    return {k: v for k, v in pids.items() if v}
+
+
+def is_our_daemon(label: str, pid: int | None, st: SlurmState) -> bool:
+    """True when `pid` is alive and still the daemon we started (guards against PID reuse)."""
+    if not pid_alive(pid):
+        return False
+    cmd = pid_cmdline(pid or 0)
+    if label == "munged":
+        return str(st.munge_socket) in cmd
+    if label.startswith("slurmd@"):
+        return str(st.conf) in cmd and f" -N {label.split('@', 1)[1]} " in cmd
+    return str(st.conf) in cmd and SLURMCTLD in cmd
+
+
+def stop_slurm(st: SlurmState, state_dir: Path) -> list[int]:
+    """Stop every slurmd and slurmctld (all signalled at once), then munged; by recorded PID.
+
+    Job steps left inside the node namespaces are ended with the namespaces. Returns the
+    PIDs that were stopped.
+    """
+    pids = daemon_pids(st)
+    slurm = [p for label, p in pids.items() if label != "munged" and is_our_daemon(label, p, st)]
+    stop_pids(slurm, grace=STOP_GRACE_S)
+    munged = stop_munged(state_dir)
+    stopped = slurm + ([munged] if munged else [])
+    st.munged_pid, st.slurmctld_pid, st.slurmd_pids = None, None, {}
+    return stopped
+
+
+def stop_munged(state_dir: Path) -> int | None:
+    """Stop the munged of `state_dir` (found by its pid file, checked by its socket path);
+    returns its PID, or None when none ran."""
+    d = munge_dir(state_dir)
+    pid = _read_pid(d / "munged.pid")
+    if pid is None or not pid_alive(pid) or str(d / "munge.socket.2") not in pid_cmdline(pid):
+        return None
+    stop_pids([pid])
+    return pid
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _last_log_line(st: SlurmState, label: str) -> str:
+    if label == "munged":
+        log = munge_dir(st.conf.parent.parent) / "munged.log"
+    elif label == "slurmctld":
+        log = st.base / "ctl" / ("slurmctld.log" if (st.base / "ctl" / "slurmctld.log").is_file()
+                                 else "slurmctld.out")
+    else:
+        node_dir = st.base / "nodes" / label.split("@", 1)[1]
+        log = node_dir / "slurmd.log" if (node_dir / "slurmd.log").is_file() else node_dir / "slurmd.out"
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"no {log}"
+    return f"{log}: {lines[-1]}" if lines else f"{log} is empty"
