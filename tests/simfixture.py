@@ -5,6 +5,11 @@ from tests/conftest.py. `sim_cluster` is session-scoped: a 4-host cluster with p
 `dlt` on 10.213.7.0/24 (env DDPLAUNCH_TEST_PREFIX / DDPLAUNCH_TEST_SUBNET), torn down at the
 end of the session, also after failures. Tests are skipped where it cannot be built (not
 root, no sshd). A test that injects a fault must clear it (`sim_fault(..., clear=True)`).
+
+`slurm_cluster` is a session-scoped 3-host sim cluster that also runs Slurm (munged,
+slurmctld, a slurmd per host; all nodes idle), prefix `dlq` on 10.213.9.0/24 (env
+DDPLAUNCH_TEST_SLURM_PREFIX / DDPLAUNCH_TEST_SLURM_SUBNET), so it can be up next to
+`sim_cluster`. Clients need SLURM_CONF=cluster.slurm.conf (`cluster.slurm.env()`).
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from collections.abc import Iterator
 import pytest
 
 from ddplaunch.sim import SimCluster
-from ddplaunch.sim.testing import missing_requirement, shared_cluster
+from ddplaunch.sim.testing import SLURM_TEST_PREFIX, SLURM_TEST_SUBNET, missing_requirement, shared_cluster
 
 SIM_HOSTS = 4
+SLURM_HOSTS = 3
 
 
 def sim_skip_reason() -> str | None:
@@ -32,4 +38,21 @@ def sim_cluster() -> Iterator[SimCluster]:
     if reason:
         pytest.skip(reason)
     with shared_cluster(SIM_HOSTS) as cluster:
+        yield cluster
+
+
+def slurm_skip_reason() -> str | None:
+    """Reason to skip Slurm sim tests here, or None (for `pytest.mark.skipif`)."""
+    reason = missing_requirement(slurm_too=True)
+    return f"needs root, ip, sshd, Slurm and munge: {reason}" if reason else None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SimCluster]:
+    """A running 3-host sim cluster with Slurm (SimCluster with .slurm: conf, env(), PIDs)."""
+    reason = slurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with shared_cluster(SLURM_HOSTS, prefix=SLURM_TEST_PREFIX, subnet=SLURM_TEST_SUBNET,
+                        slurm=True) as cluster:
         yield cluster

@@ -220,6 +220,11 @@ def start_munged(state_dir: Path) -> int:
     """
     d = munge_dir(state_dir)
     stop_munged(state_dir)
+    closed = [p for p in state_dir.absolute().parents if not os.stat(p).st_mode & 0o001]
+    if closed:  # munged runs as user munge and must reach its socket and log
+        raise SimError(f"munged (user {MUNGE_USER}) cannot traverse {closed[0]} (mode "
+                       f"{oct(os.stat(closed[0]).st_mode & 0o777)}): put the sim state dir where every "
+                       "parent is world-searchable, e.g. the default under /tmp")
     d.mkdir(parents=True, exist_ok=True)
     key, pid_file, socket = d / "munge.key", d / "munged.pid", d / "munge.socket.2"
     for stale in (pid_file, socket, d / "munge.socket.2.lock"):

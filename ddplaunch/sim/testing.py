@@ -3,7 +3,8 @@
 `shared_cluster` brings a test cluster up once per process, however many fixtures ask for
 it, and holds a per-prefix session lock so two test runs on one machine take turns instead
 of tearing down each other's cluster. Prefix and subnet come from DDPLAUNCH_TEST_PREFIX /
-DDPLAUNCH_TEST_SUBNET (defaults dlt, 10.213.7.0/24).
+DDPLAUNCH_TEST_SUBNET (defaults dlt, 10.213.7.0/24); the Slurm test cluster's from
+DDPLAUNCH_TEST_SLURM_PREFIX / DDPLAUNCH_TEST_SLURM_SUBNET (defaults dlq, 10.213.9.0/24).
 """
 
 from __future__ import annotations
@@ -11,24 +12,28 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from ddplaunch.sim.cluster import SimCluster, SimConfig, check_requirements, prefix_lock, sim_down, sim_up
 from ddplaunch.sim.proc import SimError, run, wait_until
+from ddplaunch.sim.slurm import SlurmState
 
 TEST_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX", "dlt")
 TEST_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET", "10.213.7.0/24")
+SLURM_TEST_PREFIX = os.environ.get("DDPLAUNCH_TEST_SLURM_PREFIX", "dlq")
+SLURM_TEST_SUBNET = os.environ.get("DDPLAUNCH_TEST_SLURM_SUBNET", "10.213.9.0/24")
 SESSION_LOCK_TIMEOUT_S = 600.0
 
 _live: dict[str, tuple[SimCluster, int]] = {}  # prefix -> (cluster, users)
 
 
-def missing_requirement() -> str | None:
-    """Why no sim cluster can be built here (not root, no sshd, ...), or None."""
+def missing_requirement(slurm_too: bool = False) -> str | None:
+    """Why no sim cluster (with `slurm_too`: Slurm cluster) can be built here, or None."""
     try:
-        check_requirements()
+        check_requirements(slurm_too=slurm_too)
     except SimError as exc:
         return str(exc)
     return None
@@ -36,13 +41,15 @@ def missing_requirement() -> str | None:
 
 @contextmanager
 def shared_cluster(n_hosts: int = 4, prefix: str = TEST_PREFIX, subnet: str = TEST_SUBNET,
-                   workdir: Path | None = None) -> Iterator[SimCluster]:
-    """Yield a running test cluster; the last user to leave tears it down (also on errors)."""
+                   workdir: Path | None = None, slurm: bool = False) -> Iterator[SimCluster]:
+    """Yield a running test cluster (with `slurm`, also a Slurm cluster whose nodes are idle);
+    the last user to leave tears it down (also on errors)."""
     if prefix in _live:
         cluster, users = _live[prefix]
-        if len(cluster.hosts) < n_hosts:
-            raise SimError(f"test cluster {prefix!r} already up with {len(cluster.hosts)} hosts, "
-                           f"{n_hosts} requested: use another DDPLAUNCH_TEST_PREFIX")
+        if len(cluster.hosts) < n_hosts or (slurm and cluster.slurm is None):
+            raise SimError(f"test cluster {prefix!r} already up with {len(cluster.hosts)} hosts"
+                           f"{'' if cluster.slurm else ' without Slurm'}, {n_hosts} requested"
+                           f"{' with Slurm' if slurm else ''}: use another prefix")
         _live[prefix] = (cluster, users + 1)
         try:
             yield cluster
@@ -55,7 +62,7 @@ def shared_cluster(n_hosts: int = 4, prefix: str = TEST_PREFIX, subnet: str = TE
         stack.callback(shutil.rmtree, state_dir, ignore_errors=True)
         stack.callback(sim_down, state_dir, prefix=prefix, purge=False)
         cluster = sim_up(SimConfig(n_hosts=n_hosts, prefix=prefix, subnet=subnet,
-                                   state_dir=state_dir, workdir=workdir))
+                                   state_dir=state_dir, workdir=workdir, slurm=slurm))
         _live[prefix] = (cluster, 1)
         stack.callback(_live.pop, prefix, None)
         yield cluster
@@ -96,3 +103,55 @@ def wait_listening(cluster: SimCluster, host: str, port: int, timeout: float = 1
     """Poll until `host` listens on `port`; SimError after `timeout` seconds."""
     if not wait_until(lambda: is_listening(cluster, host, port), timeout, interval=0.05):
         raise SimError(f"nothing listens on {host}:{port} after {timeout:g}s")
+
+
+# ----------------------------------------------------------------------------- Slurm clients
+
+def slurm_run(cluster: SimCluster, argv: Sequence[str], timeout: float = 15.0,
+              check: bool = True) -> str:
+    """Run a Slurm client (sbatch, squeue, ...) against the cluster's controller; its stdout."""
+    return run(argv, env=_slurm(cluster).env(), timeout=timeout, check=check).stdout
+
+
+def sbatch(cluster: SimCluster, script: Path | str, *args: str) -> int:
+    """Submit a batch script; returns the job id."""
+    return int(slurm_run(cluster, ["sbatch", "--parsable", *args, str(script)]).strip().split(";")[0])
+
+
+def job_state(cluster: SimCluster, job_id: int) -> str:
+    """The job's state from `scontrol show job` (PENDING, RUNNING, COMPLETED, CANCELLED, ...)."""
+    out = slurm_run(cluster, ["scontrol", "-o", "show", "job", str(job_id)], check=False)
+    for tok in out.split():
+        if tok.startswith("JobState="):
+            return tok.split("=", 1)[1]
+    return "UNKNOWN"
+
+
+def wait_job_state(cluster: SimCluster, job_id: int, states: Sequence[str], timeout: float = 30.0) -> str:
+    """Poll until the job is in one of `states`; returns it (SimError after `timeout`)."""
+    last = ""
+
+    def reached() -> bool:
+        nonlocal last
+        last = job_state(cluster, job_id)
+        return last in states
+
+    if not wait_until(reached, timeout, interval=0.1):
+        raise SimError(f"job {job_id} not {'/'.join(states)} after {timeout:g}s (state {last})")
+    return last
+
+
+def wait_job_gone(cluster: SimCluster, job_id: int, timeout: float = 30.0) -> float:
+    """Poll `squeue -h -j ID` (not `sbatch --wait`, which polls every ~10 s) until the job has
+    left the queue; returns the seconds waited (SimError after `timeout`)."""
+    t0 = time.monotonic()
+    if not wait_until(lambda: not slurm_run(cluster, ["squeue", "-h", "-j", str(job_id)], check=False).strip(),
+                      timeout, interval=0.1):
+        raise SimError(f"job {job_id} still in squeue after {timeout:g}s")
+    return time.monotonic() - t0
+
+
+def _slurm(cluster: SimCluster) -> SlurmState:
+    if cluster.slurm is None:
+        raise SimError(f"sim cluster {cluster.prefix!r} has no Slurm: bring it up with --slurm")
+    return cluster.slurm
