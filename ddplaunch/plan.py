@@ -124,7 +124,6 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
     run_dir = host_run_dir(run_id)
-    python = spec.python or _default_python(spec)
     if stage == "healthcheck":
         script: str = Raw(f"{run_dir}/healthcheck.py")
         args = _healthcheck_args(spec, run_dir)
@@ -136,6 +135,7 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     addr = master_addr(spec)
     nodes = []
     for rank, host in enumerate(spec.hosts):
+        python = host_python(spec, host)
         argv = [python, "-m", "torch.distributed.run",
                 "--nnodes", str(len(spec.hosts)), "--node-rank", str(rank),
                 "--nproc-per-node", _nproc_word(spec, python),
@@ -152,12 +152,12 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
                       nodes=tuple(nodes), uploads=uploads)
 
 
-def _default_python(spec: ClusterSpec) -> str:
-    # The interpreter running ddplaunch: right for local runs and for hosts that share the
-    # file system (the simulated cluster); real clusters set `python:` in the spec.
+def host_python(spec: ClusterSpec, host: HostSpec) -> str:
+    """The interpreter on `host`: `hosts[].python`, else `python`, else the one running ddplaunch
+    (right for local runs and hosts sharing this file system, like the simulated cluster)."""
     import sys
 
-    return sys.executable
+    return host.python or spec.python or sys.executable
 
 
 def _nproc_word(spec: ClusterSpec, python: str) -> str:
@@ -191,6 +191,9 @@ def _node_env(spec: ClusterSpec, run_id: str, stage: str, host: HostSpec) -> tup
     if spec.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
         env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
+    if spec.job.debug_collectives and stage == "job":
+        # PyTorch checks that every rank calls the same collective with matching shapes
+        env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     env.update(spec.env)  # the user's values win
     return tuple(sorted(env.items()))
 

@@ -40,6 +40,7 @@ class HostSpec(_Strict):
     name: Optional[str] = None
     user: Optional[str] = None
     port: Optional[int] = Field(default=None, ge=1, le=65535)
+    python: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +85,8 @@ class JobSpec(_Strict):
     script: str = "jobs/toy_ddp.py"
     args: list[str] = Field(default_factory=list)
     max_restarts: int = Field(default=0, ge=0)
+    hang_timeout: Optional[float] = Field(default=None, gt=0)
+    debug_collectives: bool = False
 
     @field_validator("args", mode="before")
     @classmethod
@@ -116,6 +119,7 @@ class SlurmSpec(_Strict):
     cpus_per_task: Optional[int] = Field(default=None, ge=1)
     sbatch_extra: list[str] = Field(default_factory=list)
     requeue: bool = False
+    signal_seconds: int = Field(default=120, ge=1, description="with requeue: SIGUSR2 this long before the time limit")
 
 
 class ClusterSpec(_Strict):

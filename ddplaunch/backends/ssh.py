@@ -23,7 +23,7 @@ from ddplaunch.backends.base import (
     INTERRUPTED, LOST, RUNNING, UNREACHABLE, LineSink, NodeOutcome, StageCallback, StageResult,
     finish_outcome, run_in_order)
 from ddplaunch.errors import BackendError
-from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_run_dir, quote
+from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
@@ -114,10 +114,31 @@ class SshBackend:
         with ThreadPoolExecutor(max_workers=min(64, len(self.spec.hosts))) as pool:
             return list(pool.map(one, self.spec.hosts))
 
+    def exec_all(self, command: str, timeout: float = 30) -> list[tuple[HostSpec, Optional[tuple[int, str]],
+                                                                       Optional[BackendError]]]:
+        """Run one short command on every host in parallel: (host, (status, output) or None, error)."""
+        return self._each(lambda h: self._exec(h, command, timeout))
+
     def _exec(self, host: HostSpec, command: str, timeout: float = 30) -> tuple[int, str]:
-        """Run a short command (no pty); (exit status, stdout+stderr)."""
-        result = self.connect(host).run(command, hide=True, warn=True, timeout=timeout, in_stream=False)
-        return result.exited, result.stdout + result.stderr
+        """Run a short command (no pty); (exit status, stdout+stderr).
+
+        A bare channel rather than Fabric's `run`: its runner polls with sleeps that cost ~0.3 s a
+        command, which every pre-flight check and kill would pay.
+        """
+        conn = self.connect(host)
+        try:
+            channel = conn.transport.open_session(timeout=timeout)
+            channel.settimeout(timeout)
+            channel.set_combine_stderr(True)
+            channel.exec_command(command)
+            chunks = []
+            while data := channel.recv(65536):
+                chunks.append(data)
+            return channel.recv_exit_status(), b"".join(chunks).decode("utf-8", "replace")
+        except (socket.timeout, TimeoutError):
+            raise BackendError(f"{host.label}: command did not finish within {timeout}s: {command[:80]}") from None
+        except (paramiko.SSHException, EOFError, OSError) as err:
+            raise BackendError(f"{host.label}: SSH command failed: {err}") from None
 
     # ------------------------------------------------------------------ the contract
 
@@ -125,7 +146,7 @@ class SshBackend:
         host = next((h for h in self.spec.hosts if h.addr == addr), self.spec.hosts[0])
         probe = f"import socket; socket.socket().bind(('', {port}))"
         try:
-            code, _ = self._exec(host, f"{quote(self._python())} -c {quote(probe)}")
+            code, _ = self._exec(host, f"{quote(host_python(self.spec, host))} -c {quote(probe)}")
         except BackendError:
             return True  # unreachable: `run` reports every host's connection problem
         return code == 0
@@ -205,10 +226,6 @@ class SshBackend:
 
     # ------------------------------------------------------------------ steps
 
-    def _python(self) -> str:
-        import sys
-
-        return self.spec.python or sys.executable
 
     def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
         """Connect, create the run dir, upload the plan's files and the spec's `sync` paths."""
@@ -246,20 +263,21 @@ class SshBackend:
         with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool:
             list(pool.map(term, nodes))
 
-    def _reaper_command(self, run_id: str, kill: bool) -> str:
+    def _reaper_command(self, host: HostSpec, run_id: str, kill: bool) -> str:
+        # python3 from PATH would do too, but the spec's interpreter is known to exist there
         args = [run_id, "--kill"] if kill else [run_id]
-        return (f"{quote(self._python())} -c {quote(REAPER_SOURCE.read_text())} "
+        return (f"{quote(host_python(self.spec, host))} -c {quote(REAPER_SOURCE.read_text())} "
                 + " ".join(quote(a) for a in args))
 
     def _reap(self, host: HostSpec, run_id: str) -> str:
-        code, out = self._exec(host, self._reaper_command(run_id, kill=True), timeout=30)
+        code, out = self._exec(host, self._reaper_command(host, run_id, kill=True), timeout=30)
         return out.strip()
 
     def _kill(self, host: HostSpec, run_id: str) -> str:
         run_dir = host_run_dir(run_id)
         self._exec(host, f"for f in {run_dir}/node*.pid; do [ -f \"$f\" ] && "
                          f"kill -TERM $(cat \"$f\") 2>/dev/null; done; true", timeout=10)
-        before = self._exec(host, self._reaper_command(run_id, kill=False))[1].strip()
+        before = self._exec(host, self._reaper_command(host, run_id, kill=False))[1].strip()
         left = self._reap(host, run_id)
         return ("nothing left" if before == "none" else f"ended pids {before}") + \
             ("" if left == "none" else f"; STILL ALIVE: {left}")
@@ -274,12 +292,17 @@ def _exit_status(ch: paramiko.Channel) -> Optional[int]:
 
 
 def _pump(ch: paramiko.Channel, sink: LineSink, node_rank: int, host: str) -> None:
-    with ch.makefile("rb") as stream:
-        try:
-            for raw in stream:
+    """Forward whole lines from a node's channel to the sink until the channel ends."""
+    pending = b""
+    try:
+        while data := ch.recv(65536):
+            *lines, pending = (pending + data).split(b"\n")
+            for raw in lines:
                 sink.emit(node_rank, host, raw.decode("utf-8", "replace"))
-        except (OSError, EOFError, paramiko.SSHException):
-            return
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
+    if pending:
+        sink.emit(node_rank, host, pending.decode("utf-8", "replace"))
 
 
 def _sync(sftp: paramiko.SFTPClient, spec: ClusterSpec, workdir: str) -> None:
