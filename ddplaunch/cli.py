@@ -50,15 +50,16 @@ def cli() -> None:
 @click.option("--skip-healthcheck", is_flag=True, help="Start the job without the all_reduce check.")
 @click.option("--run-id", help="Use this run id instead of a fresh one (letters, digits, . _ -).")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
+@click.option("--detach", is_flag=True, help="Slurm: submit the batch job and return (see status/logs/down).")
 @click.argument("job_args", nargs=-1, type=click.UNPROCESSED)
 @_handle_errors
 def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_json: bool,
-       job_args: tuple[str, ...]) -> None:
+       detach: bool, job_args: tuple[str, ...]) -> None:
     """Run the health check, then the job of SPEC. Arguments after `--` replace job.args."""
     from ddplaunch.launch import UpOptions
 
     opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=_check_run_id(run_id),
-                     job_args=list(job_args) if job_args else None)
+                     job_args=list(job_args) if job_args else None, detach=detach)
     _launch(spec, opts, dry_run, as_json)
 
 
@@ -82,6 +83,9 @@ def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
     spec = load_spec(spec_path)
     if dry_run:
         click.echo(launch.dry_run(spec, opts), nl=False)
+        return
+    if opts.detach:
+        launch.detach(spec, spec_path, opts)
         return
     report = launch.up(spec, spec_path, opts, stream=sys.stderr if as_json else sys.stdout)
     if as_json:
@@ -129,6 +133,12 @@ def status(run_id: str) -> None:
         for o in stage["outcomes"]:
             code = "" if o["exit_code"] is None else f" exit {o['exit_code']}"
             click.echo(f"    {o['host']} (node {o['node_rank']}): {o['state']}{code}")
+    if r.backend == "slurm":
+        from ddplaunch.backends.slurm import job_status
+        from ddplaunch.spec import ClusterSpec
+
+        for line in job_status(ClusterSpec.model_validate(r.spec), run_id):
+            click.echo(line)
 
 
 @cli.command()
@@ -141,6 +151,14 @@ def logs(run_id: str, host: str | None, follow: bool) -> None:
     from ddplaunch.runs import load_run
 
     record = load_run(run_id)
+    if record.backend == "slurm" and (follow or not record.log_path.exists()):
+        from ddplaunch.backends.slurm import job_logs
+        from ddplaunch.spec import ClusterSpec
+
+        for line in job_logs(ClusterSpec.model_validate(record.spec), run_id, follow):
+            if host is None or line.startswith((f"[{host}:", f"[{host}]")):
+                click.echo(line)
+        return
     with open(record.log_path) as f:
         while True:
             line = f.readline()

@@ -35,6 +35,7 @@ class UpOptions:
     healthcheck_only: bool = False
     job_args: Optional[list[str]] = None
     run_id: Optional[str] = None
+    detach: bool = False
 
 
 @dataclass
@@ -77,7 +78,38 @@ def plan_run(spec: ClusterSpec, run_id: str, opts: UpOptions,
 
 def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     """The text `up --dry-run` prints: the plan `up` would execute, nothing run."""
-    return render_plan(plan_run(spec, opts.run_id or new_run_id(spec.name), opts))
+    run_id = opts.run_id or new_run_id(spec.name)
+    return render_request(spec, run_id, plan_run(spec, run_id, opts))
+
+
+def render_request(spec: ClusterSpec, run_id: str, plans: list[LaunchPlan]) -> str:
+    """What the backend executes, as text: per-host lines, or the batch script and sbatch command."""
+    if spec.backend == "slurm":
+        from ddplaunch.slurm_render import render_sbatch, sbatch_options
+
+        return render_sbatch(spec, run_id, sbatch_options(plans)).render()
+    return render_plan(plans)
+
+
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
+    """`up --detach` (backend slurm only): submit the batch job, record it, return its job id."""
+    if spec.backend != "slurm":
+        raise PlanError(f"--detach needs backend: slurm (this spec has backend: {spec.backend})")
+    from ddplaunch.backends.slurm import SlurmBackend
+    from ddplaunch.slurm_render import render_sbatch, sbatch_options
+
+    run_id = opts.run_id or new_run_id(spec.name)
+    request = render_sbatch(spec, run_id, sbatch_options(plan_run(spec, run_id, opts)))
+    record = RunRecord(run_id=run_id, spec_path=spec_path, backend=spec.backend,
+                       hosts=[h.label for h in spec.hosts], spec=spec.model_dump(mode="json"),
+                       plan_text=request.render())
+    record.state = "submitted"
+    record.save()
+    job = SlurmBackend(spec).submit(request)
+    record.extra["slurm_job_id"] = job.job_id
+    record.save()
+    (stream or sys.stdout).write(f"run {run_id}: submitted batch job {job.job_id}; output {job.output_file}\n")
+    return job.job_id
 
 
 def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
@@ -96,7 +128,7 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
     plans = plan_run(spec, run_id, opts, backend)
     record = RunRecord(run_id=run_id, spec_path=spec_path, backend=spec.backend,
                        hosts=[h.label for h in spec.hosts], spec=spec.model_dump(mode="json"),
-                       plan_text=render_plan(plans))
+                       plan_text=render_request(spec, run_id, plans))
     record.state = "running"
     record.save()
     report = RunReport(run_id=run_id)
