@@ -37,6 +37,8 @@ COMMAND_TIMEOUT = 30.0
 CONTROLLER_GRACE = 60.0
 #: After `scancel`, how long to wait for the job to leave the queue.
 CANCEL_WAIT = 120.0
+#: srun splits longer output lines into pieces of this many bytes.
+SRUN_PIECE = 1024
 
 #: sbatch's complaint -> the spec key that causes it (first match wins).
 SBATCH_ERRORS = (
@@ -221,10 +223,15 @@ def _first_error(text: str) -> str:
 
 
 class _OutputTail:
-    """Whole lines appended to a file since the last read (the file may not exist yet)."""
+    """Whole lines appended to a job's output file since the last read (it may not exist yet).
+
+    srun cuts a task's lines into 1024-byte pieces and labels each (`0: ...`); a piece of exactly
+    that size is held until the rest of its line, from the same node, arrives.
+    """
 
     def __init__(self, path: Path):
         self.path, self.offset, self.rest = path, 0, b""
+        self.pieces: dict[str, str] = {}
 
     def lines(self, final: bool = False) -> list[str]:
         try:
@@ -232,14 +239,29 @@ class _OutputTail:
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
-            return []
+            data = b""
         self.offset += len(data)
         chunks = (self.rest + data).split(b"\n")
         self.rest = chunks.pop()
         if final and self.rest:
             chunks.append(self.rest)
             self.rest = b""
-        return [c.decode("utf-8", "replace").rstrip("\r") for c in chunks]
+        out = []
+        for chunk in chunks:
+            label = _LABEL_RE.match(chunk.decode("utf-8", "replace"))
+            if label is None:
+                out.append(chunk.decode("utf-8", "replace").rstrip("\r"))
+                continue
+            node = label.group(1)
+            text = self.pieces.pop(node, "") + label.group(2)
+            if len(chunk) - chunk.index(b": ") - 2 == SRUN_PIECE:
+                self.pieces[node] = text
+            else:
+                out.append(f"{node}: {text.rstrip(chr(13))}")
+        if final:
+            out += [f"{node}: {text}" for node, text in self.pieces.items()]
+            self.pieces = {}
+        return out
 
 
 class _Follower:
