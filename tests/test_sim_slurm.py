@@ -26,7 +26,7 @@ from ddplaunch.sim.testing import sbatch, slurm_run, wait_job_gone, wait_job_sta
 from tests.simfixture import slurm_cluster, slurm_skip_reason  # noqa: F401  (fixture)
 
 SCRATCH_PREFIX = os.environ.get("DDPLAUNCH_TEST_SLURM_PREFIX2", "dlqz")
-SCRATCH_SUBNET = os.environ.get("DDPLAUNCH_TEST_SLURM_SUBNET2", "10.213.10.0/24")
+SCRATCH_SUBNET = os.environ.get("DDPLAUNCH_TEST_SLURM_SUBNET2", "10.213.90.0/24")
 needs_slurm = pytest.mark.skipif(bool(slurm_skip_reason()), reason=slurm_skip_reason() or "")
 
 
