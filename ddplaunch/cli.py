@@ -16,6 +16,8 @@ from ddplaunch import __version__
 from ddplaunch.errors import EXIT_INTERRUPTED, DdplaunchError
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False))
+EXCLUDE_OPT = click.option("--exclude", multiple=True, metavar="HOST",
+                           help="Leave this host (name or address) out; ranks are re-planned. Repeatable.")
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,15 +53,16 @@ def cli() -> None:
 @click.option("--run-id", help="Use this run id instead of a fresh one (letters, digits, . _ -).")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
 @click.option("--detach", is_flag=True, help="Slurm: submit the batch job and return (see status/logs/down).")
+@EXCLUDE_OPT
 @click.argument("job_args", nargs=-1, type=click.UNPROCESSED)
 @_handle_errors
 def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_json: bool,
-       detach: bool, job_args: tuple[str, ...]) -> None:
-    """Run the health check, then the job of SPEC. Arguments after `--` replace job.args."""
+       detach: bool, exclude: tuple[str, ...], job_args: tuple[str, ...]) -> None:
+    """Pre-flight, health check, then the job of SPEC. Arguments after `--` replace job.args."""
     from ddplaunch.launch import UpOptions
 
     opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=_check_run_id(run_id),
-                     job_args=list(job_args) if job_args else None, detach=detach)
+                     job_args=list(job_args) if job_args else None, detach=detach, exclude=list(exclude))
     _launch(spec, opts, dry_run, as_json)
 
 
@@ -67,12 +70,13 @@ def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_
 @SPEC_ARG
 @click.option("--dry-run", is_flag=True, help="Print the exact per-host commands; run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
+@EXCLUDE_OPT
 @_handle_errors
-def check(spec: str, dry_run: bool, as_json: bool) -> None:
-    """Run only the health check of SPEC (all_reduce correctness and bandwidth)."""
+def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...]) -> None:
+    """Pre-flight host checks and the health check of SPEC; launches no job."""
     from ddplaunch.launch import UpOptions
 
-    _launch(spec, UpOptions(healthcheck_only=True), dry_run, as_json)
+    _launch(spec, UpOptions(healthcheck_only=True, exclude=list(exclude)), dry_run, as_json)
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
@@ -89,7 +93,7 @@ def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
         return
     report = launch.up(spec, spec_path, opts, stream=sys.stderr if as_json else sys.stdout)
     if as_json:
-        click.echo(summary_json(report.run_id, report.stages, report.healthcheck))
+        click.echo(summary_json(report))
     sys.exit(report.exit_code)
 
 

@@ -19,6 +19,7 @@ from typing import IO, Any, Iterator, Optional
 from ddplaunch.backends import get_backend
 from ddplaunch.backends.base import Backend, LineSink, StageResult
 from ddplaunch.errors import PlanError
+from ddplaunch.gate import exclude_hosts, healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, render_plan
 from ddplaunch.report import exit_code, summarize
 from ddplaunch.runs import RunRecord, new_run_id
@@ -36,6 +37,7 @@ class UpOptions:
     job_args: Optional[list[str]] = None
     run_id: Optional[str] = None
     detach: bool = False
+    exclude: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -43,12 +45,18 @@ class RunReport:
     """The outcome of one `up`."""
 
     run_id: str
+    final_stage: str = "job"
     stages: list[StageResult] = field(default_factory=list)
     healthcheck: Optional[dict[str, Any]] = None
+    preflight: Optional[dict[str, Any]] = None
+    localization: Optional[dict[str, Any]] = None
+    excluded: list[str] = field(default_factory=list)
+    #: What stopped the run before its last stage ("pre-flight", "health check"), if anything.
+    blocked: Optional[str] = None
 
     @property
     def exit_code(self) -> int:
-        return exit_code(self.stages)
+        return exit_code(self.stages, self.final_stage, self.blocked)
 
 
 def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
@@ -114,24 +122,24 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
 
 def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
        stream: Optional[IO[str]] = None) -> RunReport:
-    """Launch: health check, then the job, through the spec's backend.
+    """Launch: pre-flight, health check (and its gate), then the job, through the spec's backend.
 
     Returns:
         The report; `report.exit_code` is the process exit code. Failures of hosts and ranks
         are in the report, not raised.
     Raises:
-        PlanError: no free master port. BackendError: the backend cannot start at all.
+        PlanError: no free master port, bad --exclude. BackendError: the backend cannot start.
     """
     stream = stream or sys.stdout
+    if opts.exclude:
+        spec = exclude_hosts(spec, opts.exclude)
     backend = get_backend(spec)
     run_id = opts.run_id or new_run_id(spec.name)
-    plans = plan_run(spec, run_id, opts, backend)
     record = RunRecord(run_id=run_id, spec_path=spec_path, backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.model_dump(mode="json"),
-                       plan_text=render_request(spec, run_id, plans))
+                       hosts=[h.label for h in spec.hosts], spec=spec.model_dump(mode="json"), plan_text="")
     record.state = "running"
     record.save()
-    report = RunReport(run_id=run_id)
+    report = RunReport(run_id=run_id, final_stage=stages_of(spec, opts)[-1])
     with open(record.log_path, "a") as log, _stop_on_signals() as stop, contextlib.closing(backend):
         sink = LineSink(stream, log)
         sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
@@ -143,13 +151,50 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
             record.stages.append(result.to_dict())
             record.save()
 
-        report.stages = backend.run_all(plans, sink, stop, on_stage)
+        if preflight_wanted(spec, opts.healthcheck_only):
+            first_port = spec.master.port or derive_port(f"{run_id}:{stages_of(spec, opts)[0]}")
+            spec, pf = preflight_gate(spec, backend, run_id, first_port, sink, record.dir)
+            report.preflight = pf.to_dict()
+            if spec is None:
+                report.blocked = "pre-flight"
+        if spec is not None:
+            plans = plan_run(spec, run_id, opts, backend)
+            record.plan_text = render_request(spec, run_id, plans)
+            record.save()
+            if getattr(backend, "single_submission", False):  # Slurm: both stages in one batch job
+                report.stages = backend.run_all(plans, sink, stop, on_stage)
+            else:
+                _run_gated(spec, run_id, opts, plans, backend, sink, stop, on_stage, report, record)
     record.state = {0: "ok", 130: "interrupted"}.get(report.exit_code, "failed")
     record.ended_at = time.time()
     record.save()
-    stream.write(summarize(run_id, report.stages) + "\n")
+    stream.write(summarize(run_id, report.stages, report.exit_code, report.blocked) + "\n")
     stream.flush()
     return report
+
+
+def _run_gated(spec: ClusterSpec, run_id: str, opts: UpOptions, plans: list[LaunchPlan], backend: Backend,
+               sink: LineSink, stop: threading.Event, on_stage: Any, report: RunReport,
+               record: RunRecord) -> None:
+    """Stage by stage; after the health check its gate may stop the run or drop bad hosts."""
+    for plan in plans:
+        if plan.stage == "job" and [n.host for n in plan.nodes] != list(spec.hosts):
+            plan = make_plan(spec, run_id, "job", _free_port(spec, run_id, "job", backend), opts.job_args)
+            record.plan_text += "\n# re-planned without excluded hosts\n" + render_request(spec, run_id, [plan])
+            record.save()
+        (result,) = backend.run_all([plan], sink, stop, on_stage)
+        report.stages.append(result)
+        if plan.stage == "healthcheck":
+            gated, loc = healthcheck_gate(spec, backend, run_id, result, stop, sink, record.dir)
+            report.localization = loc.to_dict() if loc else None
+            if gated is None:
+                report.blocked = report.blocked or ("health check" if result.ok else None)
+                return
+            if gated is not spec:
+                report.excluded = [h.label for h in spec.hosts if h not in gated.hosts]
+            spec = gated
+        elif not result.ok:
+            return
 
 
 def _free_port(spec: ClusterSpec, run_id: str, stage: str, backend: Backend) -> int:

@@ -13,16 +13,20 @@ from ddplaunch.backends.base import STATE_ORDER, StageResult
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 
 
-def exit_code(stages: list[StageResult]) -> int:
-    """0 when every stage passed, 130 when the user interrupted, else 1."""
+def exit_code(stages: list[StageResult], final_stage: str = "job", blocked: Optional[str] = None) -> int:
+    """130 when the user interrupted; 0 when the last stage ran and passed and no gate stopped
+    the run (a failed health check whose bad hosts were excluded does not count); else 1."""
     if any(s.interrupted for s in stages):
         return EXIT_INTERRUPTED
-    return EXIT_OK if stages and all(s.ok for s in stages) else EXIT_FAILURE
+    if blocked or not stages or stages[-1].stage != final_stage:
+        return EXIT_FAILURE
+    return EXIT_OK if stages[-1].ok else EXIT_FAILURE
 
 
-def summarize(run_id: str, stages: list[StageResult], tail_lines: int = 10) -> str:
+def summarize(run_id: str, stages: list[StageResult], code: int, blocked: Optional[str] = None,
+              tail_lines: int = 10) -> str:
     """The human summary of a run, worst news first."""
-    out = []
+    out = [f"stopped by the {blocked} gate: no job was started"] if blocked else []
     for stage in stages:
         bad = [o for o in stage.outcomes if o.state != "ok"]
         took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
@@ -41,13 +45,14 @@ def summarize(run_id: str, stages: list[StageResult], tail_lines: int = 10) -> s
         for o in sorted(stage.outcomes, key=lambda o: (STATE_ORDER.index(o.state)
                                                         if o.state in STATE_ORDER else 0, o.node_rank)):
             out.append(f"    {o.describe()}")
-    code = exit_code(stages)
     out.append(f"run {run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")
     return "\n".join(out)
 
 
-def summary_json(run_id: str, stages: list[StageResult], healthcheck: Optional[dict[str, Any]]) -> str:
-    """The machine-readable summary printed by `--json`."""
-    return json.dumps({"run_id": run_id, "exit_code": exit_code(stages), "healthcheck": healthcheck,
-                       "stages": [s.to_dict() for s in stages]}, indent=2, sort_keys=True)
+def summary_json(report: Any) -> str:
+    """The machine-readable summary printed by `--json` (a launch.RunReport)."""
+    return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
+                       "preflight": report.preflight, "healthcheck": report.healthcheck,
+                       "localization": report.localization, "excluded": report.excluded,
+                       "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

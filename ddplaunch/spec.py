@@ -68,6 +68,10 @@ class HealthcheckSpec(_Strict):
     iterations: int = Field(default=5, ge=1)
     timeout: int = Field(default=60, ge=1, description="seconds for init and each collective")
     min_busbw_gbps: Optional[float] = Field(default=None, gt=0)
+    pairwise: bool = False
+    pair_size: Union[int, str] = "16M"
+    min_busbw_fraction: float = Field(default=0.5, gt=0, le=1)
+    on_fail: Literal["stop", "exclude"] = "stop"
 
     @field_validator("sizes")
     @classmethod
@@ -77,6 +81,20 @@ class HealthcheckSpec(_Strict):
         for size in sizes:
             parse_size(size)
         return sizes
+
+    @field_validator("pair_size")
+    @classmethod
+    def _pair_size(cls, size: Union[int, str]) -> Union[int, str]:
+        parse_size(size)
+        return size
+
+
+class PreflightSpec(_Strict):
+    """Host checks before anything starts (see ddplaunch/preflight.py)."""
+
+    enabled: Optional[bool] = None
+    max_clock_skew: float = Field(default=5.0, gt=0)
+    min_free_disk_gb: float = Field(default=1.0, ge=0)
 
 
 class JobSpec(_Strict):
@@ -138,6 +156,7 @@ class ClusterSpec(_Strict):
     socket_ifname: Optional[str] = None
     rdzv_timeout: int = Field(default=60, ge=1)
     dist_timeout: int = Field(default=300, ge=1)
+    preflight: PreflightSpec = Field(default_factory=PreflightSpec)
     healthcheck: HealthcheckSpec = Field(default_factory=HealthcheckSpec)
     job: JobSpec = Field(default_factory=JobSpec)
     ssh: SshSpec = Field(default_factory=SshSpec)

@@ -11,7 +11,7 @@ def get_backend(spec: ClusterSpec) -> Backend:
     if spec.backend == "local":
         from ddplaunch.backends.local import LocalBackend
 
-        return LocalBackend()
+        return LocalBackend(spec)
     if spec.backend == "ssh":
         from ddplaunch.backends.ssh import SshBackend
 

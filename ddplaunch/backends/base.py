@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Callable, Optional, Protocol
 
 from ddplaunch.plan import LaunchPlan
+from ddplaunch.spec import HostSpec
 
 TAIL_LINES = 40
 
@@ -141,12 +142,15 @@ class LineSink:
 
     def note(self, text: str) -> None:
         """A line from ddplaunch itself."""
+        self.block(f"[ddplaunch] {text}")
+
+    def block(self, text: str) -> None:
+        """Lines from ddplaunch as they are (tables, summaries)."""
         with self._lock:
-            self._stream.write(f"[ddplaunch] {text}\n")
-            self._stream.flush()
-            if self._log is not None:
-                self._log.write(f"[ddplaunch] {text}\n")
-                self._log.flush()
+            for out in (self._stream, self._log):
+                if out is not None:
+                    out.write(text.rstrip("\n") + "\n")
+                    out.flush()
 
     def tail(self, node_rank: int) -> list[str]:
         with self._lock:
@@ -169,6 +173,8 @@ def finish_outcome(outcome: NodeOutcome, sink: LineSink, exit_code: Optional[int
 
 
 StageCallback = Callable[[LaunchPlan, StageResult, LineSink], None]
+#: One host's answer to a short command: (host, (exit status, output) or None, error or None).
+HostResult = tuple[HostSpec, Optional[tuple[int, str]], Optional[Exception]]
 
 
 def run_in_order(backend: "Backend", plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
@@ -200,6 +206,9 @@ class Backend(Protocol):
 
     def down(self, run_id: str) -> list[str]:
         """End every process left of run `run_id`; returns one line per host on what was done."""
+
+    def run_short(self, command: Callable[[HostSpec], str], timeout: float = 30) -> list[HostResult]:
+        """Run a short command, built per host, on every host at once (pre-flight probes)."""
 
     def close(self) -> None:
         """Release connections; called once when the run is over."""

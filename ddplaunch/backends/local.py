@@ -14,12 +14,15 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from typing import Callable
 
 from ddplaunch import reaper
 from ddplaunch.backends.base import (
-    INTERRUPTED, RUNNING, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
+    INTERRUPTED, RUNNING, HostResult, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
     run_in_order)
+from ddplaunch.errors import BackendError
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
+from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before everything is killed.
 SHUTDOWN_GRACE = 10.0
@@ -27,6 +30,9 @@ SHUTDOWN_GRACE = 10.0
 
 class LocalBackend:
     """Runs a one-node plan here."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
@@ -70,6 +76,17 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+    def run_short(self, command: Callable[[HostSpec], str], timeout: float = 30) -> list[HostResult]:
+        results: list[HostResult] = []
+        for host in self.spec.hosts:
+            try:
+                proc = subprocess.run(["bash", "-c", command(host)], capture_output=True, text=True,
+                                      timeout=timeout, stdin=subprocess.DEVNULL)
+                results.append((host, (proc.returncode, proc.stdout + proc.stderr), None))
+            except subprocess.TimeoutExpired:
+                results.append((host, None, BackendError(f"{host.label}: command did not finish within {timeout}s")))
+        return results
 
     def down(self, run_id: str) -> list[str]:
         left = reaper.run_pids(run_id)

@@ -20,8 +20,8 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.base import (
-    INTERRUPTED, LOST, RUNNING, UNREACHABLE, LineSink, NodeOutcome, StageCallback, StageResult,
-    finish_outcome, run_in_order)
+    INTERRUPTED, LOST, RUNNING, UNREACHABLE, HostResult, LineSink, NodeOutcome, StageCallback,
+    StageResult, finish_outcome, run_in_order)
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -104,20 +104,21 @@ class SshBackend:
         for conn in conns:
             conn.close()
 
-    def _each(self, fn: Callable[[HostSpec], T]) -> list[tuple[HostSpec, Optional[T], Optional[BackendError]]]:
-        """Call fn on every host in parallel; one (host, value, error) per host."""
+    def _each(self, fn: Callable[[HostSpec], T], hosts: Optional[list[HostSpec]] = None
+              ) -> list[tuple[HostSpec, Optional[T], Optional[BackendError]]]:
+        """Call fn on every host (of the spec, or `hosts`) in parallel; (host, value, error) each."""
+        hosts = self.spec.hosts if hosts is None else hosts
         def one(host: HostSpec) -> tuple[HostSpec, Optional[T], Optional[BackendError]]:
             try:
                 return host, fn(host), None
             except BackendError as err:
                 return host, None, err
-        with ThreadPoolExecutor(max_workers=min(64, len(self.spec.hosts))) as pool:
-            return list(pool.map(one, self.spec.hosts))
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(hosts)))) as pool:
+            return list(pool.map(one, hosts))
 
-    def exec_all(self, command: str, timeout: float = 30) -> list[tuple[HostSpec, Optional[tuple[int, str]],
-                                                                       Optional[BackendError]]]:
-        """Run one short command on every host in parallel: (host, (status, output) or None, error)."""
-        return self._each(lambda h: self._exec(h, command, timeout))
+    def run_short(self, command: Callable[[HostSpec], str], timeout: float = 30) -> list[HostResult]:
+        """Run a short command (built per host) on every host in parallel."""
+        return self._each(lambda h: self._exec(h, command(h), timeout))
 
     def _exec(self, host: HostSpec, command: str, timeout: float = 30) -> tuple[int, str]:
         """Run a short command (no pty); (exit status, stdout+stderr).
@@ -158,7 +159,8 @@ class SshBackend:
     def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
         outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host.label) for n in plan.nodes]
         result = StageResult(stage=plan.stage, outcomes=outcomes)
-        ready = self._each(lambda h: self._prepare(h, plan))
+        plan_hosts = [n.host for n in plan.nodes]
+        ready = self._each(lambda h: self._prepare(h, plan), plan_hosts)
         for (host, _, err), outcome in zip(ready, outcomes):
             if err is not None:
                 outcome.state, outcome.detail, outcome.ended_at = UNREACHABLE, str(err), time.time()
@@ -213,7 +215,7 @@ class SshBackend:
         for node, ch in zip(plan.nodes, channels):
             ch.close()
             finish_outcome(outcomes[node.node_rank], sink, done.get(node.node_rank))
-        self._each(lambda h: self._reap(h, plan.run_id))
+        self._each(lambda h: self._reap(h, plan.run_id), plan_hosts)
         result.ended_at = time.time()
         return result
 

@@ -1,0 +1,191 @@
+"""Pre-flight probe: facts about one host, printed as one JSON line.
+
+A plain script (standard library only, torch is looked up, not imported) that backends run on
+every host at once with `python -c SOURCE ARGS_JSON`. The master host's probe listens on the
+master port while every host's probe connects to it, so one parallel round shows both that the
+port is free and that every host reaches it over TCP.
+"""
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+SIOCGIFADDR = 0x8915
+
+
+def torch_facts():
+    """torch version, CUDA and NCCL versions without importing torch (that takes seconds)."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return {"torch": None, "torch_error": f"No module named 'torch' for {sys.executable}"}
+    facts = {"torch": None, "cuda": None, "nccl": None}
+    version_file = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        scope = {}
+        with open(version_file) as f:
+            exec(compile(f.read(), version_file, "exec"), scope)  # noqa: S102 - torch's own constants
+        facts["torch"], facts["cuda"] = scope.get("__version__"), scope.get("cuda")
+    except (OSError, SyntaxError, ImportError) as err:
+        facts["torch_error"] = f"torch is broken: {err}"
+    for dist in ("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl-cu11"):
+        try:
+            facts["nccl"] = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return facts
+
+
+def gpu_facts(need):
+    if not need:
+        return {"gpus": None, "gpu_procs": []}
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"gpus": 0, "gpu_procs": [], "gpu_error": "nvidia-smi not found"}
+    def query(args):
+        out = subprocess.run([smi, *args, "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+    try:
+        return {"gpus": len(query(["--query-gpu=index"])),
+                "gpu_procs": query(["--query-compute-apps=pid,process_name"])}
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"gpus": 0, "gpu_procs": [], "gpu_error": f"nvidia-smi failed: {err}"}
+
+
+def leftovers(current_run):
+    """Other ddplaunch runs still alive on this host: {run_id: [pids]}.
+
+    Only processes in this network namespace count: hosts that share a kernel (containers,
+    the simulated cluster) each see their own.
+    """
+    found = {}
+    here = _netns("self")
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            if _netns(name) != here:
+                continue
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"DDPLAUNCH_RUN_ID="):
+                rid = item.split(b"=", 1)[1].decode(errors="replace")
+                if rid != current_run:
+                    found.setdefault(rid, []).append(int(name))
+    return found
+
+
+def _netns(pid):
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def iface_of(ip):
+    """The interface that holds `ip`, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None
+
+
+def network_facts(master, port):
+    facts = {"master_ips": [], "route_ip": None, "route_iface": None}
+    try:
+        facts["master_ips"] = sorted({a[4][0] for a in socket.getaddrinfo(master, None, socket.AF_INET)})
+    except OSError as err:
+        facts["master_error"] = f"cannot resolve {master}: {err}"
+        return facts
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((facts["master_ips"][0], port or 9))  # UDP: picks the route, sends nothing
+            facts["route_ip"] = s.getsockname()[0]
+        except OSError as err:
+            facts["master_error"] = f"no route to {master}: {err}"
+            return facts
+    facts["route_iface"] = iface_of(facts["route_ip"])
+    return facts
+
+
+def listen(port, expect, deadline, out):
+    """Master side: bind the port, then accept until every host said hello or the deadline."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(("", port))
+    except OSError as err:
+        out["port_busy"] = f"{err.strerror or err}"
+        return
+    srv.listen(64)
+    out["port_busy"], out["peers_seen"] = None, []
+    srv.settimeout(0.2)
+    while time.time() < deadline and len(out["peers_seen"]) < expect:
+        try:
+            conn, _ = srv.accept()
+        except socket.timeout:
+            continue
+        with conn:
+            conn.settimeout(1)
+            try:
+                out["peers_seen"].append(conn.recv(256).decode(errors="replace"))
+            except OSError:
+                pass
+    srv.close()
+
+
+def connect(master, port, deadline, me):
+    """Every host: reach master:port over TCP (retrying while the listener starts)."""
+    last = None
+    while time.time() < deadline:
+        try:
+            with socket.create_connection((master, port), timeout=1) as c:
+                c.sendall(me.encode())
+                return None
+        except OSError as err:
+            last = err
+            time.sleep(0.1)
+    return f"cannot reach {master}:{port} over TCP: {getattr(last, 'strerror', None) or last}"
+
+
+def main():
+    args = json.loads(sys.argv[1])
+    out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable}
+    out.update(torch_facts())
+    out.update(gpu_facts(args.get("need_gpus")))
+    out["leftovers"] = leftovers(args["run_id"])
+    out.update(network_facts(args["master"], args.get("port")))
+    workdir = args["workdir"]
+    out["workdir_ok"] = os.path.isdir(workdir)
+    out["script_ok"] = os.path.isfile(os.path.join(workdir, args["script"])) if out["workdir_ok"] else False
+    out["disk_free_gb"] = shutil.disk_usage(workdir if out["workdir_ok"] else "/").free / 1e9
+    if args.get("port"):
+        deadline = time.time() + args.get("probe_s", 4)
+        listener = None
+        if args.get("listen"):
+            listener = threading.Thread(target=listen, args=(args["port"], args["expect"], deadline, out))
+            listener.start()
+        out["port_error"] = connect(args["master"], args["port"], deadline, args["label"])
+        if listener is not None:
+            listener.join()
+    out["time"] = time.time()
+    print("DDPLAUNCH_PROBE " + json.dumps(out, sort_keys=True), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Pre-flight host checks: every host probed at once, before any torchrun starts.
+
+`run_preflight` sends `hostprobe.py` to every host through the backend, then `evaluate` (pure)
+turns the facts into one row per host and one column per check, each failure with a one-line
+fix. Versions are compared across hosts; the master port is probed with a real listener.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ddplaunch.backends.base import Backend
+from ddplaunch.plan import host_python, master_addr, quote
+from ddplaunch.spec import ClusterSpec, HostSpec
+
+PROBE_SOURCE = Path(__file__).with_name("hostprobe.py")
+CHECKS = ("ssh", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
+          "clock", "disk", "workdir")
+PROBE_SECONDS = 4.0
+
+
+@dataclass
+class Check:
+    """One cell of the table: ok (True/False, None = not applicable), what was seen, the fix."""
+
+    ok: Optional[bool]
+    seen: str = ""
+    fix: str = ""
+
+
+@dataclass
+class HostReport:
+    host: str
+    addr: str
+    checks: dict[str, Check] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks.values())
+
+    def failures(self) -> list[tuple[str, Check]]:
+        return [(name, c) for name, c in self.checks.items() if c.ok is False]
+
+
+@dataclass
+class PreflightReport:
+    """Every host's checks; `socket_ifname` is the interface detected for Gloo/NCCL (or None)."""
+
+    hosts: list[HostReport]
+    socket_ifname: Optional[str] = None
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(h.ok for h in self.hosts)
+
+    @property
+    def bad_hosts(self) -> list[str]:
+        return [h.host for h in self.hosts if not h.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "elapsed_s": round(self.elapsed_s, 3), "socket_ifname": self.socket_ifname,
+                "checks": list(CHECKS), "bad_hosts": self.bad_hosts,
+                "hosts": [{"host": h.host, "addr": h.addr, "ok": h.ok,
+                           "checks": {k: asdict(v) for k, v in h.checks.items()}} for h in self.hosts]}
+
+
+def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int]) -> str:
+    """The shell line that probes `host` (pure)."""
+    master = master_addr(spec)
+    args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
+            "listen": host.addr == master or (master == "127.0.0.1" and host.addr == "localhost"),
+            "expect": len(spec.hosts), "workdir": spec.workdir_path, "script": spec.job.script,
+            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto", "probe_s": PROBE_SECONDS}
+    if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
+        args["listen"] = True  # master.addr is an alias of the first host
+    return (f"{quote(host_python(spec, host))} -c {quote(PROBE_SOURCE.read_text())} "
+            f"{quote(json.dumps(args, sort_keys=True))}")
+
+
+def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Optional[int]) -> PreflightReport:
+    """Probe every host in parallel and evaluate the facts."""
+    t0 = time.time()
+    results = backend.run_short(lambda h: probe_command(spec, h, run_id, port), timeout=PROBE_SECONDS + 20)
+    t1 = time.time()
+    raw: dict[str, Any] = {}
+    for host, res, err in results:
+        if err is not None:
+            raw[host.label] = {"error": str(err)}
+            continue
+        code, out = res
+        line = next((x for x in out.splitlines() if x.startswith("DDPLAUNCH_PROBE ")), None)
+        raw[host.label] = (json.loads(line.split(" ", 1)[1]) if line
+                           else {"exit": code, "output": out.strip()[-300:], "python": None})
+    report = evaluate(spec, raw, launcher_time=(t0 + t1) / 2, port=port)
+    report.elapsed_s = time.time() - t0
+    return report
+
+
+def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: float,
+             port: Optional[int]) -> PreflightReport:
+    """Pure: per-host facts -> checks. `raw[label]` is the probe's JSON, or {"error"} / {"exit"}."""
+    hosts = []
+    for h in spec.hosts:
+        rep = HostReport(host=h.label, addr=h.addr, facts=raw.get(h.label, {}))
+        hosts.append(rep)
+        f = rep.facts
+        if "error" in f:
+            rep.checks["ssh"] = Check(False, f["error"], "check the host is up, sshd runs and ssh.* is right")
+            continue
+        rep.checks["ssh"] = Check(True, "ok")
+        if "exit" in f:
+            py = host_python(spec, h)
+            missing = f["exit"] == 127 or "No such file" in f.get("output", "")
+            rep.checks["python"] = Check(False, f"{py}: " + ("not found" if missing else f["output"][-120:]),
+                                         "install Python 3 there or set `python:` (or hosts[].python)")
+            continue
+        rep.checks["python"] = Check(True, f"{f['python']}")
+        rep.checks["torch"] = (Check(True, f["torch"]) if f.get("torch") else
+                               Check(False, f.get("torch_error", "torch missing"),
+                                     f"pip install torch into {f.get('executable')} or point `python:` at a "
+                                     "venv that has it"))
+        _gpus(spec, rep)
+        left = f.get("leftovers") or {}
+        rep.checks["leftovers"] = (Check(True, "none") if not left else Check(
+            False, "; ".join(f"run {r}: pids {' '.join(map(str, p[:5]))}" for r, p in sorted(left.items())),
+            "end them: " + "; ".join(f"ddplaunch down {r}" for r in sorted(left))))
+        _network(spec, rep, port)
+        skew = f["time"] - launcher_time
+        rep.checks["clock"] = (Check(True, f"{skew:+.2f}s") if abs(skew) <= spec.preflight.max_clock_skew
+                               else Check(False, f"{skew:+.1f}s off the launcher",
+                                          "run chrony/ntpd on the host (ranks' timeouts and logs rely on clocks)"))
+        rep.checks["disk"] = (Check(True, f"{f['disk_free_gb']:.1f} GB")
+                              if f["disk_free_gb"] >= spec.preflight.min_free_disk_gb else
+                              Check(False, f"{f['disk_free_gb']:.2f} GB free in workdir",
+                                    f"free space (need {spec.preflight.min_free_disk_gb} GB for logs and checkpoints)"))
+        rep.checks["workdir"] = (Check(True, "ok") if f["script_ok"] else Check(
+            False, f"{spec.workdir_path}/{spec.job.script} missing" if f["workdir_ok"]
+            else f"workdir {spec.workdir_path} missing", "create it or list the files under `sync:`"))
+    _versions(hosts)
+    ifname = _agree_iface(spec, hosts)
+    for rep in hosts:
+        rep.checks = {name: rep.checks[name] for name in CHECKS if name in rep.checks}
+    return PreflightReport(hosts=hosts, socket_ifname=ifname)
+
+
+def _gpus(spec: ClusterSpec, rep: HostReport) -> None:
+    f = rep.facts
+    if f.get("gpus") is None:
+        rep.checks["gpus"] = Check(None, "not needed (gloo)")
+        return
+    want = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else 1
+    if f["gpus"] < want:
+        rep.checks["gpus"] = Check(False, f"{f['gpus']} GPU(s) {f.get('gpu_error', '')}".strip(),
+                                   f"nproc_per_node is {want}: lower it or fix the driver")
+    elif f.get("gpu_procs"):
+        rep.checks["gpus"] = Check(False, f"busy: {', '.join(f['gpu_procs'][:3])}",
+                                   "end the processes holding the GPUs (nvidia-smi)")
+    else:
+        rep.checks["gpus"] = Check(True, f"{f['gpus']} free")
+
+
+def _network(spec: ClusterSpec, rep: HostReport, port: Optional[int]) -> None:
+    f, master = rep.facts, master_addr(spec)
+    ips = f.get("master_ips") or []
+    if f.get("master_error") or not ips:
+        rep.checks["master_dns"] = Check(False, f.get("master_error", "unresolved"),
+                                         "use the master's IP in master.addr or fix /etc/hosts")
+    elif any(ip.startswith("127.") for ip in ips) and len(spec.hosts) > 1:
+        rep.checks["master_dns"] = Check(False, f"{master} -> {', '.join(ips)} (loopback: the 127.0.1.1 "
+                                         "/etc/hosts trap)", "set master.addr to the cluster IP")
+    else:
+        rep.checks["master_dns"] = Check(True, ", ".join(ips))
+    rep.checks["iface"] = (Check(True, f"{f['route_iface']} {f['route_ip']}") if f.get("route_iface")
+                           else Check(False, f"no interface reaches {master}",
+                                      "check routes; set socket_ifname"))
+    if port is None:
+        return
+    if f.get("port_busy"):
+        rep.checks["port"] = Check(False, f"{port} busy on the master: {f['port_busy']}",
+                                   "free it, or leave master.port unset so ddplaunch picks a free port")
+    elif f.get("port_error"):
+        rep.checks["port"] = Check(False, f["port_error"], "open the port range in the firewall between hosts")
+    else:
+        rep.checks["port"] = Check(True, f"reached {master}:{port}")
+
+
+def _versions(hosts: list[HostReport]) -> None:
+    """Python, torch, CUDA and NCCL must agree: the majority is right, the others are named."""
+    probed = [h for h in hosts if h.facts.get("torch")]
+    for rep in probed:
+        rep.checks["versions"] = Check(True, "agree")
+    for key in ("python", "torch", "cuda", "nccl"):
+        values = [h.facts.get(key) for h in probed]
+        if len(set(values)) <= 1:
+            continue
+        majority = max(set(values), key=values.count)
+        table = ", ".join(f"{h.host}={h.facts.get(key)}" for h in probed)
+        for rep in probed:
+            if rep.facts.get(key) != majority:
+                rep.checks["versions"] = Check(False, f"{key} {rep.facts.get(key)} vs {majority} ({table})",
+                                               f"install {key} {majority} on {rep.host}")
+
+
+def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
+    """The one interface name every host reaches the master through (None if they differ)."""
+    names = {h.facts.get("route_iface") for h in hosts if h.facts.get("route_iface")}
+    if spec.socket_ifname or len(names) != 1 or len(spec.hosts) == 1:
+        return None
+    (name,) = names
+    return None if name == "lo" else name
+
+
+def render_table(report: PreflightReport) -> str:
+    """A row per host (failures first), a column per check, then one fix line per failure."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"pre-flight: {'ok' if report.ok else 'FAILED'} ({report.elapsed_s:.1f}s)")
+    table.add_column("host")
+    cols = [c for c in CHECKS if any(c in h.checks for h in report.hosts)]
+    for c in cols:
+        table.add_column(c)
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    for h in sorted(report.hosts, key=lambda h: h.ok):
+        table.add_row(h.host, *[mark[h.checks[c].ok] if c in h.checks else "" for c in cols])
+    buf = StringIO()
+    Console(file=buf, width=200, no_color=True, force_terminal=False).print(table)
+    lines = [buf.getvalue().rstrip()]
+    for h in sorted(report.hosts, key=lambda h: h.ok):
+        for name, c in h.failures():
+            lines.append(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}")
+    if report.socket_ifname:
+        lines.append(f"every host reaches the master through {report.socket_ifname}: "
+                     f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={report.socket_ifname}")
+    return "\n".join(lines)
