@@ -156,7 +156,11 @@ def test_up_is_idempotent_and_down_removes_every_daemon_and_namespace():
     # not tmp_path: munged (user munge) must be able to traverse every parent of the state dir
     state_dir = Path(tempfile.mkdtemp(prefix=f"ddplaunch-sim-{SCRATCH_PREFIX}-"))
     cfg = SimConfig(n_hosts=1, prefix=SCRATCH_PREFIX, subnet=SCRATCH_SUBNET, state_dir=state_dir, slurm=True)
-    ours = lambda: sorted(ns for ns in list_netns() if Naming.parse(SCRATCH_PREFIX, SCRATCH_SUBNET).owns_netns(ns))  # noqa: E731
+    naming = Naming.parse(SCRATCH_PREFIX, SCRATCH_SUBNET)
+
+    def ours() -> list[str]:
+        return sorted(ns for ns in list_netns() if naming.owns_netns(ns))
+
     try:
         first = sim_up(cfg)
         again = sim_up(cfg)                               # over a running cluster

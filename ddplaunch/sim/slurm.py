@@ -181,7 +181,8 @@ def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> SlurmState:
     assert st is not None
     base = st.base
     shutil.rmtree(base, ignore_errors=True)   # old controller state would resurrect old jobs
-    for d in (base / "ctl" / "state", base / "jobs", *(base / "nodes" / h.name / "spool" for h in cluster.hosts)):
+    spools = [base / "nodes" / h.name / "spool" for h in cluster.hosts]
+    for d in (base / "ctl" / "state", base / "jobs", *spools):
         d.mkdir(parents=True, exist_ok=True)
     os.chmod(base / "jobs", 0o1777)            # jobs of non-root users write their output here
     st.conf.write_text(slurm_conf_text(
