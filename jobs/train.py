@@ -277,6 +277,10 @@ def main(argv=None) -> int:
         with torch.no_grad():  # test hook: no collective, so only this replica drifts
             next(model.parameters()).add_(1e-3)
     identical = check_replicas(model, rank, world)
+    # Drop DDP (its reducer holds the process group) before destroying the group: the
+    # other order sometimes aborts at exit ("terminate called without an active exception").
+    del ddp, optimizer
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if identical else 1
 
