@@ -1,0 +1,137 @@
+"""Integration tests of the Slurm backend on a real (simulated) Slurm cluster of 3 nodes.
+
+Needs root, munge and the Slurm daemons (`slurm_cluster` skips with the reason otherwise). Jobs
+are followed by polling with deadlines; a run's processes are found by its DDPLAUNCH_RUN_ID tag
+(every sim node shares this machine's PID namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
+from tests.ssh_util import ROOT, ddplaunch, launcher_env, popen_ddplaunch, read_until, run_processes, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+def slurm_spec(cluster, tmp_path: Path, script: str = "jobs/toy_ddp.py", **slurm: object) -> Path:
+    data = yaml.safe_load(cluster.slurm.spec_path.read_text())
+    data["workdir"] = str(ROOT)
+    data["job"] = {"script": script}
+    data["slurm"].update({"output_dir": str(tmp_path / "slurm-out"), **slurm})
+    path = tmp_path / "cluster-slurm.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def slurm_env(cluster) -> dict[str, str]:
+    return cluster.slurm.env(dict(os.environ))
+
+
+def job_of(tmp_path: Path, run_id: str) -> str:
+    return json.loads((tmp_path / "state" / "runs" / run_id / "slurm.json").read_text())["job_id"]
+
+
+def in_queue(cluster, job_id: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                         timeout=30, env=slurm_env(cluster))
+    return bool(out.stdout.strip())
+
+
+def test_up_two_nodes_two_procs(slurm_cluster, tmp_path):
+    spec = slurm_spec(slurm_cluster, tmp_path)
+    out = ddplaunch(["up", str(spec), "--run-id", "sl-ok"], tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "stage healthcheck: ok on all 2 node(s)" in text and "stage job: ok on all 2 node(s)" in text
+    hosts = [h.name for h in slurm_cluster.hosts]
+    # which node ran which ranks: ranks 0,1 on the first node, 2,3 on the second
+    for rank in range(4):
+        node = hosts[rank // 2]
+        assert f"[{node}:{rank}] rank={rank} mean_grad=4.0 updated_weight=0.6" in text, text
+    assert "DDPLAUNCH_NODE" not in text and "DDPLAUNCH_HEALTHCHECK_JSON" not in text
+    assert (tmp_path / "state" / "runs" / "sl-ok" / "healthcheck.json").is_file()
+    status = ddplaunch(["status", "sl-ok"], tmp_path)
+    assert f"slurm job {job_of(tmp_path, 'sl-ok')}: COMPLETED" in status.stdout, status.stdout
+
+
+def test_plain_sbatch_without_ddplaunch(slurm_cluster, tmp_path):
+    env = dict(slurm_env(slurm_cluster), PYTHON=str(ROOT / ".venv/bin/python"), NPROC_PER_NODE="2",
+               SOCKET_IFNAME=slurm_cluster.ifname)
+    out = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/ddp-%j.out",
+                          "slurm/ddp.sbatch", "jobs/toy_ddp.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip()
+    wait_for(lambda: not in_queue(slurm_cluster, job), timeout=240, interval=0.3)
+    text = (tmp_path / f"ddp-{job}.out").read_text()
+    assert "HEALTHCHECK OK world=4" in text, text
+    assert text.count("updated_weight=0.6") == 4, text
+    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30,
+                          env=slurm_env(slurm_cluster)).stdout
+    assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info
+
+
+def test_failing_rank_ends_the_allocation(slurm_cluster, tmp_path):
+    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
+    out = ddplaunch(["up", str(spec), "--run-id", "sl-fail", "--skip-healthcheck", "--",
+                     "--fail-at-step", "3", "--fail-rank", "3", "--epochs", "1",
+                     "--ckpt-dir", str(tmp_path / "ckpt")], tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    second = slurm_cluster.hosts[1].name
+    assert f"first failure: {second} (node 1): failed" in text, text
+    assert "rank 3 (local rank 1) exit code 3" in text, text
+    assert not in_queue(slurm_cluster, job_of(tmp_path, "sl-fail"))
+    assert wait_for(lambda: not run_processes("sl-fail"), timeout=15) is True
+
+
+def test_ctrl_c_cancels_the_job(slurm_cluster, tmp_path):
+    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-int", "--skip-healthcheck", "--",
+                            "--epochs", "50", "--step-sleep", "0.2", "--ckpt-dir", str(tmp_path / "ckpt")],
+                           tmp_path)
+    try:
+        read_until(proc, "loss=", timeout=180)
+        assert run_processes("sl-int")
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "cancelling job" in rest and "INTERRUPTED" in rest
+    assert not in_queue(slurm_cluster, job_of(tmp_path, "sl-int"))
+    assert wait_for(lambda: not run_processes("sl-int"), timeout=15) is True
+
+
+def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
+    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py", requeue=True)
+    ckpt = tmp_path / "ckpt"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-rq", "--skip-healthcheck", "--",
+                            "--epochs", "2", "--steps-per-epoch", "40", "--step-sleep", "0.15",
+                            "--ckpt-every", "5", "--ckpt-dir", str(ckpt)], tmp_path)
+    try:
+        read_until(proc, "loss=", timeout=180)
+        wait_for(lambda: (ckpt / "latest").is_file(), timeout=60)
+        job = job_of(tmp_path, "sl-rq")
+        rq = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30,
+                            env=slurm_env(slurm_cluster))
+        assert rq.returncode == 0, rq.stderr
+        rest, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "requeued (restart 1)" in rest, rest
+    assert "resumed from " in rest, rest
+    assert "replicas identical" in rest
