@@ -41,10 +41,14 @@ def job_of(tmp_path: Path, run_id: str) -> str:
     return json.loads((tmp_path / "state" / "runs" / run_id / "slurm.json").read_text())["job_id"]
 
 
-def in_queue(cluster, job_id: str) -> bool:
+def queue_state(cluster, job_id: str) -> str:
     out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
                          timeout=30, env=slurm_env(cluster))
-    return bool(out.stdout.strip())
+    return out.stdout.strip()
+
+
+def in_queue(cluster, job_id: str) -> bool:
+    return bool(queue_state(cluster, job_id))
 
 
 def test_up_two_nodes_two_procs(slurm_cluster, tmp_path):
@@ -127,6 +131,10 @@ def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
         rq = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30,
                             env=slurm_env(slurm_cluster))
         assert rq.returncode == 0, rq.stderr
+        # Slurm holds a requeued job back (BeginTime) for a while; let it start at once
+        wait_for(lambda: queue_state(slurm_cluster, job) == "PENDING", timeout=60, interval=0.3)
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
+                       timeout=30, env=slurm_env(slurm_cluster))
         rest, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
