@@ -109,7 +109,7 @@ def host_run_dir(run_id: str) -> str:
 
 
 def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
-              job_args: Optional[list[str]] = None) -> LaunchPlan:
+              job_args: Optional[list[str]] = None, direct: bool = False) -> LaunchPlan:
     """Build the launch plan of one stage.
 
     Args:
@@ -118,6 +118,8 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         stage: "healthcheck" or "job".
         port: the master port (see `derive_port`; the caller checks it is free).
         job_args: arguments that replace `job.args` (from `up -- ARGS`).
+        direct: one rank per host started without torchrun, the torchrun env contract set by
+            the plan itself (half the processes: used for the localization's pair probes).
     Returns:
         The plan; `render_plan(plan)` is its dry-run text.
     """
@@ -136,19 +138,26 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     nodes = []
     for rank, host in enumerate(spec.hosts):
         python = host_python(spec, host)
-        argv = [python, "-m", "torch.distributed.run",
-                "--nnodes", str(len(spec.hosts)), "--node-rank", str(rank),
-                "--nproc-per-node", _nproc_word(spec, python),
-                "--master-addr", addr, "--master-port", str(port),
-                "--rdzv-id", run_id, "--rdzv-conf", f"timeout={spec.rdzv_timeout}",
-                "--max-restarts", str(max_restarts),
-                "--tee", "3", "--log-dir", Raw(f"{run_dir}/torchrun-{stage}-node{rank}"),
-                script, *args]
+        env = _node_env(spec, run_id, stage, host)
+        if direct:
+            argv = [python, "-u", script, *args]
+            env = tuple(sorted(dict(env, RANK=str(rank), LOCAL_RANK="0", GROUP_RANK=str(rank),
+                                    WORLD_SIZE=str(len(spec.hosts)), LOCAL_WORLD_SIZE="1",
+                                    MASTER_ADDR=addr, MASTER_PORT=str(port)).items()))
+        else:
+            argv = [python, "-m", "torch.distributed.run",
+                    "--nnodes", str(len(spec.hosts)), "--node-rank", str(rank),
+                    "--nproc-per-node", _nproc_word(spec, python),
+                    "--master-addr", addr, "--master-port", str(port),
+                    "--rdzv-id", run_id, "--rdzv-conf", f"timeout={spec.rdzv_timeout}",
+                    "--max-restarts", str(max_restarts),
+                    "--tee", "3", "--log-dir", Raw(f"{run_dir}/torchrun-{stage}-node{rank}"),
+                    script, *args]
         nodes.append(NodeCommand(
             node_rank=rank, host=host, workdir=spec.workdir_path, setup=tuple(spec.setup),
-            env=_node_env(spec, run_id, stage, host), argv=tuple(argv), run_dir=run_dir))
+            env=env, argv=tuple(argv), run_dir=run_dir))
     return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr,
-                      master_port=port, nproc_per_node=spec.nproc_per_node,
+                      master_port=port, nproc_per_node=1 if direct else spec.nproc_per_node,
                       nodes=tuple(nodes), uploads=uploads)
 
 

@@ -70,6 +70,7 @@ class HealthcheckSpec(_Strict):
     min_busbw_gbps: Optional[float] = Field(default=None, gt=0)
     pairwise: bool = False
     pair_size: Union[int, str] = "16M"
+    pair_parallelism: int = Field(default=0, ge=0)
     min_busbw_fraction: float = Field(default=0.5, gt=0, le=1)
     on_fail: Literal["stop", "exclude"] = "stop"
 

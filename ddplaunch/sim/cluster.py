@@ -383,6 +383,8 @@ def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_no
               "dist_backend: gloo",
               f"socket_ifname: {q(cluster.ifname)}",
               "rdzv_timeout: 30",
+              "healthcheck:",
+              "  pair_parallelism: 1   # sim hosts share this machine's cores: test pairs one by one",
               "ssh:",
               "  user: root",
               f"  key: {q(str(cluster.key))}",

@@ -1,0 +1,179 @@
+"""Pre-flight, health gate and bad-node localization on a 4-host sim cluster with injected faults:
+each fault is found before any job starts, in seconds, naming the host and the cause."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from ddplaunch.preflight import Check, evaluate
+from ddplaunch.sim.faults import sim_fault
+from ddplaunch.spec import load_spec
+from tests.ssh_util import ddplaunch, run_processes, sim_spec, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = json.loads((ROOT / "docs" / "check-schema.json").read_text())
+QUICK_HC = {"sizes": ["64K"], "iterations": 2}
+
+
+def check(cluster, tmp_path, *extra, **overrides):
+    overrides.setdefault("healthcheck", QUICK_HC)
+    spec = sim_spec(cluster, tmp_path, n_hosts=4, **overrides)
+    t0 = time.time()
+    proc = ddplaunch(["check", str(spec), "--json", *extra], tmp_path)
+    took = time.time() - t0
+    summary = json.loads(proc.stdout)
+    jsonschema.validate(summary, SCHEMA)
+    return proc, summary, took
+
+
+def failed_checks(summary, host):
+    (row,) = [h for h in summary["preflight"]["hosts"] if h["host"] == host]
+    return {name: c for name, c in row["checks"].items() if c["ok"] is False}
+
+
+def test_healthy_cluster_passes_preflight_and_healthcheck(sim_cluster, tmp_path):
+    proc, summary, took = check(sim_cluster, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["preflight"]["ok"] and summary["healthcheck"]["ok"]
+    assert summary["healthcheck"]["world_size"] == 8
+    assert summary["preflight"]["socket_ifname"] is None  # the sim spec sets socket_ifname itself
+    print(f"healthy 4-host check (pre-flight + health check): {took:.1f}s, "
+          f"pre-flight {summary['preflight']['elapsed_s']:.1f}s")
+    assert summary["preflight"]["elapsed_s"] < 10
+
+
+@pytest.mark.parametrize("fault", ["down", "sshd_stop"])
+def test_dead_host_named_by_preflight(sim_cluster, tmp_path, fault):
+    bad = sim_cluster.hosts[2]
+    sim_fault(sim_cluster, bad.name, **{fault: True})
+    try:
+        proc, summary, took = check(sim_cluster, tmp_path)
+    finally:
+        sim_fault(sim_cluster, bad.name, clear=True)
+    assert proc.returncode == 1 and summary["blocked"] == "pre-flight"
+    assert summary["preflight"]["bad_hosts"] == [bad.name]
+    seen = failed_checks(summary, bad.name)["ssh"]["seen"]
+    assert ("no answer within" if fault == "down" else "cannot connect") in seen
+    assert summary["stages"] == []  # nothing was started
+    assert took < 30
+
+
+def test_python_without_torch_named(sim_cluster, tmp_path):
+    spec_hosts = [{"addr": h.addr, "name": h.name} for h in sim_cluster.hosts]
+    spec_hosts[1]["python"] = "/usr/bin/python3"  # Debian's python: no torch there
+    proc, summary, took = check(sim_cluster, tmp_path, hosts=spec_hosts)
+    assert proc.returncode == 1
+    bad = failed_checks(summary, sim_cluster.hosts[1].name)
+    assert "No module named 'torch'" in bad["torch"]["seen"] and "/usr/bin/python3" in bad["torch"]["fix"]
+    assert summary["preflight"]["bad_hosts"] == [sim_cluster.hosts[1].name]
+    assert took < 30
+
+
+def test_master_port_taken_named(sim_cluster, tmp_path):
+    master = sim_cluster.hosts[0]
+    port = 29431
+    holder = subprocess.Popen(sim_cluster.exec_argv(master, [
+        sys.executable, "-c", f"import socket,time; s=socket.socket(); s.bind(('', {port})); s.listen(); "
+                              "print('held', flush=True); time.sleep(120)"]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc, summary, took = check(sim_cluster, tmp_path, master={"port": port})
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert proc.returncode == 1
+    port_check = failed_checks(summary, master.name)["port"]
+    assert f"{port} busy on the master" in port_check["seen"] and "master.port" in port_check["fix"]
+    assert took < 30
+
+
+def test_leftover_processes_of_an_earlier_run_named(sim_cluster, tmp_path):
+    host = sim_cluster.hosts[3]
+    stray = subprocess.Popen(sim_cluster.exec_argv(host, [
+        "env", "DDPLAUNCH_RUN_ID=old-run-7", "sleep", "120"]))
+    try:
+        wait_for(lambda: run_processes("old-run-7"), timeout=10)
+        proc, summary, _ = check(sim_cluster, tmp_path)
+    finally:
+        stray.kill()
+        stray.wait(timeout=10)
+    bad = failed_checks(summary, host.name)
+    assert "run old-run-7" in bad["leftovers"]["seen"] and "ddplaunch down old-run-7" in bad["leftovers"]["fix"]
+    assert summary["preflight"]["bad_hosts"] == [host.name]
+
+
+def test_slow_link_found_by_pair_localization(sim_cluster, tmp_path):
+    slow = sim_cluster.hosts[1]
+    sim_fault(sim_cluster, slow.name, rate="1gbit")
+    try:
+        proc, summary, took = check(sim_cluster, tmp_path,
+                                    healthcheck={**QUICK_HC, "pairwise": True, "pair_size": "16M"})
+    finally:
+        sim_fault(sim_cluster, slow.name, clear=True)
+    loc = summary["localization"]
+    assert loc["bad_hosts"] == [slow.name], json.dumps(loc, indent=1)
+    assert "slow with a known-good host" in loc["reasons"][slow.name]
+    assert proc.returncode == 1 and summary["blocked"] == "health check"
+    run_dir = tmp_path / "state" / "runs" / summary["run_id"]
+    assert "<svg" in (run_dir / "localize.html").read_text()
+    print(f"slow link named in {took:.1f}s; pairs: "
+          + ", ".join(f"{'+'.join(p['hosts'])}={p['busbw_gbps']}" for p in loc["pairs"] + loc["repairs"]))
+
+
+def test_on_fail_exclude_runs_job_without_bad_host(sim_cluster, tmp_path):
+    hosts = [{"addr": h.addr, "name": h.name} for h in sim_cluster.hosts]
+    hosts[2]["python"] = "/usr/bin/python3"
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=4, hosts=hosts,
+                    healthcheck={**QUICK_HC, "on_fail": "exclude"}, job={"script": "jobs/toy_ddp.py"})
+    proc = ddplaunch(["up", str(spec)], tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    bad = sim_cluster.hosts[2].name
+    assert f"pre-flight failed on {bad}: EXCLUDED" in out
+    assert "HEALTHCHECK OK world=6" in out
+    assert out.count("updated_weight=0.6") == 6 and f"[{bad}:" not in out
+
+
+def test_exclude_option(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=3, healthcheck={"enabled": False},
+                    job={"script": "jobs/toy_ddp.py"})
+    proc = ddplaunch(["up", str(spec), "--exclude", sim_cluster.hosts[0].name], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    # ranks re-planned: the second host is node 0 now
+    assert f"[{sim_cluster.hosts[1].name}:0] rank=0 mean_grad=4.0" in proc.stdout
+    bad = ddplaunch(["up", str(spec), "--exclude", "nohost"], tmp_path)
+    assert bad.returncode == 2 and "--exclude nohost: not a host of the spec" in bad.stderr
+
+
+# ---------------------------------------------------------------- pure evaluation, fake facts
+
+def facts(**kw):
+    base = {"hostname": "h", "python": "3.11.7", "executable": "/venv/bin/python", "torch": "2.13.0",
+            "cuda": None, "nccl": None, "gpus": None, "gpu_procs": [], "leftovers": {},
+            "master_ips": ["10.0.0.1"], "route_ip": "10.0.0.2", "route_iface": "eth1", "workdir_ok": True,
+            "script_ok": True, "disk_free_gb": 50.0, "port_busy": None, "port_error": None, "time": 1000.0}
+    base.update(kw)
+    return base
+
+
+def test_evaluate_version_mismatch_loopback_and_clock(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nhosts: [a, b, c]\n")
+    spec = load_spec(path)
+    raw = {"a": facts(), "b": facts(torch="2.12.0", time=1030.0), "c": facts(master_ips=["127.0.1.1"])}
+    report = evaluate(spec, raw, launcher_time=1000.0, port=25000)
+    b = {k: v for k, v in report.hosts[1].checks.items() if v.ok is False}
+    assert "torch 2.12.0 vs 2.13.0 (a=2.13.0, b=2.12.0, c=2.13.0)" in b["versions"].seen
+    assert "+30.0s" in b["clock"].seen
+    c = report.hosts[2].checks["master_dns"]
+    assert c.ok is False and "127.0.1.1" in c.seen and "/etc/hosts trap" in c.seen
+    assert report.bad_hosts == ["b", "c"]
+    assert report.socket_ifname == "eth1"
+    assert report.hosts[0].checks["port"] == Check(True, "reached a:25000")
