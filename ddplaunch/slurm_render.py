@@ -103,8 +103,9 @@ def sbatch_lines(spec: ClusterSpec, run_id: str, output_path: str) -> list[str]:
     if s.cpus_per_task:
         lines.append(f"--cpus-per-task={s.cpus_per_task}")
     if s.requeue:
-        # A warning ahead of the time limit, to every step process (torchrun forwards it too).
-        lines += ["--requeue", f"--signal=USR2@{s.signal_seconds}"]
+        # A warning ahead of the time limit to the batch shell, which passes it to every rank
+        # and requeues the job (USR1 belongs to NCCL).
+        lines += ["--requeue", f"--signal=B:USR2@{s.signal_seconds}"]
     lines += [extra.strip().removeprefix("#SBATCH").strip() for extra in s.sbatch_extra]
     return sorted(lines)
 
@@ -146,7 +147,7 @@ def render_sbatch(spec: ClusterSpec, run_id: str, opts: SbatchOptions = SbatchOp
             sbatch_lines=sbatch_lines(spec, run_id, output_path),
             setup=list(spec.setup),
             env=[(k, "***" if shown and is_secret(k) and v else quote(v)) for k, v in env_items],
-            stages=stages)
+            stages=stages, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
     uploads = ((str(HEALTHCHECK_SOURCE), f"{log_dir}/healthcheck.py"),) if "healthcheck" in opts.stages else ()
     return SbatchRequest(run_id=run_id, script=request_text[False], shown_script=request_text[True],
                          script_path=script_path, argv=argv, env=submit_env, output_path=output_path,
@@ -180,6 +181,8 @@ def _stage(spec: ClusterSpec, run_id: str, name: str, offset: int, python: str,
         argv.append(f"--signals-to-handle={SIGNALS_TO_HANDLE}")
     argv += [script, *args]
     lines = [f'export DDPLAUNCH_STAGE={name} DDPLAUNCH_HOST="$(hostname)"']
+    if spec.slurm.requeue:
+        lines.insert(0, "trap : USR2  # the preemption warning is for torchrun and the ranks, not this shell")
     lines += [f"export {k}={quote(v)}" for k, v in extra_env]
     if "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" not in spec.env:
         lines.append('export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[$(hostname):\\${rank}] "')

@@ -11,6 +11,7 @@ import hashlib
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import time
@@ -26,6 +27,9 @@ from torch.utils.data import DistributedSampler
 IN_DIM, HIDDEN, OUT_DIM = 16, 64, 4
 DATA_SEED = 1234  # the task itself never changes; --seed varies init and data order
 CKPT_RE = re.compile(r"ckpt_step(\d+)\.pt$")
+#: Exit status after a preemption warning: checkpoint written, run again to resume (EX_TEMPFAIL).
+PREEMPTED_EXIT = 75
+_preempt = {"signalled": False}
 
 
 def say(line: str) -> None:
@@ -168,6 +172,16 @@ def check_replicas(model: nn.Module, rank: int, world: int) -> bool:
     return False
 
 
+def preemption_agreed() -> bool:
+    """True on every rank once any rank got SIGUSR2 (one tiny all_reduce per step keeps the
+    ranks in the same collectives: each stops at the same step)."""
+    flag = torch.tensor([1.0 if _preempt["signalled"] else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def init_distributed(backend: str, timeout: timedelta) -> None:
     """init_process_group from the torchrun env, safe across torchrun restarts.
 
@@ -187,6 +201,9 @@ def init_distributed(backend: str, timeout: timedelta) -> None:
 
 
 def main(argv=None) -> int:
+    # Slurm's warning ahead of the time limit (`--signal`, forwarded by torchrun's
+    # --signals-to-handle): checkpoint at the next step every rank agrees on, then exit.
+    signal.signal(signal.SIGUSR2, lambda signum, frame: _preempt.update(signalled=True))
     args = parse_args(argv)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
@@ -268,6 +285,13 @@ def main(argv=None) -> int:
                 time.sleep(args.step_sleep)
             if (args.ckpt_every and step % args.ckpt_every == 0) or batch_no == steps_per_epoch - 1:
                 checkpoint()
+            if preemption_agreed():
+                checkpoint()
+                if rank == 0:
+                    say(f"preempted (SIGUSR2): checkpoint at step {step}; exiting {PREEMPTED_EXIT} to be requeued")
+                del ddp, optimizer
+                dist.destroy_process_group()
+                return PREEMPTED_EXIT
 
     with torch.no_grad():
         final_loss = loss_fn(model(x_all.to(device)), y_all.to(device)).item()

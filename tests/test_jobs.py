@@ -1,6 +1,8 @@
 """Runs jobs/ scripts under a real 2-rank torchrun: the toy, training, resume, mismatches."""
 
+import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -63,6 +65,32 @@ def test_train_killed_midway_resumes_to_identical_weights(tmp_path, baseline):
     run = run_torchrun(TRAIN, "--ckpt-dir", tmp_path, timeout=120)
     assert run.returncode == 0, run.stdout
     assert re.search(r"resumed from \S+ckpt_step\d+\.pt at step \d+", run.stdout), run.stdout
+    assert final_hash(run.stdout) == final_hash(baseline[0].stdout)
+
+
+def test_train_checkpoints_on_preemption_signal_and_resumes(tmp_path, baseline):
+    """SIGUSR2 (Slurm's warning before the time limit) to torchrun, forwarded to the workers
+    via --signals-to-handle: every rank stops at the same step after a checkpoint, exit 75."""
+    proc = start_torchrun(TRAIN, "--ckpt-dir", tmp_path, "--ckpt-every", "0", "--step-sleep", "0.1",
+                          torchrun_args=["--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"])
+    try:
+        lines = []
+        for line in proc.stdout:  # training is under way once rank 0 logs a step
+            lines.append(line)
+            if "step=" in line:
+                break
+        os.kill(proc.pid, signal.SIGUSR2)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            stop_torchrun(proc)
+    assert proc.returncode != 0, out
+    saved = re.search(r"preempted \(SIGUSR2\): checkpoint at step (\d+); exiting 75", out)
+    assert saved, out
+    assert (tmp_path / f"ckpt_step{saved.group(1)}.pt").exists()
+    run = run_torchrun(TRAIN, "--ckpt-dir", tmp_path, timeout=120)
+    assert run.returncode == 0, run.stdout
+    assert f"resumed from {tmp_path}/ckpt_step{saved.group(1)}.pt at step {saved.group(1)}" in run.stdout
     assert final_hash(run.stdout) == final_hash(baseline[0].stdout)
 
 

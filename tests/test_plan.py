@@ -12,9 +12,9 @@ import pytest
 from ddplaunch.launch import UpOptions, dry_run
 from ddplaunch.plan import PORT_RANGE, derive_port, make_plan, render_plan
 from ddplaunch.spec import load_spec
+from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).with_name("golden")
 
 SSH_SPEC = """\
 name: golden
@@ -35,14 +35,6 @@ setup: ["source /opt/venv/bin/activate"]
 healthcheck: {sizes: [1K, 1M], iterations: 3, min_busbw_gbps: 0.5}
 job: {script: jobs/train.py, args: [--epochs, "2"], max_restarts: 1}
 """
-
-
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    text = text.replace(str(ROOT), "<ROOT>")
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; review and refresh with UPDATE_GOLDEN=1"
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -118,6 +119,13 @@ def test_ctrl_c_cancels_the_job(slurm_cluster, tmp_path):
     assert wait_for(lambda: not run_processes("sl-int"), timeout=15) is True
 
 
+def release_requeued(cluster, job: str) -> None:
+    """Slurm holds a requeued job back (BeginTime) for a while; let it start at once."""
+    wait_for(lambda: queue_state(cluster, job) == "PENDING", timeout=60, interval=0.3)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
+                   timeout=30, env=slurm_env(cluster))
+
+
 def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
     spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py", requeue=True)
     ckpt = tmp_path / "ckpt"
@@ -131,10 +139,7 @@ def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
         rq = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=30,
                             env=slurm_env(slurm_cluster))
         assert rq.returncode == 0, rq.stderr
-        # Slurm holds a requeued job back (BeginTime) for a while; let it start at once
-        wait_for(lambda: queue_state(slurm_cluster, job) == "PENDING", timeout=60, interval=0.3)
-        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
-                       timeout=30, env=slurm_env(slurm_cluster))
+        release_requeued(slurm_cluster, job)
         rest, _ = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
@@ -142,4 +147,32 @@ def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
     assert proc.returncode == 0, rest
     assert "requeued (restart 1)" in rest, rest
     assert "resumed from " in rest, rest
+    assert "replicas identical" in rest
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    """The USR2 Slurm sends ahead of the time limit (simulated with `scancel --batch --signal`):
+    the batch shell passes it to every rank, train.py checkpoints and exits, the job requeues
+    itself and the next run resumes from that checkpoint to the end."""
+    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py", requeue=True)
+    ckpt = tmp_path / "ckpt"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-pre", "--skip-healthcheck", "--",
+                            "--epochs", "2", "--steps-per-epoch", "40", "--step-sleep", "0.15",
+                            "--ckpt-every", "0", "--ckpt-dir", str(ckpt)], tmp_path)
+    try:
+        read_until(proc, "loss=", timeout=180)
+        job = job_of(tmp_path, "sl-pre")
+        warn = subprocess.run(["scancel", "--batch", "--signal=USR2", job], capture_output=True, text=True,
+                              timeout=30, env=slurm_env(slurm_cluster))
+        assert warn.returncode == 0, warn.stderr
+        lines = read_until(proc, "preempted (SIGUSR2): checkpoint at step", timeout=60)
+        step = re.search(r"checkpoint at step (\d+)", lines[-1]).group(1)
+        release_requeued(slurm_cluster, job)
+        rest, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, rest
+    assert "DDPLAUNCH_PREEMPTED requeueing job" in "".join(lines) + rest or "requeued (restart 1)" in rest
+    assert f"resumed from {ckpt}/ckpt_step{step}.pt at step {step}" in rest, rest
     assert "replicas identical" in rest

@@ -18,9 +18,9 @@ from ddplaunch.errors import BackendError
 from ddplaunch.launch import UpOptions, dry_run, plan_run
 from ddplaunch.slurm_render import SbatchOptions, render_sbatch, sbatch_lines, sbatch_options
 from ddplaunch.spec import load_spec
+from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).with_name("golden")
 
 SPECS = {
     "cpu": """\
@@ -68,14 +68,6 @@ def load(tmp_path, name):
     return load_spec(path)
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    text = text.replace(str(ROOT), "<ROOT>")
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; review and refresh with UPDATE_GOLDEN=1"
-
-
 @pytest.fixture(autouse=True)
 def state_home(monkeypatch, tmp_path):
     monkeypatch.setenv("DDPLAUNCH_HOME", "/home/u/.ddplaunch")
@@ -90,7 +82,7 @@ def test_sbatch_lines_sorted_and_requeue_signal(tmp_path):
     spec = load(tmp_path, "requeue")
     lines = sbatch_lines(spec, "r", "/o/%j.out")
     assert lines == sorted(lines)
-    assert "--requeue" in lines and "--signal=USR2@300" in lines
+    assert "--requeue" in lines and "--signal=B:USR2@300" in lines
     assert "--exclusive" in lines and "--mem=0" in lines
     script = render_sbatch(spec, "r").script
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2" in script

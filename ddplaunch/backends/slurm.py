@@ -101,6 +101,9 @@ class SlurmBackend:
         backend.conf = job.slurm_conf or backend.conf
         return backend, job
 
+    #: Both stages run in one batch job (one queue wait); `up` does not gate between them.
+    single_submission = True
+
     # ------------------------------------------------------------------ the contract
 
     def port_free(self, addr: str, port: int) -> bool:

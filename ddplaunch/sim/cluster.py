@@ -371,10 +371,27 @@ def _teardown(state_dir: Path, purge: bool, naming: netns.Naming | None = None) 
 def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_node: int = 2) -> str:
     """The cluster spec (YAML) for launching on this sim over SSH (pure)."""
     q = _yaml_scalar
-    n = len(cluster.hosts)
-    lines = [f"# written by `ddplaunch sim up` — a simulated cluster of {n} hosts",
-             f"name: {q('sim-' + cluster.prefix)}",
-             "backend: ssh",
+    return spec_text(
+        cluster, f"a simulated cluster of {len(cluster.hosts)} hosts", "sim-" + cluster.prefix, "ssh",
+        python=python, workdir=workdir, nproc_per_node=nproc_per_node,
+        sections=["healthcheck:",
+                  "  pair_parallelism: 1   # sim hosts share this machine's cores: test pairs one by one",
+                  "ssh:",
+                  "  user: root",
+                  f"  key: {q(str(cluster.key))}",
+                  f"  known_hosts: {q(str(cluster.known_hosts))}",
+                  "  host_key_policy: strict",
+                  "  connect_timeout: 5"])
+
+
+def spec_text(cluster: SimCluster, what: str, name: str, backend: str, *, python: str, workdir: Path,
+              nproc_per_node: int, sections: list[str]) -> str:
+    """A sim cluster spec: the keys every sim spec shares, the backend's `sections`, the job (pure)."""
+    q = _yaml_scalar
+    command = "ddplaunch sim up" + (" --slurm" if backend == "slurm" else "")
+    lines = [f"# written by `{command}` — {what}",
+             f"name: {q(name)}",
+             f"backend: {backend}",
              "hosts:"]
     lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
     lines += [f"nproc_per_node: {nproc_per_node}",
@@ -383,14 +400,7 @@ def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_no
               "dist_backend: gloo",
               f"socket_ifname: {q(cluster.ifname)}",
               "rdzv_timeout: 30",
-              "healthcheck:",
-              "  pair_parallelism: 1   # sim hosts share this machine's cores: test pairs one by one",
-              "ssh:",
-              "  user: root",
-              f"  key: {q(str(cluster.key))}",
-              f"  known_hosts: {q(str(cluster.known_hosts))}",
-              "  host_key_policy: strict",
-              "  connect_timeout: 5",
+              *sections,
               "job:",
               "  script: jobs/toy_ddp.py",
               ""]

@@ -141,28 +141,17 @@ def render_slurm_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_
     `nodes` defaults to min(2, number of hosts).
     """
     from ddplaunch.sim.cluster import _yaml_scalar as q
+    from ddplaunch.sim.cluster import spec_text
 
     assert cluster.slurm is not None
     n = len(cluster.hosts)
-    lines = [f"# written by `ddplaunch sim up --slurm` — a simulated Slurm cluster of {n} nodes",
-             f"name: {q('sim-' + cluster.prefix + '-slurm')}",
-             "backend: slurm",
-             "hosts:"]
-    lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
-    lines += [f"nproc_per_node: {nproc_per_node}",
-              f"python: {q(python)}",
-              f"workdir: {q(str(workdir))}",
-              "dist_backend: gloo",
-              f"socket_ifname: {q(cluster.ifname)}",
-              "rdzv_timeout: 30",
-              "slurm:",
-              f"  conf: {q(str(cluster.slurm.conf))}",
-              f"  partition: {q(cluster.slurm.partition)}",
-              f"  nodes: {nodes or min(2, n)}",
-              "job:",
-              "  script: jobs/toy_ddp.py",
-              ""]
-    return "\n".join(lines)
+    return spec_text(
+        cluster, f"a simulated Slurm cluster of {n} nodes", "sim-" + cluster.prefix + "-slurm", "slurm",
+        python=python, workdir=workdir, nproc_per_node=nproc_per_node,
+        sections=["slurm:",
+                  f"  conf: {q(str(cluster.slurm.conf))}",
+                  f"  partition: {q(cluster.slurm.partition)}",
+                  f"  nodes: {nodes or min(2, n)}"])
 
 
 # ----------------------------------------------------------------------------- up
