@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Iterator, Optional
 
 from ddplaunch.backends import get_backend
-from ddplaunch.backends.base import Backend, LineSink, StageResult
+from ddplaunch.backends.base import Backend, LineSink, StageResult, StopEvent
 from ddplaunch.errors import PlanError
 from ddplaunch.gate import exclude_hosts, healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, render_plan
 from ddplaunch.report import exit_code, summarize
 from ddplaunch.runs import RunRecord, new_run_id
 from ddplaunch.spec import ClusterSpec
+from ddplaunch.watchdog import HangWatchdog, mismatch_lines, store_errors
 
 PORT_ATTEMPTS = 20
 
@@ -174,7 +175,7 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
 
 
 def _run_gated(spec: ClusterSpec, run_id: str, opts: UpOptions, plans: list[LaunchPlan], backend: Backend,
-               sink: LineSink, stop: threading.Event, on_stage: Any, report: RunReport,
+               sink: LineSink, stop: StopEvent, on_stage: Any, report: RunReport,
                record: RunRecord) -> None:
     """Stage by stage; after the health check its gate may stop the run or drop bad hosts."""
     for plan in plans:
@@ -182,7 +183,7 @@ def _run_gated(spec: ClusterSpec, run_id: str, opts: UpOptions, plans: list[Laun
             plan = make_plan(spec, run_id, "job", _free_port(spec, run_id, "job", backend), opts.job_args)
             record.plan_text += "\n# re-planned without excluded hosts\n" + render_request(spec, run_id, [plan])
             record.save()
-        (result,) = backend.run_all([plan], sink, stop, on_stage)
+        result = _run_watched(spec, plan, backend, sink, stop, on_stage, record)
         report.stages.append(result)
         if plan.stage == "healthcheck":
             gated, loc = healthcheck_gate(spec, backend, run_id, result, stop, sink, record.dir)
@@ -195,6 +196,61 @@ def _run_gated(spec: ClusterSpec, run_id: str, opts: UpOptions, plans: list[Laun
             spec = gated
         elif not result.ok:
             return
+
+
+def _run_watched(spec: ClusterSpec, plan: LaunchPlan, backend: Backend, sink: LineSink, stop: StopEvent,
+                 on_stage: Any, record: RunRecord) -> StageResult:
+    """One stage; for the job, under the hang watchdog, then with restarts and found errors attached."""
+    first_finding = len(sink.findings)
+    hang_timeout = spec.job.hang_timeout if plan.stage == "job" else None
+    results: list[StageResult] = []
+
+    def attach(plan: LaunchPlan, result: StageResult, sink: LineSink) -> None:
+        # before on_stage saves the record, so the record holds the diagnosis too
+        found = sink.findings[first_finding:]
+        result.diagnosis += watchdog.diagnosis if watchdog else []
+        result.diagnosis += mismatch_lines(found) + store_errors(found)
+        if plan.stage == "job" and spec.job.max_restarts and not result.interrupted:
+            _count_restarts(backend, plan, result)
+        results.append(result)
+        on_stage(plan, result, sink)
+
+    watchdog = None
+    if hang_timeout:
+        watchdog = HangWatchdog(backend, spec, plan, sink, stop, record.dir / "stacks", hang_timeout)
+        with watchdog:
+            backend.run_all([plan], sink, stop, attach)
+    else:
+        backend.run_all([plan], sink, stop, attach)
+    return results[0]
+
+
+def _count_restarts(backend: Backend, plan: LaunchPlan, result: StageResult) -> None:
+    """Each node's worker restarts, from the attempt_N directories torchrun writes under --log-dir."""
+    by_host = {n.host.label: n for n in plan.nodes}
+
+    def command(host: Any) -> str:
+        node = by_host.get(host.label)
+        if node is None:
+            return "echo 0"
+        # torchrun makes a fresh <rdzv id>_<random>/ per start: count the attempts in the newest
+        log_dir = f"{node.run_dir}/torchrun-{plan.stage}-node{node.node_rank}"
+        return (f'd=$(ls -td {log_dir}/*/ 2>/dev/null | head -1); '
+                f'if [ -n "$d" ]; then ls -d "$d"attempt_* | wc -l; else echo 0; fi')
+
+    try:
+        answers = backend.run_short(command, timeout=15)
+    except Exception:  # noqa: BLE001 - the count is a nicety; the run's outcome stands without it
+        return
+    for host, answer, err in answers:
+        node = by_host.get(host.label)
+        if node is None or err is not None or answer is None:
+            continue
+        try:
+            attempts = int(answer[1].strip() or 0)
+        except ValueError:
+            continue
+        result.outcomes[node.node_rank].restarts = max(0, attempts - 1)
 
 
 def _free_port(spec: ClusterSpec, run_id: str, stage: str, backend: Backend) -> int:
@@ -224,9 +280,10 @@ def _healthcheck_payload(sink: LineSink, record: RunRecord) -> Optional[dict[str
 
 
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGINT/SIGTERM while the run is in progress (main thread only)."""
-    stop = threading.Event()
+def _stop_on_signals() -> Iterator[StopEvent]:
+    """An event set by SIGINT/SIGTERM while the run is in progress (main thread only); the hang
+    watchdog sets it too, with a cause, which makes the run a failure rather than an interrupt."""
+    stop = StopEvent()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return

@@ -30,11 +30,15 @@ def summarize(run_id: str, stages: list[StageResult], code: int, blocked: Option
     for stage in stages:
         bad = [o for o in stage.outcomes if o.state != "ok"]
         took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
+        restarts = ", ".join(f"{o.host} {o.restarts}x" for o in stage.outcomes if o.restarts)
+        restarts = f"; workers restarted: {restarts}" if restarts else ""
         if stage.ok:
-            out.append(f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}")
+            out.append(f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}{restarts}")
             continue
         verdict = "INTERRUPTED" if stage.interrupted else "FAILED"
-        out.append(f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}")
+        out.append(f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}")
+        out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
+        out += [f"  {line}" for line in stage.diagnosis]
         first = stage.first_failure
         if first is not None:
             out.append(f"  first failure: {first.describe()}")

@@ -40,15 +40,24 @@ class NodeOutcome:
     rank_exit_code: Optional[int] = None
     ended_at: Optional[float] = None
     tail: list[str] = field(default_factory=list)
+    #: Times torchrun restarted this node's workers (`job.max_restarts`).
+    restarts: int = 0
+    #: The run ended before this node's torchrun started (its setup lines were still running).
+    never_started: bool = False
 
     def describe(self) -> str:
         """One line: host, node, state, exit code or signal, failing rank."""
+        if self.never_started:
+            return (f"{self.host} (node {self.node_rank}): torchrun never started (blocked before launch)"
+                    + (f"; {self.detail}" if self.detail else ""))
         text = f"{self.host} (node {self.node_rank}): {self.state}"
         if self.exit_code is not None:
             text += f", exit code {self.exit_code}"
         if self.failed_rank is not None:
             text += (f"; rank {self.failed_rank} (local rank {self.failed_local_rank}) "
                      f"{describe_exit(self.rank_exit_code)}")
+        if self.restarts:
+            text += f"; workers restarted {self.restarts}x"
         if self.detail:
             text += f"; {self.detail}"
         return text
@@ -63,6 +72,8 @@ class StageResult:
     interrupted: bool = False
     started_at: float = field(default_factory=time.time)
     ended_at: Optional[float] = None
+    #: What ddplaunch found out about the failure (hang stacks, collective mismatches), for the report.
+    diagnosis: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -92,9 +103,29 @@ def describe_exit(code: Optional[int]) -> str:
     return f"exit code {code}"
 
 
+class StopEvent(threading.Event):
+    """The event that ends a run early; `cause` says why when ddplaunch itself stopped it (a hang):
+    such a run failed, while a stop without a cause is the user's interrupt."""
+
+    cause: Optional[str] = None
+
+    def stop(self, cause: str) -> None:
+        self.cause = cause
+        self.set()
+
+
+def stop_cause(stop: threading.Event) -> Optional[str]:
+    """Why ddplaunch stopped the run, or None for a user interrupt (or no stop at all)."""
+    return getattr(stop, "cause", None)
+
+
 _PAYLOAD_RE = re.compile(r"\bDDPLAUNCH_([A-Z]+)_JSON (\{.*\})\s*$")
 _RANK_RE = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXIT_RE = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+#: Lines worth repeating in the summary however far they scrolled: PyTorch's collective
+#: consistency check (TORCH_DISTRIBUTED_DEBUG=DETAIL) and rendezvous/store timeouts.
+FINDING_RE = re.compile(r"Detected mismatch between collectives|DistStoreError|DistNetworkError")
+MAX_FINDINGS = 50
 
 
 def parse_torchrun_failure(lines: list[str]) -> Optional[tuple[int, int, int]]:
@@ -123,6 +154,10 @@ class LineSink:
         self._tails: dict[int, deque[str]] = {}
         #: Payloads of `DDPLAUNCH_<NAME>_JSON {...}` lines (the health check's result), by NAME.
         self.payloads: dict[str, str] = {}
+        #: When the last line from any node arrived (the hang watchdog's clock).
+        self.last_line_at = time.time()
+        #: Lines matching FINDING_RE, in arrival order (at most MAX_FINDINGS).
+        self.findings: list[str] = []
 
     def emit(self, node_rank: int, host: str, line: str) -> None:
         line = line.rstrip("\r\n")
@@ -130,6 +165,9 @@ class LineSink:
             line = f"[{host}] {line}"
         marker = _PAYLOAD_RE.search(line)
         with self._lock:
+            self.last_line_at = time.time()
+            if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
+                self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown on the console
                 self.payloads[marker.group(1)] = marker.group(2)
             else:

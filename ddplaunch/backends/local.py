@@ -19,7 +19,7 @@ from typing import Callable
 from ddplaunch import reaper
 from ddplaunch.backends.base import (
     INTERRUPTED, RUNNING, HostResult, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
-    run_in_order)
+    run_in_order, stop_cause)
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -61,8 +61,9 @@ class LocalBackend:
         reader.start()
         while proc.poll() is None:
             if stop.wait(0.1):
-                result.interrupted = True
+                result.interrupted = stop_cause(stop) is None  # a hang found by ddplaunch is a failure
                 outcome.state = INTERRUPTED
+                outcome.detail = f"stopped by ddplaunch: {stop_cause(stop) or 'interrupted by the user'}"
                 sink.note(f"stopping {node.host.label}: SIGTERM to torchrun (pid {proc.pid})")
                 _terminate(proc, plan.run_id)
                 break

@@ -20,8 +20,8 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.base import (
-    INTERRUPTED, LOST, RUNNING, UNREACHABLE, HostResult, LineSink, NodeOutcome, StageCallback,
-    StageResult, finish_outcome, run_in_order)
+    FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, HostResult, LineSink, NodeOutcome, StageCallback,
+    StageResult, finish_outcome, run_in_order, stop_cause)
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -193,15 +193,22 @@ class SshBackend:
                             else f"exited with {done[node.node_rank]}")
                         sink.note(f"{cause}: stopping every other host")
             if not stopping and stop.is_set():
-                stopping = result.interrupted = True
-                cause = "interrupted by the user"
-                sink.note("interrupted: stopping every host")
+                stopping = True
+                result.interrupted = stop_cause(stop) is None
+                cause = stop_cause(stop) or "interrupted by the user"
+                sink.note(f"{cause}: stopping every host")
             if stopping:
                 for node in plan.nodes:
                     if node.node_rank not in done and outcomes[node.node_rank].state == RUNNING:
                         outcomes[node.node_rank].state = INTERRUPTED
                         outcomes[node.node_rank].detail = f"stopped by ddplaunch: {cause}"
-                self._stop_all([n for n in plan.nodes if n.node_rank not in done])
+                for rank in self._stop_all([n for n in plan.nodes if n.node_rank not in done]):
+                    # no pid file: its setup lines are still running; hanging up the pty ends them
+                    channels[rank].close()
+                    outcomes[rank].state, outcomes[rank].never_started = FAILED, True
+                    outcomes[rank].detail = (f"its setup lines were still running {time.time() - result.started_at:.0f}s "
+                                             "after the launch")
+                    sink.note(f"{outcomes[rank].host} (node {rank}): torchrun never started (blocked before launch)")
                 stopping_deadline = time.time() + SHUTDOWN_GRACE + 5
                 while len(done) < len(channels) and time.time() < stopping_deadline:
                     for node, ch in zip(plan.nodes, channels):
@@ -214,7 +221,8 @@ class SshBackend:
             r.join(timeout=5)
         for node, ch in zip(plan.nodes, channels):
             ch.close()
-            finish_outcome(outcomes[node.node_rank], sink, done.get(node.node_rank))
+            outcome = outcomes[node.node_rank]
+            finish_outcome(outcome, sink, None if outcome.never_started else done.get(node.node_rank))
         self._each(lambda h: self._reap(h, plan.run_id), plan_hosts)
         result.ended_at = time.time()
         return result
@@ -232,7 +240,10 @@ class SshBackend:
     def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
         """Connect, create the run dir, upload the plan's files and the spec's `sync` paths."""
         conn = self.connect(host)
-        code, out = self._exec(host, f"mkdir -p {host_run_dir(plan.run_id)} && cd {quote(plan.nodes[0].workdir)}")
+        # A pid file left by an earlier stage would hide a torchrun that never starts in this one.
+        stale = " ".join(n.pid_file for n in plan.nodes if n.host == host)
+        code, out = self._exec(host, f"mkdir -p {host_run_dir(plan.run_id)} && rm -f {stale} && "
+                                     f"cd {quote(plan.nodes[0].workdir)}")
         if code != 0:
             raise BackendError(f"{host.label}: cannot prepare the run directory or enter workdir "
                                f"{plan.nodes[0].workdir}: {out.strip()}")
@@ -255,15 +266,23 @@ class SshBackend:
         channel.exec_command("bash -c " + shlex.quote(node.shell_line()))
         return channel
 
-    def _stop_all(self, nodes: list[NodeCommand]) -> None:
-        """SIGTERM every still-running node's torchrun (it stops its workers)."""
-        def term(node: NodeCommand) -> None:
+    def _stop_all(self, nodes: list[NodeCommand]) -> list[int]:
+        """SIGTERM every still-running node's torchrun (it stops its workers).
+
+        Returns:
+            Node ranks without a pid file: their shell never reached `exec torchrun`.
+        """
+        def term(node: NodeCommand) -> Optional[int]:
             try:
-                self._exec(node.host, f"kill -TERM $(cat {node.pid_file}) 2>/dev/null", timeout=10)
+                _, out = self._exec(node.host, f"if [ -f {node.pid_file} ]; then kill -TERM $(cat {node.pid_file}) "
+                                               f"2>/dev/null; true; else echo NO_PID_FILE; fi", timeout=10)
             except Exception:  # noqa: BLE001 - a dead host: its channel ends on its own
-                pass
+                return None
+            return node.node_rank if "NO_PID_FILE" in out else None
+        if not nodes:
+            return []
         with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool:
-            list(pool.map(term, nodes))
+            return [rank for rank in pool.map(term, nodes) if rank is not None]
 
     def _reaper_command(self, host: HostSpec, run_id: str, kill: bool) -> str:
         # python3 from PATH would do too, but the spec's interpreter is known to exist there

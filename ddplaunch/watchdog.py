@@ -1,0 +1,303 @@
+"""Hang and mismatch diagnosis: name where each rank is stuck, in seconds rather than at the timeout.
+
+`HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
+any rank it takes a py-spy stack dump of every worker on every host (found by the run's env tag
+and their RANK), saves the dumps in the run record, prints where each rank is stuck and ends
+the run as a failure. `mismatch_lines` condenses PyTorch's collective consistency errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ddplaunch.backends.base import Backend, LineSink, StopEvent
+from ddplaunch.plan import LaunchPlan, host_python, quote
+from ddplaunch.spec import ClusterSpec
+
+#: Seconds py-spy gets per host (all its workers are dumped in parallel there).
+DUMP_TIMEOUT = 30.0
+
+# Runs on each host with the host's python: stdlib only. Prints one JSON object.
+_REMOTE_SOURCE = r'''
+import json, os, shutil, subprocess, sys
+from concurrent.futures import ThreadPoolExecutor
+run_id, python, host = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+procs = []
+for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) == os.getpid():
+        continue
+    try:
+        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{name}/environ", "rb").read().split(b"\0") if b"=" in kv)
+        cwd = os.readlink(f"/proc/{name}/cwd")
+    except OSError:
+        continue
+    # DDPLAUNCH_HOST too: hosts that share a PID namespace (the sim cluster) see each other's processes
+    if env.get(b"DDPLAUNCH_RUN_ID") == run_id.encode() and env.get(b"DDPLAUNCH_HOST", host) == host:
+        procs.append({"pid": int(name), "cwd": cwd, "rank": int(env[b"RANK"]) if b"RANK" in env else None,
+                      "local_rank": int(env.get(b"LOCAL_RANK", b"-1"))})
+workers = [p for p in procs if p["rank"] is not None]
+# No worker yet (torchrun still in rendezvous): dump the torchrun agents instead.
+targets = workers or procs
+candidates = [os.path.join(os.path.dirname(python), "py-spy"), shutil.which("py-spy")]
+spy = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+def dump(p):
+    try:
+        out = subprocess.run([spy, "dump", "--pid", str(p["pid"]), "--json"], capture_output=True,
+                             text=True, timeout=25)
+        if out.returncode == 0:
+            p["threads"] = json.loads(out.stdout)
+        else:
+            p["error"] = (out.stderr or out.stdout).strip()[-500:]
+    except Exception as err:
+        p["error"] = f"{type(err).__name__}: {err}"
+    return p
+if spy:
+    with ThreadPoolExecutor(max(1, min(32, len(targets)))) as pool:
+        targets = list(pool.map(dump, targets))
+print(json.dumps({"py_spy": spy, "looked_for": [c for c in candidates if c], "workers": bool(workers),
+                  "procs": targets}))
+'''
+
+
+@dataclass
+class RankStack:
+    """Where one process of the run is, from its py-spy dump."""
+
+    host: str
+    pid: int
+    rank: Optional[int]
+    where: str
+    threads: list[dict[str, Any]] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def collect_stacks(backend: Backend, spec: ClusterSpec, run_id: str
+                   ) -> tuple[list[RankStack], list[str], dict[str, Any]]:
+    """Dump every worker of run `run_id` on every host with py-spy.
+
+    Returns:
+        (one RankStack per dumped process, problem lines per host, raw answers by host label).
+    """
+    def command(host: Any) -> str:
+        python = host_python(spec, host)
+        return f"{quote(python)} -c {quote(_REMOTE_SOURCE)} {quote(run_id)} {quote(python)} {quote(host.label)}"
+
+    stacks, problems, raw = [], [], {}
+    for host, answer, err in backend.run_short(command, timeout=DUMP_TIMEOUT):
+        if err is not None or answer is None:
+            problems.append(f"{host.label}: no stack dump: {err}")
+            continue
+        code, out = answer
+        try:
+            data = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            problems.append(f"{host.label}: no stack dump (exit {code}): {out.strip()[-300:]}")
+            continue
+        raw[host.label] = data
+        if not data["procs"]:
+            problems.append(f"{host.label}: no process of this run (torchrun never started there?)")
+        elif not data["py_spy"]:
+            problems.append(f"{host.label}: py-spy not found (looked for {', '.join(data['looked_for'])} and "
+                            "PATH): install it on the host with `pip install py-spy` in the job's environment")
+        elif not data["workers"]:
+            problems.append(f"{host.label}: no worker started yet: torchrun is still in rendezvous "
+                            "(a host missing? see rdzv_timeout)")
+        for proc in data["procs"]:
+            threads = proc.get("threads") or []
+            stacks.append(RankStack(host=host.label, pid=proc["pid"], rank=proc["rank"], threads=threads,
+                                    where=stuck_at(threads, proc["cwd"]) if threads else "unknown",
+                                    error=proc.get("error")))
+    return stacks, problems, raw
+
+
+def stuck_at(threads: list[dict[str, Any]], cwd: str) -> str:
+    """`all_reduce at jobs/x.py:14`: the call the user's innermost frame is in, in the main thread.
+
+    User frames are those outside site-packages and the Python library; the call is the first
+    frame inside them that is not a decorator's wrapper.
+    """
+    main = next((t for t in threads if t.get("thread_name") == "MainThread"), threads[0] if threads else None)
+    frames = (main or {}).get("frames") or []
+    if not frames:
+        return "unknown"
+    for i, frame in enumerate(frames):  # innermost first
+        if _is_user(frame["filename"]):
+            inner = [f["name"] for f in frames[:i] if "wrapper" not in f["name"] and "<locals>" not in f["name"]]
+            call = inner[-1] if inner else frame["name"]
+            return f"{call} at {_relative(frame['filename'], cwd)}:{frame['line']}"
+    top = frames[0]
+    return f"{top['name']} ({top.get('short_filename') or top['filename']}:{top['line']})"
+
+
+def _is_user(filename: str) -> bool:
+    return not (re.search(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d", filename)
+                or filename.startswith("<"))
+
+
+def _relative(filename: str, cwd: str) -> str:
+    prefix = cwd.rstrip("/") + "/"
+    return filename[len(prefix):] if filename.startswith(prefix) else filename
+
+
+def render_stack(stack: RankStack) -> str:
+    """A py-spy-like text dump of one process (what is saved in the run's stacks/ directory)."""
+    who = f"rank {stack.rank}" if stack.rank is not None else "torchrun"
+    out = [f"{who} on {stack.host}, pid {stack.pid}: {stack.where}"]
+    if stack.error:
+        out.append(f"  py-spy failed: {stack.error}")
+    for thread in stack.threads:
+        out.append(f"Thread {thread.get('os_thread_id')} ({'active' if thread.get('active') else 'idle'}): "
+                   f"\"{thread.get('thread_name')}\"")
+        out += [f"    {f['name']} ({f['filename']}:{f['line']})" for f in thread.get("frames", [])]
+    return "\n".join(out) + "\n"
+
+
+def summarize_stacks(stacks: list[RankStack]) -> str:
+    """One line: ranks grouped by where they are stuck, e.g.
+    `rank 0 (dlt1): all_reduce at jobs/x.py:43 — rank 1 (dlt2): barrier at jobs/x.py:45`."""
+    ranked = [s for s in stacks if s.rank is not None] or stacks
+    groups: dict[str, list[RankStack]] = {}
+    for s in sorted(ranked, key=lambda s: (s.rank if s.rank is not None else -1, s.host)):
+        groups.setdefault(s.where, []).append(s)
+    parts = []
+    for where, members in groups.items():
+        hosts = ", ".join(dict.fromkeys(m.host for m in members))
+        if members[0].rank is None:
+            parts.append(f"torchrun ({hosts}): {where}")
+            continue
+        ranks = [m.rank for m in members if m.rank is not None]
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranges(ranks)} ({hosts}): {where}")
+    return " — ".join(parts)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """`0-3,5` for [0, 1, 2, 3, 5]."""
+    out, start = [], None
+    ranks = sorted(set(ranks))
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def save_stacks(stacks: list[RankStack], raw: dict[str, Any], summary: list[str], out_dir: Path) -> Path:
+    """Write stacks/<host>-rank<r>.txt per process, the raw py-spy JSON per host, and summary.txt."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stack in stacks:
+        name = f"{stack.host}-rank{stack.rank}" if stack.rank is not None else f"{stack.host}-torchrun-{stack.pid}"
+        (out_dir / f"{name}.txt").write_text(render_stack(stack))
+    for host, data in raw.items():
+        (out_dir / f"{host}.json").write_text(json.dumps(data, indent=2, sort_keys=True))
+    (out_dir / "summary.txt").write_text("\n".join(summary) + "\n")
+    return out_dir
+
+
+class HangWatchdog:
+    """Ends a job that printed nothing for `timeout` seconds, after naming where every rank is.
+
+    Use as a context manager around the job stage; `diagnosis` holds the report lines once it fired.
+    """
+
+    def __init__(self, backend: Backend, spec: ClusterSpec, plan: LaunchPlan, sink: LineSink,
+                 stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5):
+        self.backend, self.spec, self.plan, self.sink, self.stop = backend, spec, plan, sink, stop
+        self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
+        self.diagnosis: list[str] = []
+        self.fired_after: Optional[float] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddplaunch-hang-watchdog", daemon=True)
+
+    def __enter__(self) -> "HangWatchdog":
+        self._started = time.time()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join(timeout=DUMP_TIMEOUT + 10)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll):
+            if self.stop.is_set():
+                return
+            idle = time.time() - max(self._started, self.sink.last_line_at)
+            if idle >= self.timeout:
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        t0 = time.time()
+        self.sink.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
+                       "dumping every rank's stack with py-spy")
+        try:
+            stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id)
+        except Exception as err:  # noqa: BLE001 - the run must still be ended
+            stacks, problems, raw = [], [f"stack dump failed: {type(err).__name__}: {err}"], {}
+        headline = f"hang: no output for {idle:.0f}s (job.hang_timeout={self.timeout:g})"
+        lines = [headline + (f"; stuck at: {summarize_stacks(stacks)}" if stacks else "")]
+        lines += problems
+        try:
+            saved = save_stacks(stacks, raw, lines, self.out_dir)
+            lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
+        except OSError as err:
+            lines.append(f"could not save the stacks in {self.out_dir}: {err}")
+        self.diagnosis = lines
+        self.fired_after = time.time() - self._started
+        for line in lines:
+            self.sink.note(line)
+        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s")
+
+
+_FP_RE = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)(?=, but Rank|\.Collectives|$)")
+_FIELD_RE = re.compile(r"(OpType)=([A-Z_]+)|(TensorShape)=(\[[^\]]*\])|(TensorDtypes)=(\w+)")
+_PREFIX_RE = re.compile(r"^\[([^\]:]+):(\d+)\]")
+
+
+def mismatch_lines(findings: list[str]) -> list[str]:
+    """PyTorch's collective mismatch errors, one short line per reporting rank, with its host:
+    `dlt1 rank 0: collective mismatch: rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float`."""
+    out = []
+    for line in findings:
+        if "Detected mismatch between collectives" not in line:
+            continue
+        prefix = _PREFIX_RE.match(line)
+        who = f"{prefix.group(1)} rank {prefix.group(2)}" if prefix else "?"
+        sides = []
+        for rank, fp in _FP_RE.findall(line):
+            fields = {}
+            for m in _FIELD_RE.finditer(fp):
+                key = next(g for g in m.groups()[0::2] if g)
+                fields[key] = next(g for g in m.groups()[1::2] if g)
+            sides.append(" ".join(x for x in (f"rank {rank}", fields.get("OpType"), fields.get("TensorShape"),
+                                               fields.get("TensorDtypes")) if x))
+        detail = " vs ".join(sides) if sides else line.split("Detected mismatch", 1)[1][:200]
+        text = f"{who}: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): {detail}"
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def store_errors(findings: list[str]) -> list[str]:
+    """Rendezvous/store timeouts (a host that never joined), one per host and message."""
+    out = []
+    for line in findings:
+        m = re.search(r"(torch\.distributed\.)?(DistStoreError|DistNetworkError): (.*)", line)
+        prefix = _PREFIX_RE.match(line)
+        if m and prefix is None and line.startswith("["):
+            host = line[1:line.index("]")]
+            text = f"{host}: {m.group(2)}: {m.group(3).strip()}"
+        elif m:
+            text = f"{prefix.group(1)} rank {prefix.group(2)}: {m.group(2)}: {m.group(3).strip()}"
+        else:
+            continue
+        if text not in out:
+            out.append(text)
+    return out

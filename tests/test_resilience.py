@@ -1,0 +1,152 @@
+"""Resilience and diagnosis on the sim cluster: elastic restarts that lose nothing, hangs named by
+py-spy stacks, PyTorch's collective mismatch check in the summary, and a host that never starts
+torchrun named within the rendezvous timeout. Pure parts of ddplaunch.watchdog are tested first."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from ddplaunch.watchdog import RankStack, mismatch_lines, store_errors, stuck_at, summarize_stacks
+from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
+
+SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
+
+
+def _frames(*frames: tuple[str, str, int]) -> list[dict]:
+    return [{"thread_name": "MainThread", "os_thread_id": 1, "active": False,
+             "frames": [{"name": n, "filename": f, "short_filename": Path(f).name, "line": ln}
+                        for n, f, ln in frames]}]
+
+
+def test_stuck_at_names_the_collective_and_the_user_line():
+    torch_dir = "/v/lib/python3.11/site-packages/torch/distributed"
+    threads = _frames(("barrier", f"{torch_dir}/distributed_c10d.py", 5356),
+                      ("_exception_logger.<locals>.wrapper", f"{torch_dir}/c10d_logger.py", 83),
+                      ("main", "/work/jobs/demo.py", 45), ("<module>", "/work/jobs/demo.py", 60))
+    assert stuck_at(threads, "/work") == "barrier at jobs/demo.py:45"
+    assert stuck_at(_frames(("sleep", "/usr/lib/python3.11/time.py", 3)), "/w") == "sleep (time.py:3)"
+    stacks = [RankStack("h1", 10, 0, "all_reduce at a.py:1"), RankStack("h2", 12, 2, "barrier at a.py:2"),
+              RankStack("h1", 11, 1, "barrier at a.py:2"), RankStack("h2", 13, 3, "barrier at a.py:2")]
+    assert summarize_stacks(stacks) == "rank 0 (h1): all_reduce at a.py:1 — ranks 1-3 (h1, h2): barrier at a.py:2"
+
+
+def test_mismatch_and_store_errors_condensed():
+    fp = ("CollectiveFingerPrint(SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[{}], TensorDtypes={}, "
+          "TensorDeviceTypes=TensorOptions(dtype=float (default), device=cpu))")
+    line = (f"[dlt2:1] [rank1]: RuntimeError: Detected mismatch between collectives on ranks. Rank 1 is running "
+            f"collective: {fp.format(4, 'Float')}, but Rank 0 is running collective: {fp.format(8, 'Double')}."
+            "Collectives differ in the following aspects: Tensor Tensor shapes: 4vs 8")
+    assert mismatch_lines([line, line]) == [
+        "dlt2 rank 1: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
+        "rank 1 ALLREDUCE [4] Float vs rank 0 ALLREDUCE [8] Double"]
+    store = "[dlt1] torch.distributed.DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."
+    assert store_errors([store]) == [
+        "dlt1: DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."]
+
+
+# ----------------------------------------------------------------------------- on the sim cluster
+
+def _train_spec(cluster, tmp_path: Path, name: str, *args: str, **job) -> Path:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    # One rank per host: with 2 ranks a sum is order-free. With more, DDP's bucket rebuild after the
+    # first step of each (re)start changes gloo's summation order, and the last bits differ.
+    return sim_spec(cluster, run_dir, n_hosts=2, nproc_per_node=1, healthcheck={"enabled": False},
+                    env={"DDPLAUNCH_CKPT_DIR": str(run_dir / "ckpt")},
+                    job={"script": "jobs/train.py", "args": ["--epochs", "2", "--ckpt-every", "4",
+                                                             "--log-every", "2", "--seed", "7", *args], **job})
+
+
+def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, tmp_path):
+    ref = ddplaunch(["up", str(_train_spec(sim_cluster, tmp_path, "ref")), "--run-id", "res-ref"], tmp_path)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    (want,) = SHA_RE.findall(ref.stdout)
+
+    spec = _train_spec(sim_cluster, tmp_path, "killed", "--step-sleep", "0.3", max_restarts=1)
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "res-restart"], tmp_path)
+    host2 = sim_cluster.hosts[1].name
+    read_until(proc, "step=10 ", timeout=120)  # past the checkpoint at step 8
+    victim = wait_for(lambda: [p for p, e in run_processes("res-restart").items()
+                               if e.get("DDPLAUNCH_HOST") == host2 and e.get("RANK") == "1"], 30)[0]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"resumed from \S+ckpt_step\d+\.pt at step \d+", out), out[-4000:]
+    assert re.search(rf"stage job: ok on all 2 node\(s\) in [\d.]+s; workers restarted: .*{host2} 1x", out), out[-2000:]
+    (got,) = SHA_RE.findall(out)
+    assert got == want
+    assert run_processes("res-restart") == {}
+
+
+def test_hang_named_with_ranks_hosts_and_lines_within_60s(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False},
+                    job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 20})
+    h1, h2 = (h.name for h in sim_cluster.hosts[:2])
+    t0 = time.time()
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "res-hang"], tmp_path)
+    named = read_until(proc, "[ddplaunch] hang:", timeout=60)[-1]
+    took = time.time() - t0
+    out, _ = proc.communicate(timeout=60)
+    ended = time.time() - t0
+    print(f"hang named after {took:.1f}s, run ended after {ended:.1f}s")
+    assert took < 60
+    where = (rf"rank 0 \({h1}\): all_reduce at jobs/mismatch_demo.py:\d+ — "
+             rf"ranks 1-3 \({h1}, {h2}\): barrier at jobs/mismatch_demo.py:\d+")
+    assert re.search(where, named), named
+    assert proc.returncode == 1, out[-3000:]
+    assert "stage job: FAILED on 2 of 2" in out and "INTERRUPTED" not in out
+    assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=20\); stuck at: " + where, out, re.M), out[-3000:]
+    assert "stopped by ddplaunch: hang: no output from any rank" in out
+    stacks = tmp_path / "state/runs/res-hang/stacks"
+    assert {p.name for p in stacks.glob("*-rank*.txt")} == {f"{h1}-rank0.txt", f"{h1}-rank1.txt",
+                                                            f"{h2}-rank2.txt", f"{h2}-rank3.txt"}
+    assert "all_reduce" in (stacks / f"{h1}-rank0.txt").read_text()
+    assert run_processes("res-hang") == {}
+
+
+def test_debug_collectives_mismatch_attributed_to_host_and_rank(sim_cluster, tmp_path):
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, nproc_per_node=1, healthcheck={"enabled": False},
+                    job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "error"],
+                         "debug_collectives": True, "hang_timeout": 20})
+    h1, h2 = (h.name for h in sim_cluster.hosts[:2])
+    proc = ddplaunch(["up", str(spec), "--run-id", "res-mismatch"], tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    summary = proc.stdout[proc.stdout.index("stage job: FAILED"):]
+    assert (f"  {h1} rank 0: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
+            "rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float") in summary, summary
+    assert (f"  {h2} rank 1: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
+            "rank 1 ALLREDUCE [4] Float vs rank 0 ALLREDUCE [8] Double") in summary, summary
+    assert run_processes("res-mismatch") == {}
+
+
+def _sleepers(seconds: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", seconds.encode()]:
+                found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def test_host_that_never_starts_torchrun_is_named_within_rdzv_timeout(sim_cluster, tmp_path):
+    h2 = sim_cluster.hosts[1].name
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False}, rdzv_timeout=30,
+                    setup=[f'[ "$(hostname)" = {h2} ] && sleep 597 || true'],
+                    job={"script": "jobs/toy_ddp.py"})
+    t0 = time.time()
+    proc = ddplaunch(["up", str(spec), "--run-id", "res-missing"], tmp_path, timeout=300)
+    took = time.time() - t0
+    print(f"missing host named after {took:.1f}s")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert took < 60, f"took {took:.1f}s (rdzv_timeout 30; torchrun's default would be 900)"
+    assert f"  missing host: {h2} (node 1): torchrun never started (blocked before launch)" in proc.stdout
+    assert re.search(r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined",
+                     proc.stdout)
+    assert run_processes("res-missing") == {}
+    wait_for(lambda: not _sleepers("597"), timeout=10)  # the blocked setup line is gone too
