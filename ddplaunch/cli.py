@@ -124,25 +124,14 @@ def runs() -> None:
 
 
 @cli.command()
-@click.argument("run_id")
+@click.argument("run_id", required=False)
 @_handle_errors
-def status(run_id: str) -> None:
-    """Show a run's state and every host's outcome per stage."""
-    from ddplaunch.runs import load_run
+def status(run_id: str | None) -> None:
+    """Show a run's state and every host's outcome per stage (default: the latest run)."""
+    from ddplaunch.runs import latest_run, load_run, status_lines
 
-    r = load_run(run_id)
-    click.echo(f"{r.run_id}: {r.state} ({r.backend}; hosts {', '.join(r.hosts)})")
-    for stage in r.stages:
-        click.echo(f"  stage {stage['stage']}:")
-        for o in stage["outcomes"]:
-            code = "" if o["exit_code"] is None else f" exit {o['exit_code']}"
-            click.echo(f"    {o['host']} (node {o['node_rank']}): {o['state']}{code}")
-    if r.backend == "slurm":
-        from ddplaunch.backends.slurm import job_status
-        from ddplaunch.spec import ClusterSpec
-
-        for line in job_status(ClusterSpec.model_validate(r.spec), run_id):
-            click.echo(line)
+    for line in status_lines(load_run(run_id) if run_id else latest_run()):
+        click.echo(line)
 
 
 @cli.command()
@@ -152,27 +141,10 @@ def status(run_id: str) -> None:
 @_handle_errors
 def logs(run_id: str, host: str | None, follow: bool) -> None:
     """Print a run's log (every host's lines, prefixed [host:rank])."""
-    from ddplaunch.runs import load_run
+    from ddplaunch.runs import log_lines
 
-    record = load_run(run_id)
-    if record.backend == "slurm" and (follow or not record.log_path.exists()):
-        from ddplaunch.backends.slurm import job_logs
-        from ddplaunch.spec import ClusterSpec
-
-        for line in job_logs(ClusterSpec.model_validate(record.spec), run_id, follow):
-            if host is None or line.startswith((f"[{host}:", f"[{host}]")):
-                click.echo(line)
-        return
-    with open(record.log_path) as f:
-        while True:
-            line = f.readline()
-            if line:
-                if host is None or line.startswith((f"[{host}:", f"[{host}]")):
-                    click.echo(line, nl=False)
-            elif follow and load_run(run_id).state == "running":
-                time.sleep(0.2)
-            else:
-                return
+    for line in log_lines(run_id, host, follow):
+        click.echo(line)
 
 
 @cli.command()

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from ddplaunch.errors import RunNotFoundError
 
@@ -88,3 +88,53 @@ def list_runs() -> list[RunRecord]:
         except (ValueError, TypeError):
             continue
     return sorted(records, key=lambda r: r.started_at, reverse=True)
+
+
+def latest_run() -> RunRecord:
+    """The newest recorded run.
+
+    Raises:
+        RunNotFoundError: no run recorded yet.
+    """
+    runs = list_runs()
+    if not runs:
+        raise RunNotFoundError(f"no runs recorded under {home() / 'runs'} yet; start one with `ddplaunch up`")
+    return runs[0]
+
+
+def status_lines(record: RunRecord) -> list[str]:
+    """A run's state and every host's outcome per stage (Slurm runs: the job's live state too)."""
+    lines = [f"{record.run_id}: {record.state} ({record.backend}; hosts {', '.join(record.hosts)})"]
+    for stage in record.stages:
+        lines.append(f"  stage {stage['stage']}:")
+        for o in stage["outcomes"]:
+            code = "" if o["exit_code"] is None else f" exit {o['exit_code']}"
+            lines.append(f"    {o['host']} (node {o['node_rank']}): {o['state']}{code}")
+    if record.backend == "slurm":
+        from ddplaunch.backends.slurm import job_status
+        from ddplaunch.spec import ClusterSpec
+
+        lines += job_status(ClusterSpec.model_validate(record.spec), record.run_id)
+    return lines
+
+
+def log_lines(run_id: str, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
+    """A run's log lines (only `host`'s when given); with `follow`, until the run ends."""
+    record = load_run(run_id)
+    mine = (lambda line: True) if host is None else (lambda line: line.startswith((f"[{host}:", f"[{host}]")))
+    if record.backend == "slurm" and (follow or not record.log_path.exists()):
+        from ddplaunch.backends.slurm import job_logs
+        from ddplaunch.spec import ClusterSpec
+
+        yield from filter(mine, job_logs(ClusterSpec.model_validate(record.spec), run_id, follow))
+        return
+    with open(record.log_path) as f:
+        while True:
+            line = f.readline()
+            if line:
+                if mine(line):
+                    yield line.rstrip("\n")
+            elif follow and load_run(run_id).state == "running":
+                time.sleep(0.2)
+            else:
+                return

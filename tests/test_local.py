@@ -131,3 +131,21 @@ def test_sigint_ends_every_process_exit_130(env, tmp_path):
     assert time.time() - t0 < 15
     assert reaper.run_pids("sigint-1") == []
     assert "stage job: INTERRUPTED" in rest
+
+
+def test_runs_status_logs_and_down_of_a_finished_run(env, tmp_path):
+    path = spec_file(tmp_path, "healthcheck: {enabled: false}\n")
+    assert ddplaunch(["up", str(path), "--run-id", "rec-1"], env).returncode == 0
+    runs = ddplaunch(["runs"], env)
+    assert runs.returncode == 0 and runs.stdout.startswith("rec-1  ok")
+    for args in (["status", "rec-1"], ["status"]):  # no id: the latest run
+        status = ddplaunch(args, env)
+        assert status.stdout.splitlines()[:3] == ["rec-1: ok (local; hosts localhost)", "  stage job:",
+                                                  "    localhost (node 0): ok exit 0"], status.stdout
+    logs = ddplaunch(["logs", "rec-1", "--host", "localhost"], env)
+    assert "[localhost:1] rank=1 mean_grad=4.0 updated_weight=0.6" in logs.stdout
+    assert all(line.startswith("[localhost") for line in logs.stdout.splitlines())
+    down = ddplaunch(["down", "rec-1"], env)
+    assert down.returncode == 0 and down.stdout.strip() == "localhost: nothing left"
+    missing = ddplaunch(["status", "nope"], env)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
