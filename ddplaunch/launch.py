@@ -19,6 +19,7 @@ from typing import IO, Any, Iterator, Optional
 from ddplaunch.backends import get_backend
 from ddplaunch.backends.base import Backend, LineSink, StageResult, StopEvent
 from ddplaunch.errors import PlanError
+from ddplaunch.live import make_sink
 from ddplaunch.gate import exclude_hosts, healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, render_plan
 from ddplaunch.report import exit_code, summarize
@@ -141,8 +142,8 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions,
     record.state = "running"
     record.save()
     report = RunReport(run_id=run_id, final_stage=stages_of(spec, opts)[-1])
-    with open(record.log_path, "a") as log, _stop_on_signals() as stop, contextlib.closing(backend):
-        sink = LineSink(stream, log)
+    with open(record.log_path, "a") as log, _stop_on_signals() as stop, contextlib.closing(backend), \
+            contextlib.closing(make_sink(stream, log, [h.label for h in spec.hosts])) as sink:
         sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
                   f"{spec.nproc_per_node} proc; record in {record.dir}")
 

@@ -110,8 +110,10 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: float,
         rep = HostReport(host=h.label, addr=h.addr, facts=raw.get(h.label, {}))
         hosts.append(rep)
         f = rep.facts
-        if "error" in f:
-            rep.checks["ssh"] = Check(False, f["error"], "check the host is up, sshd runs and ssh.* is right")
+        if "error" in f:  # the backend's message starts with the host, which the row names already
+            seen = f["error"].removeprefix(f"{h.label} ({h.addr}")
+            seen = seen.split("): ", 1)[1] if seen.startswith((")", ":")) and "): " in seen else f["error"]
+            rep.checks["ssh"] = Check(False, seen, "check the host is up, sshd runs and ssh.* is right")
             continue
         rep.checks["ssh"] = Check(True, "ok")
         if "exit" in f:

@@ -245,7 +245,12 @@ def main(argv=None) -> int:
                 "the data order differs from an uninterrupted run")
         if rank == 0:
             say(f"resumed from {path} at step {step}")
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after the
+    # first step of every start; a rebuild changes the summation order of the all_reduce, and a
+    # resumed run (which rebuilds again) would then differ from an uninterrupted one in the last
+    # bits once there are more than 2 ranks. This model is tiny: the extra graph walk is free.
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              find_unused_parameters=True)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
     if resumed:
         optimizer.load_state_dict(resumed[1]["optimizer"])

@@ -128,37 +128,32 @@ def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
         proc.wait(timeout=30)
 
 
-def test_sshd_down_named_and_nothing_started(sim_cluster, tmp_path):
+@pytest.mark.parametrize("fault, preflight", [("sshd_stop", False), ("down", True)])
+def test_dead_host_named_and_nothing_started(sim_cluster, tmp_path, fault, preflight):
+    """Without pre-flight the backend's own connect step refuses to start; with it (the ssh
+    default) the pre-flight gate does. Either way the host is named, within the connect timeout."""
     bad = sim_cluster.hosts[1]
-    spec = sim_spec(sim_cluster, tmp_path, **TOY)
-    sim_fault(sim_cluster, bad.name, sshd_stop=True)
+    run_id = f"ssh-dead-{fault}"
+    spec = sim_spec(sim_cluster, tmp_path, preflight={"enabled": preflight}, **TOY)
+    sim_fault(sim_cluster, bad.name, **{fault: True})
     try:
         t0 = time.time()
-        proc = ddplaunch(["up", str(spec), "--run-id", "ssh-nosshd"], tmp_path)
+        proc = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
         took = time.time() - t0
     finally:
         sim_fault(sim_cluster, bad.name, clear=True)
-    assert proc.returncode == 1
-    assert f"{bad.name} ({bad.addr}:22): cannot connect" in proc.stdout
-    assert f"first failure: {bad.name} (node 1): unreachable" in proc.stdout
-    assert "not starting" in proc.stdout and "updated_weight" not in proc.stdout
-    assert took < 30
-    assert run_processes("ssh-nosshd") == {}
-
-
-def test_link_down_unreachable_within_connect_timeout(sim_cluster, tmp_path):
-    bad = sim_cluster.hosts[2]
-    spec = sim_spec(sim_cluster, tmp_path, **TOY)
-    sim_fault(sim_cluster, bad.name, down=True)
-    try:
-        t0 = time.time()
-        proc = ddplaunch(["up", str(spec), "--run-id", "ssh-linkdown"], tmp_path)
-        took = time.time() - t0
-    finally:
-        sim_fault(sim_cluster, bad.name, clear=True)
-    assert proc.returncode == 1
-    assert f"{bad.name} ({bad.addr}:22): no answer within ssh.connect_timeout=5" in proc.stdout
+    out = proc.stdout
+    assert proc.returncode == 1, out[-2000:]
+    cause = "cannot connect" if fault == "sshd_stop" else "no answer within ssh.connect_timeout=5"
+    if preflight:
+        assert f"{bad.name} ({bad.addr}): ssh: {cause}" in out
+        assert "stopped by the pre-flight gate: no job was started" in out
+    else:
+        assert f"{bad.name} ({bad.addr}:22): {cause}" in out
+        assert f"first failure: {bad.name} (node 1): unreachable" in out and "not starting" in out
+    assert "updated_weight" not in out
     assert took < 5 * 2 + 10
+    assert run_processes(run_id) == {}
 
 
 def test_host_key_mismatch_refused_and_named(sim_cluster, tmp_path):
@@ -172,12 +167,12 @@ def test_host_key_mismatch_refused_and_named(sim_cluster, tmp_path):
     spec = sim_spec(sim_cluster, tmp_path, ssh={**_ssh(sim_cluster), "known_hosts": str(known)}, **TOY)
     proc = ddplaunch(["up", str(spec)], tmp_path)
     assert proc.returncode == 1
-    assert f"{h2.name} ({h2.addr}): host key MISMATCH" in proc.stdout
+    assert f"{h2.name} ({h2.addr}): ssh: host key MISMATCH" in proc.stdout
     assert "updated_weight" not in proc.stdout
     # strict: a host missing from known_hosts is refused too, and named
     known.write_text("".join(f"{a} {k}\n" for a, k in keys.items() if a != h1.addr))
     proc = ddplaunch(["up", str(spec)], tmp_path)
-    assert f"{h1.name} ({h1.addr}): host key unknown" in proc.stdout and proc.returncode == 1
+    assert f"{h1.name} ({h1.addr}): ssh: host key unknown" in proc.stdout and proc.returncode == 1
 
 
 def test_env_value_arrives_literally(sim_cluster, tmp_path):

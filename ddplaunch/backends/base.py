@@ -172,8 +172,7 @@ class LineSink:
                 self.payloads[marker.group(1)] = marker.group(2)
             else:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
-                self._stream.write(line + "\n")
-                self._stream.flush()
+                self._write(line)
             if self._log is not None:
                 self._log.write(line + "\n")
                 self._log.flush()
@@ -184,11 +183,23 @@ class LineSink:
 
     def block(self, text: str) -> None:
         """Lines from ddplaunch as they are (tables, summaries)."""
+        text = text.rstrip("\n")
         with self._lock:
-            for out in (self._stream, self._log):
-                if out is not None:
-                    out.write(text.rstrip("\n") + "\n")
-                    out.flush()
+            self._write(text)
+            if self._log is not None:
+                self._log.write(text + "\n")
+                self._log.flush()
+
+    def state(self, host: str, text: str) -> None:
+        """A host's current state (connecting, running a stage, exited): shown live on a
+        terminal by `ddplaunch.live.LiveSink`; plain output has the log lines for it."""
+
+    def close(self) -> None:
+        """End live output, if any."""
+
+    def _write(self, text: str) -> None:
+        self._stream.write(text + "\n")
+        self._stream.flush()
 
     def tail(self, node_rank: int) -> list[str]:
         with self._lock:
@@ -207,6 +218,7 @@ def finish_outcome(outcome: NodeOutcome, sink: LineSink, exit_code: Optional[int
         found = parse_torchrun_failure(outcome.tail)
         if found:
             outcome.failed_rank, outcome.failed_local_rank, outcome.rank_exit_code = found
+    sink.state(outcome.host, f"{outcome.state} (exit {exit_code})")
     return outcome
 
 

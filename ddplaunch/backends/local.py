@@ -53,6 +53,7 @@ class LocalBackend:
         for src, dst in plan.uploads:
             shutil.copyfile(src, run_dir / dst)
         outcome = NodeOutcome(node_rank=0, host=node.host.label, state=RUNNING)
+        sink.state(outcome.host, f"running {plan.stage}")
         result = StageResult(stage=plan.stage, outcomes=[outcome])
         proc = subprocess.Popen(["bash", "-c", node.shell_line()], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

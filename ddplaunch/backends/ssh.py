@@ -160,11 +160,14 @@ class SshBackend:
         outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host.label) for n in plan.nodes]
         result = StageResult(stage=plan.stage, outcomes=outcomes)
         plan_hosts = [n.host for n in plan.nodes]
+        for host in plan_hosts:
+            sink.state(host.label, f"connecting ({plan.stage})")
         ready = self._each(lambda h: self._prepare(h, plan), plan_hosts)
         for (host, _, err), outcome in zip(ready, outcomes):
             if err is not None:
                 outcome.state, outcome.detail, outcome.ended_at = UNREACHABLE, str(err), time.time()
                 sink.note(f"{host.label}: {err}")
+                sink.state(host.label, "unreachable")
         if any(o.state == UNREACHABLE for o in outcomes):
             sink.note("not starting: every host must be reachable")
             result.ended_at = time.time()
@@ -172,6 +175,7 @@ class SshBackend:
         channels = [self._start(node) for node in plan.nodes]
         for outcome in outcomes:
             outcome.state = RUNNING
+            sink.state(outcome.host, f"running {plan.stage}")
         readers = [threading.Thread(target=_pump, args=(ch, sink, n.node_rank, n.host.label), daemon=True)
                    for ch, n in zip(channels, plan.nodes)]
         for r in readers:
