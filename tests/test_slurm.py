@@ -120,9 +120,14 @@ def test_ctrl_c_cancels_the_job(slurm_cluster, tmp_path):
 
 
 def release_requeued(cluster, job: str) -> None:
-    """Slurm holds a requeued job back (BeginTime) for a while; let it start at once."""
+    """Slurm holds a requeued job back (BeginTime) for a while; let it start almost at once.
+
+    Not in the same second as the requeue: slurmd revokes the old instance's credential with
+    one-second granularity, and a relaunch inside that second is killed ("Job credential
+    revoked"). `now+2` lets the scheduler keep that distance.
+    """
     wait_for(lambda: queue_state(cluster, job) == "PENDING", timeout=60, interval=0.3)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], capture_output=True,
                    timeout=30, env=slurm_env(cluster))
 
 
