@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import yaml
 
+from tests.torchrun_util import wait_for as poll
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,13 +60,10 @@ def run_processes(run_id: str) -> dict[int, dict[str, str]]:
 
 def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
     """Poll until predicate() is truthy; returns its value, or raises after timeout seconds."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"condition not met within {timeout}s")
+    value = poll(predicate, timeout, interval)
+    if not value:
+        raise TimeoutError(f"condition not met within {timeout}s")
+    return value
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:

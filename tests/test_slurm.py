@@ -131,12 +131,18 @@ def release_requeued(cluster, job: str) -> None:
                    timeout=30, env=slurm_env(cluster))
 
 
-def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
-    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py", requeue=True)
+def start_requeueable_training(cluster, tmp_path: Path, run_id: str, ckpt_every: int):
+    """`ddplaunch up` of a slow jobs/train.py with `slurm.requeue: true`; (process, checkpoint dir)."""
+    spec = slurm_spec(cluster, tmp_path, "jobs/train.py", requeue=True)
     ckpt = tmp_path / "ckpt"
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-rq", "--skip-healthcheck", "--",
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id, "--skip-healthcheck", "--",
                             "--epochs", "2", "--steps-per-epoch", "40", "--step-sleep", "0.15",
-                            "--ckpt-every", "5", "--ckpt-dir", str(ckpt)], tmp_path)
+                            "--ckpt-every", str(ckpt_every), "--ckpt-dir", str(ckpt)], tmp_path)
+    return proc, ckpt
+
+
+def test_requeued_job_resumes_from_checkpoint(slurm_cluster, tmp_path):
+    proc, ckpt = start_requeueable_training(slurm_cluster, tmp_path, "sl-rq", ckpt_every=5)
     try:
         read_until(proc, "loss=", timeout=180)
         wait_for(lambda: (ckpt / "latest").is_file(), timeout=60)
@@ -159,11 +165,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm_cluster, tmp_
     """The USR2 Slurm sends ahead of the time limit (simulated with `scancel --batch --signal`):
     the batch shell passes it to every rank, train.py checkpoints and exits, the job requeues
     itself and the next run resumes from that checkpoint to the end."""
-    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py", requeue=True)
-    ckpt = tmp_path / "ckpt"
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-pre", "--skip-healthcheck", "--",
-                            "--epochs", "2", "--steps-per-epoch", "40", "--step-sleep", "0.15",
-                            "--ckpt-every", "0", "--ckpt-dir", str(ckpt)], tmp_path)
+    proc, ckpt = start_requeueable_training(slurm_cluster, tmp_path, "sl-pre", ckpt_every=0)
     try:
         read_until(proc, "loss=", timeout=180)
         job = job_of(tmp_path, "sl-pre")
