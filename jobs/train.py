@@ -315,4 +315,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is saved and the group is destroyed: skip interpreter teardown, where gloo's and
+    # DDP's C++ threads are sometimes destroyed in an order that aborts the process ("terminate
+    # called without an active exception", ~1 run in 20 on 6 ranks) after a clean run.
+    os._exit(status)

@@ -4,7 +4,6 @@ golden files. Refresh them with `UPDATE_GOLDEN=1 pytest tests/test_plan.py` and 
 import os
 import shlex
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest

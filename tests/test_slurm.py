@@ -12,14 +12,13 @@ import os
 import signal
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
-from tests.ssh_util import ROOT, ddplaunch, launcher_env, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -7,7 +7,6 @@ the diff. The fakes are tiny shell scripts on PATH: no Slurm is needed here.
 import os
 import stat
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
