@@ -240,7 +240,6 @@ class SshBackend:
 
     # ------------------------------------------------------------------ steps
 
-
     def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
         """Connect, create the run dir, upload the plan's files and the spec's `sync` paths."""
         conn = self.connect(host)
