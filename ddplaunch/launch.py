@@ -269,12 +269,8 @@ def _free_port(spec: ClusterSpec, run_id: str, stage: str, backend: Backend) -> 
 
 
 def _healthcheck_payload(sink: LineSink, record: RunRecord) -> Optional[dict[str, Any]]:
-    raw = sink.payloads.get("HEALTHCHECK")
-    if raw is None:
-        return None
-    try:
-        payload = json.loads(raw)
-    except ValueError:
+    payload = sink.payload("HEALTHCHECK")
+    if payload is None:
         return None
     (record.dir / "healthcheck.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
     return payload

@@ -137,7 +137,7 @@ class _ProbeRunner:
         plan = make_plan(sub, tag, "healthcheck", derive_port(tag), direct=True)
         sink = LineSink(io.StringIO())
         result = self.backend.run(plan, sink, self.stop)
-        payload = _payload(sink)
+        payload = sink.payload("HEALTHCHECK")
         labels = tuple(h.label for h in group)
         if not result.ok or payload is None:
             first = result.first_failure
@@ -147,16 +147,6 @@ class _ProbeRunner:
         if len(group) == 1:  # one rank alone has no link to measure: correctness only
             busbw = None
         return Probe(labels, bool(payload.get("ok")), busbw)
-
-
-def _payload(sink: LineSink) -> Optional[dict[str, Any]]:
-    import json
-
-    raw = sink.payloads.get("HEALTHCHECK")
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return None
 
 
 def render_html(loc: Localization) -> str:

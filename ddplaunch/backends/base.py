@@ -7,6 +7,7 @@ one `NodeOutcome` per node — never just the first exception.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import threading
@@ -189,6 +190,14 @@ class LineSink:
             if self._log is not None:
                 self._log.write(text + "\n")
                 self._log.flush()
+
+    def payload(self, name: str) -> Optional[dict]:
+        """The last `DDPLAUNCH_<NAME>_JSON` payload, parsed (None if absent or not valid JSON)."""
+        raw = self.payloads.get(name)
+        try:
+            return json.loads(raw) if raw else None
+        except ValueError:
+            return None
 
     def state(self, host: str, text: str) -> None:
         """A host's current state (connecting, running a stage, exited): shown live on a
