@@ -20,7 +20,7 @@ from ddplaunch.spec import ClusterSpec, HostSpec, parse_size
 PORT_RANGE = (20000, 32000)
 #: Where each host keeps its run directory (pid files, torchrun logs, staged files).
 HOST_RUN_ROOT = ".ddplaunch/runs"
-HEALTHCHECK_SOURCE = Path(__file__).with_name("healthcheck.py")
+HEALTHCHECK_SOURCE = Path(__file__).with_name("hostside") / "healthcheck.py"
 STAGES = ("healthcheck", "job")
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|CREDENTIAL|API_?KEY|PRIVATE", re.IGNORECASE)
 

@@ -17,7 +17,7 @@ from ddplaunch.backends.base import Backend
 from ddplaunch.plan import host_python, master_addr, quote
 from ddplaunch.spec import ClusterSpec, HostSpec
 
-PROBE_SOURCE = Path(__file__).with_name("hostprobe.py")
+PROBE_SOURCE = Path(__file__).with_name("hostside") / "probe.py"
 CHECKS = ("ssh", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
 PROBE_SECONDS = 4.0

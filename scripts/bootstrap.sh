@@ -22,7 +22,7 @@ fi
 py=$(command -v python3.11 || command -v python3)
 [[ -x .venv/bin/python ]] || "$py" -m venv .venv
 # torch is pinned in pyproject.toml (2.13.0, the CPU build); never ask for an unpinned torch.
-if ! .venv/bin/python -c 'import ddplaunch, torch, fabric, pydantic, numpy, pytest, pytest_timeout, jsonschema' 2>/dev/null \
+if ! .venv/bin/python -c 'import ddplaunch, torch, fabric, pydantic, numpy, pytest, pytest_timeout, jsonschema, hypothesis' 2>/dev/null \
    || [[ ! -x .venv/bin/py-spy ]]; then
   .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v WARNING || true
   .venv/bin/pip install -q -e '.[test]' 2>&1 | grep -v WARNING || true

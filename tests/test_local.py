@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch import reaper
+from ddplaunch.hostside import reaper
 
 ROOT = Path(__file__).resolve().parents[1]
 

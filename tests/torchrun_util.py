@@ -14,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs"
-HEALTHCHECK = ROOT / "ddplaunch" / "healthcheck.py"
+HEALTHCHECK = ROOT / "ddplaunch" / "hostside" / "healthcheck.py"
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ddplaunch import reaper
+from ddplaunch.hostside import reaper
 from ddplaunch.backends.base import (
     INTERRUPTED, RUNNING, HostResult, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
     run_in_order, stop_cause)

@@ -28,7 +28,7 @@ from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
 SHUTDOWN_GRACE = 10.0
-REAPER_SOURCE = Path(__file__).resolve().parents[1] / "reaper.py"
+REAPER_SOURCE = Path(__file__).resolve().parents[1] / "hostside" / "reaper.py"
 T = TypeVar("T")
 
 
