@@ -1,19 +1,22 @@
 """The cluster spec: validated data, nothing else.
 
-`load_spec(path)` reads a cluster.yaml, validates it with pydantic v2 and returns a frozen
-`ClusterSpec`. Every problem becomes one `SpecError` line of the form
-`file:line: key.path: problem (hint)`; after loading, the rest of ddplaunch trusts the spec.
+`load_spec(path)` reads a cluster.yaml through the bounded loader of ddplaunch/yamlsafe.py,
+validates it with pydantic v2 and returns a frozen `ClusterSpec`. Any input ends in a spec or one
+`SpecError` line `file:line: key.path: problem (hint)`; after loading, ddplaunch trusts the spec.
+Secrets in `env:` are data too: `secret_names()`, `env_values(environ)` and `redacted()`.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import re
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -21,10 +24,100 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from yaml.nodes import MappingNode, Node, SequenceNode
 
 from ddplaunch.errors import SpecError
+from ddplaunch.yamlsafe import char_name, coercion, load_yaml, node_at, one_line, show
 
 SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SECRET_SHOWN = "<secret>"
+
+# --------------------------------------------------------------------------- value checks
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLURM_TIME = re.compile(r"(?:\d+-)?\d+(?::\d+){0,2}|UNLIMITED|INFINITE|unlimited|infinite")
+
+
+def _printable(value: str) -> str:
+    """Values that reach a shell line or an `#SBATCH` line: no newline or other control character."""
+    bad = _CONTROL.search(value)
+    if bad:
+        raise ValueError(f"{char_name(bad.group())} at character {bad.start() + 1}; a command or "
+                         "#SBATCH line cannot hold it")
+    return value
+
+
+def _no_nul(value: str) -> str:
+    """Process arguments and environment values cannot hold NUL."""
+    if "\0" in value:
+        raise ValueError("contains a NUL character, which no process argument can hold")
+    return value
+
+
+def _shaped(pattern: str, what: str) -> AfterValidator:
+    rx = re.compile(pattern)
+
+    def check(value: str) -> str:
+        _printable(value)
+        if not rx.fullmatch(value) or value in (".", ".."):
+            raise ValueError(f"{show(value)!r} is not {what}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _env_name(value: str) -> str:
+    if not _ENV_NAME.fullmatch(value):
+        raise ValueError(f"{show(value)!r} is not a valid environment variable name "
+                         "(letters, digits and _, not starting with a digit)")
+    return value
+
+
+def _sbatch_option(value: str) -> str:
+    _printable(value)
+    if not value.startswith("--"):
+        raise ValueError(f"{show(value)!r} must be an sbatch option starting with -- (e.g. --exclusive)")
+    return value
+
+
+Line = Annotated[str, AfterValidator(_printable)]
+Arg = Annotated[str, AfterValidator(_no_nul)]
+EnvName = Annotated[str, AfterValidator(_env_name)]
+HostAddr = Annotated[str, _shaped(r"[A-Za-z0-9_.:%\[\]][A-Za-z0-9_.:%\[\]-]{0,252}",
+                                  "a host address (a name or IP: letters, digits, . _ - : % [ ])")]
+HostName = Annotated[str, _shaped(r"[A-Za-z0-9_.-]{1,253}", "a host name (letters, digits, . _ -)")]
+UserName = Annotated[str, _shaped(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?",
+                                  "a user name (letters, digits, _ . -, starting with a letter or _)")]
+SlurmName = Annotated[str, _shaped(r"[A-Za-z0-9_.+-]{1,200}", "a Slurm name (letters, digits, _ . + -)")]
+SlurmNames = Annotated[str, _shaped(r"[A-Za-z0-9_.+-]{1,200}(?:,[A-Za-z0-9_.+-]{1,200})*",
+                                    "a Slurm partition or comma-separated list of them")]
+SlurmTime = Annotated[str, _shaped(_SLURM_TIME.pattern, "a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, "
+                                                        "D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED)")]
+SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
+
+_SECRET_PARTS = ("SECRET", "PASSW", "CREDENTIAL", "APIKEY", "API_KEY", "PRIVATE")
+_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "AUTH", "AUTHN", "AUTHZ", "COOKIE", "KEY"}
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an env name looks like it holds a secret, whose value ddplaunch never prints.
+
+    Matches (case-insensitively) SECRET, PASSW(ORD), CREDENTIAL, API_KEY/APIKEY and PRIVATE
+    anywhere; and, as `_`-separated words: a word ending in TOKEN(S) (not TOKENIZERS), PASS,
+    PASSPHRASE, CREDS, AUTH, AUTHORIZATION, COOKIE, and KEY/KEYS as the last word (OPENAI_KEY,
+    not KEYBOARD_LAYOUT or MONKEY).
+    """
+    upper = name.upper()
+    if any(part in upper for part in _SECRET_PARTS):
+        return True
+    words = upper.split("_")
+    if words[-1] in ("KEY", "KEYS"):
+        return True
+    return any(w.endswith(("TOKEN", "TOKENS")) or w in _SECRET_WORDS or w.startswith("AUTHORIZ") for w in words)
+
+
+# --------------------------------------------------------------------------- the model
 
 
 class _Strict(BaseModel):
@@ -36,11 +129,11 @@ class _Strict(BaseModel):
 class HostSpec(_Strict):
     """One machine. A plain string in YAML is shorthand for `{addr: STRING}`."""
 
-    addr: str = Field(min_length=1)
-    name: Optional[str] = None
-    user: Optional[str] = None
+    addr: HostAddr
+    name: Optional[HostName] = None
+    user: Optional[UserName] = None
     port: Optional[int] = Field(default=None, ge=1, le=65535)
-    python: Optional[str] = None
+    python: Optional[Line] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -56,7 +149,7 @@ class HostSpec(_Strict):
 class MasterSpec(_Strict):
     """Where rank 0's TCPStore listens. Defaults: first host, a port derived from the run id."""
 
-    addr: Optional[str] = None
+    addr: Optional[HostAddr] = None
     port: Optional[int] = Field(default=None, ge=1, le=65535)
 
 
@@ -101,8 +194,8 @@ class PreflightSpec(_Strict):
 class JobSpec(_Strict):
     """The training script and how torchrun restarts it."""
 
-    script: str = "jobs/toy_ddp.py"
-    args: list[str] = Field(default_factory=list)
+    script: Line = "jobs/toy_ddp.py"
+    args: list[Arg] = Field(default_factory=list)
     max_restarts: int = Field(default=0, ge=0)
     hang_timeout: Optional[float] = Field(default=None, gt=0)
     debug_collectives: bool = False
@@ -110,16 +203,17 @@ class JobSpec(_Strict):
     @field_validator("args", mode="before")
     @classmethod
     def _args_str(cls, args: Any) -> Any:
-        return [str(a) for a in args] if isinstance(args, list) else args
+        return [str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a for a in args] \
+            if isinstance(args, list) else args
 
 
 class SshSpec(_Strict):
     """How to reach the hosts of `backend: ssh`."""
 
-    user: Optional[str] = None
-    key: Optional[str] = None
+    user: Optional[UserName] = None
+    key: Optional[Line] = None
     port: int = Field(default=22, ge=1, le=65535)
-    known_hosts: Optional[str] = None
+    known_hosts: Optional[Line] = None
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     connect_timeout: float = Field(default=10, gt=0)
 
@@ -127,34 +221,65 @@ class SshSpec(_Strict):
 class SlurmSpec(_Strict):
     """The allocation asked for by `backend: slurm`."""
 
-    conf: Optional[str] = None
-    output_dir: str = "slurm-logs"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time: Optional[str] = None
+    conf: Optional[Line] = None
+    output_dir: Line = "slurm-logs"
+    partition: Optional[SlurmNames] = None
+    account: Optional[SlurmName] = None
+    qos: Optional[SlurmName] = None
+    time: Optional[SlurmTime] = None
     nodes: Optional[int] = Field(default=None, ge=1)
     gpus_per_node: Optional[int] = Field(default=None, ge=0)
     cpus_per_task: Optional[int] = Field(default=None, ge=1)
-    sbatch_extra: list[str] = Field(default_factory=list)
+    sbatch_extra: list[SbatchOption] = Field(default_factory=list)
     requeue: bool = False
     signal_seconds: int = Field(default=120, ge=1, description="with requeue: SIGUSR2 this long before the time limit")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+
+
+class EnvVar(_Strict):
+    """One `env:` entry: `NAME: "value"`, `NAME: {value: "...", secret: true}` or
+    `NAME: {from_env: VAR}` (taken from the launcher's environment at launch; always secret)."""
+
+    value: Optional[Arg] = None
+    from_env: Optional[EnvName] = None
+    secret: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"value": value}
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"value": str(value)}  # load_spec has already refused YAML's coercions
+        if not isinstance(value, dict):
+            raise ValueError('must be a string, {from_env: NAME} or {value: "...", secret: true}')
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EnvVar":
+        if (self.value is None) == (self.from_env is None):
+            raise ValueError('needs exactly one of value: "..." or from_env: NAME')
+        return self
 
 
 class ClusterSpec(_Strict):
     """A whole cluster.yaml. See the annotated `cluster.yaml` at the repository root."""
 
-    name: str = Field(default="ddp", pattern=r"^[A-Za-z0-9._-]+$")
+    name: str = Field(default="ddp", pattern=r"^[A-Za-z0-9._-]{1,100}$")
     backend: Literal["local", "ssh", "slurm"] = "local"
     hosts: list[HostSpec] = Field(default_factory=lambda: [HostSpec(addr="localhost")])
     nproc_per_node: Union[int, Literal["auto"]] = 1
     master: MasterSpec = Field(default_factory=MasterSpec)
-    python: Optional[str] = None
-    workdir: Optional[str] = None
-    env: dict[str, str] = Field(default_factory=dict)
-    setup: list[str] = Field(default_factory=list)
+    python: Optional[Line] = None
+    workdir: Optional[Line] = None
+    env: dict[EnvName, EnvVar] = Field(default_factory=dict)
+    setup: list[Arg] = Field(default_factory=list)
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
-    socket_ifname: Optional[str] = None
+    socket_ifname: Optional[Line] = None
     rdzv_timeout: int = Field(default=60, ge=1)
     dist_timeout: int = Field(default=300, ge=1)
     preflight: PreflightSpec = Field(default_factory=PreflightSpec)
@@ -162,7 +287,7 @@ class ClusterSpec(_Strict):
     job: JobSpec = Field(default_factory=JobSpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
-    sync: list[str] = Field(default_factory=list)
+    sync: list[Line] = Field(default_factory=list)
     # Not a YAML key: the directory of the spec file, against which relative paths resolve.
     base_dir: str = Field(default=".", exclude=True)
 
@@ -172,24 +297,8 @@ class ClusterSpec(_Strict):
         if value == "auto":
             return value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"must be a positive integer or 'auto', got {value!r}")
+            raise ValueError(f"must be a positive integer or 'auto', got {show(repr(value))}")
         return value
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_str(cls, env: Any) -> Any:
-        if isinstance(env, dict):
-            return {k: (v if isinstance(v, str) else yaml.safe_dump(v).strip().removesuffix("\n..."))
-                    for k, v in env.items()}
-        return env
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for key in env:
-            if not key.replace("_", "a").isalnum() or key[0].isdigit():
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-        return env
 
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterSpec":
@@ -201,7 +310,7 @@ class ClusterSpec(_Strict):
         labels = [h.label for h in self.hosts]
         dupes = sorted({x for x in labels if labels.count(x) > 1})
         if dupes:
-            raise ValueError(f"hosts: duplicate host {', '.join(dupes)}")
+            raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))}")
         return self
 
     def resolve(self, path: str) -> Path:
@@ -214,6 +323,39 @@ class ClusterSpec(_Strict):
         """The directory torchrun runs in on every host (default: the spec file's directory)."""
         return str(self.resolve(self.workdir or ".").resolve())
 
+    def secret_names(self) -> frozenset[str]:
+        """Env names whose values are never printed: `secret: true`, `from_env`, or a secret-looking
+        name (`is_secret_name`)."""
+        return frozenset(k for k, v in self.env.items() if v.secret or v.from_env is not None or is_secret_name(k))
+
+    def env_values(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """Every `env:` value, `from_env` entries read from `environ` (the launcher's environment).
+
+        Raises:
+            SpecError: a `from_env` variable is not set in `environ` (the first, plus a count).
+        """
+        values, missing = {}, []
+        for name, var in self.env.items():
+            if var.from_env is None:
+                values[name] = typing.cast(str, var.value)
+            elif var.from_env in environ:
+                values[name] = environ[var.from_env]
+            else:
+                missing.append(f"env.{name}: from_env {var.from_env} is not set in the launcher's environment; "
+                               "export it before ddplaunch up")
+        if missing:
+            raise SpecError(_summary(missing))
+        return values
+
+    def redacted(self) -> dict:
+        """`model_dump(mode="json")` with every secret value shown as `<secret>` and `from_env`
+        entries as `{from_env: NAME}`: what `validate` prints and run records store."""
+        data = self.model_dump(mode="json")
+        secret = self.secret_names()
+        data["env"] = {k: {"from_env": v.from_env} if v.from_env is not None
+                       else SECRET_SHOWN if k in secret else v.value for k, v in self.env.items()}
+        return data
+
 
 def parse_size(size: Union[int, str]) -> int:
     """Bytes from `4096`, `'64K'`, `'1M'` or `'2G'`.
@@ -225,80 +367,263 @@ def parse_size(size: Union[int, str]) -> int:
         return size
     text = str(size).strip().upper().removesuffix("B").removesuffix("I")
     num, suffix = (text[:-1], text[-1]) if text[-1:] in "KMG" else (text, "")
-    if not num.isdigit() or int(num) == 0:
-        raise ValueError(f"size {size!r} is not a positive byte count like 4096, 64K, 1M or 1G")
+    if not num.isascii() or not num.isdigit() or len(num) > 15 or int(num) == 0:
+        raise ValueError(f"size {show(repr(size), 60)} is not a positive byte count like 4096, 64K, 1M or 1G")
     return int(num) * SIZE_SUFFIXES[suffix]
+
+
+# --------------------------------------------------------------------------- backend limits
+
+_SSH_ONLY = "only used by backend: ssh"
+_SLURM_ONLY = "only used by backend: slurm"
+#: backend -> {key path -> why it cannot be honoured and what to do}. A key path is dotted;
+#: `hosts[]` means every host; a section name (`ssh`) means every key in that section. A key
+#: is refused only when the YAML sets it to a value other than its default.
+BACKEND_LIMITS: dict[str, dict[str, str]] = {
+    "local": {
+        "sync": "the local backend runs in place: the files are already here",
+        "ssh": _SSH_ONLY,
+        "slurm": _SLURM_ONLY,
+    },
+    "ssh": {
+        "slurm": _SLURM_ONLY,
+    },
+    "slurm": {
+        "sync": "Slurm jobs read the shared file system: put the files there",
+        "hosts[].user": "Slurm starts every step as the submitting user",
+        "hosts[].port": "Slurm reaches its nodes itself; no SSH port is used",
+        "hosts[].python": "use `python:` for every node",
+        "master.addr": "Slurm's first allocated node is the master",
+        "ssh": _SSH_ONLY,
+    },
+}
+
+
+def _backend_limit_problems(spec: ClusterSpec, root: Optional[Node], shown: str) -> list[tuple[int, str]]:
+    problems = []
+    for key_path, reason in BACKEND_LIMITS.get(spec.backend, {}).items():
+        for loc, line in _set_keys(root, key_path):
+            value, default = _value_and_default(spec, loc)
+            if value != default:
+                problems.append((line, f"{shown}:{line}: {_dotted(loc)}: not supported by backend "
+                                       f"'{spec.backend}' ({reason})"))
+    return problems
+
+
+def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple, int]]:
+    """(loc, line) of every key the YAML sets along `key_path`; a section expands to its keys."""
+    found: list[tuple[tuple, Node, int]] = [((), root, 1)] if root is not None else []
+    parts = key_path.split(".")
+    for part in parts:
+        name, each = part.removesuffix("[]"), part.endswith("[]")
+        nxt = []
+        for loc, node, _ in found:
+            line, child = node_at(node, (name,))
+            if child is None:
+                continue
+            if each:
+                if isinstance(child, SequenceNode):
+                    nxt += [(loc + (name, j), item, item.start_mark.line + 1) for j, item in enumerate(child.value)]
+            else:
+                nxt.append((loc + (name,), child, line))
+        found = nxt
+    out = []
+    for loc, node, line in found:
+        if isinstance(node, MappingNode) and _section(loc):
+            out += [(loc + (k.value,), k.start_mark.line + 1) for k, _ in node.value if isinstance(k.value, str)]
+        else:
+            out.append((loc, line))
+    return out
+
+
+def _section(loc: tuple) -> bool:
+    """Whether `loc` names a whole section of the spec (`ssh`, `slurm`, ...)."""
+    field = ClusterSpec.model_fields.get(str(loc[0])) if len(loc) == 1 else None
+    return field is not None and typing.get_origin(field.annotation) is None and _model_in(field.annotation) is not None
+
+
+def _value_and_default(spec: ClusterSpec, loc: tuple) -> tuple[Any, Any]:
+    obj: Any = spec
+    owner: Any = spec
+    for part in loc:
+        if isinstance(part, int):
+            obj = obj[part]
+        else:
+            owner, obj = obj, getattr(obj, str(part), None)
+    field = type(owner).model_fields.get(str(loc[-1]))
+    return obj, (field.get_default(call_default_factory=True) if field else obj)
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def load_spec(path: Union[str, Path]) -> ClusterSpec:
-    """Read and validate a cluster spec file.
+    """Read and validate a cluster spec file; any bytes under any path end here, bounded.
 
     Raises:
-        SpecError: file missing, YAML syntax error, or invalid content; the message names
-            `file:line: key.path` and the fix.
+        SpecError: one line under 4 kB naming `file:line: key.path`, the problem and the fix; with
+            several problems, the first and `(and N more problems)`.
     """
-    path = Path(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file; pass the path of a cluster spec such as cluster.yaml") from None
-    except OSError as err:
-        raise SpecError(f"{path}: cannot read: {err.strerror}") from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.MarkedYAMLError as err:
-        mark = err.problem_mark or err.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise SpecError(f"{where}: YAML syntax error: {err.problem or err.context}") from None
-    if data is None:
-        data = {}
+        return _load(path)
+    except SpecError as err:
+        raise SpecError(one_line(str(err))) from None
+
+
+def _load(path: Union[str, Path]) -> ClusterSpec:
+    doc = load_yaml(path)
+    shown, root = doc.shown, doc.root
+    data = {} if doc.data is None else doc.data
     if not isinstance(data, dict):
-        raise SpecError(f"{path}:1: the spec must be a mapping of keys (name:, backend:, hosts: ...)")
-    data.pop("base_dir", None)
+        raise SpecError(f"{shown}:1: the spec must be a mapping of keys (name:, backend:, hosts: ...)")
+    problems = _coercions(root, data, shown)
+    if "base_dir" in data:
+        problems.append((node_at(root, ("base_dir",))[0], f"{shown}:{node_at(root, ('base_dir',))[0]}: "
+                                                            "base_dir: unknown key 'base_dir'"))
+        data = {k: v for k, v in data.items() if k != "base_dir"}
     try:
         spec = ClusterSpec.model_validate(data)
     except ValidationError as err:
-        raise SpecError(_describe(path, root, err)) from None
-    spec = spec.model_copy(update={"base_dir": str(path.resolve().parent)})
-    script = Path(spec.workdir_path) / spec.job.script
-    if spec.backend == "local" and not script.is_file():
-        raise SpecError(f"{path}:{_line_of(root, ('job', 'script'))}: job.script: {spec.job.script!r} "
-                        f"not found in workdir {spec.workdir_path}; fix the path (relative to workdir)")
+        problems += _describe(shown, root, err)
+        spec = None
+    if spec is not None:
+        spec = spec.model_copy(update={"base_dir": str(Path(path).resolve().parent)})
+        problems += _backend_limit_problems(spec, root, shown)
+    if problems:
+        problems.sort(key=lambda p: p[0])
+        raise SpecError(_summary([msg for _, msg in problems]))
+    assert spec is not None
+    _check_paths(spec, root, shown)
     return spec
 
 
-def _describe(path: Path, root: Optional[yaml.Node], err: ValidationError) -> str:
-    lines = []
+def _summary(messages: list[str]) -> str:
+    more = len(messages) - 1
+    return messages[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+#: Where a string is meant and YAML's coercion of an unquoted value would change it (`*`: every
+#: key of a mapping, `[]`: every item of a list) -> whether null is a valid value there.
+#: Elsewhere pydantic's types already refuse coerced values.
+COERCION_CHECKED = {"env.*": False, "env.*.value": False, "slurm.time": True, "job.args.[]": False}
+
+
+def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, str]]:
+    """Unquoted values that YAML would turn into something else (`010` -> 8, `on` -> true):
+    refused with the quoted form to write. Their text replaces them so each is reported once."""
+    problems = []
+    for pattern, null_ok in COERCION_CHECKED.items():
+        for loc, node in _nodes_along(root, pattern.split(".")):
+            found = coercion(node)
+            if found is None or null_ok and node.tag == "tag:yaml.org,2002:null":
+                continue
+            line = node.start_mark.line + 1
+            key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
+            problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write "
+                                   f"{key}{show(json.dumps(node.value, ensure_ascii=False), 120)}"))
+            _replace(data, loc, node.value)
+    return problems
+
+
+def _nodes_along(node: Optional[Node], parts: list[str], loc: tuple = ()) -> list[tuple[tuple, Node]]:
+    if not parts:
+        return [(loc, node)] if node is not None else []
+    part, rest = parts[0], parts[1:]
+    if part == "*" and isinstance(node, MappingNode):
+        return [found for k, v in node.value if isinstance(k.value, str)
+                for found in _nodes_along(v, rest, loc + (k.value,))]
+    if part == "[]" and isinstance(node, SequenceNode):
+        return [found for i, v in enumerate(node.value) for found in _nodes_along(v, rest, loc + (i,))]
+    if part not in ("*", "[]"):
+        _, child = node_at(node, (part,)) if isinstance(node, MappingNode) else (0, None)
+        return _nodes_along(child, rest, loc + (part,))
+    return []
+
+
+def _replace(data: Any, loc: tuple, value: str) -> None:
+    """Put `value` at `loc` in the constructed data, where that place exists."""
+    for part in loc[:-1]:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return
+    if isinstance(data, dict) and loc[-1] in data or isinstance(data, list) and isinstance(loc[-1], int) \
+            and loc[-1] < len(data):
+        data[loc[-1]] = value
+
+
+def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
+    """Local paths ddplaunch expands must expand (`~nosuchuser`, names too long for the OS)."""
+    paths = [(("workdir",), spec.workdir), (("ssh", "key"), spec.ssh.key),
+             (("ssh", "known_hosts"), spec.ssh.known_hosts), (("slurm", "conf"), spec.slurm.conf)]
+    paths += [(("sync", i), p) for i, p in enumerate(spec.sync)]
+    for loc, value in paths:
+        if value is None:
+            continue
+        try:
+            spec.resolve(value)
+        except RuntimeError:
+            raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: {show(value)!r}: cannot expand "
+                            "~ (no such user or no home directory); write the full path") from None
+    try:
+        workdir = spec.workdir_path
+        script = Path(workdir) / spec.job.script
+        found = spec.backend != "local" or script.is_file()
+    except (OSError, ValueError, RuntimeError) as err:
+        loc = ("job", "script") if spec.workdir is None else ("workdir",)
+        raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: cannot use this path: "
+                        f"{getattr(err, 'strerror', None) or err}") from None
+    if not found:
+        raise SpecError(f"{shown}:{node_at(root, ('job', 'script'))[0]}: job.script: {show(spec.job.script)!r} "
+                        f"not found in workdir {show(workdir)}; fix the path (relative to workdir)")
+
+
+def _dotted(loc: tuple) -> str:
+    return show(".".join(str(p) for p in loc) or "(top level)")
+
+
+_UNION_TAG = re.compile(r"^(?:int|str|float|bool|none|\[key\]|.*\[.*\])$")
+
+
+def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tuple[int, str]]:
+    out, seen = [], set()
     for e in err.errors():
-        loc = tuple(e["loc"])
-        key_path = ".".join(str(p) for p in loc) or "(top level)"
+        keep_last = e["type"] == "extra_forbidden"
+        loc = tuple(p for i, p in enumerate(e["loc"]) if (keep_last and i == len(e["loc"]) - 1)
+                    or not (isinstance(p, str) and _UNION_TAG.match(p)))
+        key_path = _dotted(loc)
         msg = e["msg"].removeprefix("Value error, ")
+        line, node = node_at(root, loc)
         if e["type"] == "extra_forbidden":
-            msg = f"unknown key {loc[-1]!r}"
-            hint = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)
-            msg += f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(_fields_at(loc[:-1])))})"
+            allowed = _fields_at(loc[:-1])
+            msg = f"unknown key {show(repr(loc[-1]) if loc else '?')}"
+            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
+            msg += f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
+        elif e["type"] == "string_type" and coercion(node) and loc:
+            key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
+            msg = f"{coercion(node)}; write {key}{show(json.dumps(node.value, ensure_ascii=False), 120)}"
         elif "input" in e and e["type"] not in ("missing", "value_error"):
-            msg += f", got {e['input']!r}"
+            msg += f", got {show(repr(e['input']), 100)}"
         if msg.startswith("hosts: "):  # model-level messages name their key themselves
-            key_path, msg = "hosts", msg.removeprefix("hosts: ")
-            loc = ("hosts",)
-        lines.append(f"{path}:{_line_of(root, loc)}: {key_path}: {msg}")
-    return "\n".join(lines)
+            key_path, msg, line = "hosts", msg.removeprefix("hosts: "), node_at(root, ("hosts",))[0]
+        if (key_path, msg) not in seen:
+            seen.add((key_path, msg))
+            out.append((line, f"{shown}:{line}: {key_path}: {msg}"))
+    return out
 
 
 def _fields_at(loc: tuple) -> list[str]:
     """The allowed keys of the spec section at `loc` (for "did you mean")."""
     model: Any = ClusterSpec
+    skip = False
     for part in loc:
-        if isinstance(part, int):
+        if skip or isinstance(part, int):
+            skip = False
             continue
         field = model.model_fields.get(part)
         if field is None:
             return []
+        skip = typing.get_origin(field.annotation) is dict
         model = _model_in(field.annotation)
         if model is None:
             return []
@@ -313,24 +638,3 @@ def _model_in(annotation: Any) -> Any:
         if found is not None:
             return found
     return None
-
-
-def _line_of(root: Optional[yaml.Node], loc: tuple) -> int:
-    """The 1-based line of the deepest YAML node along `loc` (the key itself when present)."""
-    node, line = root, 1
-    if node is not None:
-        line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                if key.value == part:
-                    line, node = key.start_mark.line + 1, value
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line

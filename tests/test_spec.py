@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import load_spec, parse_size
+from ddplaunch.spec import EnvVar, load_spec, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,8 @@ def test_host_shorthand_and_defaults(tmp_path):
     assert [h.label for h in spec.hosts] == ["10.0.0.1", "gpu2"]
     assert spec.hosts[1].user == "bob" and spec.hosts[1].port == 2222
     assert spec.nproc_per_node == "auto"
-    assert spec.env == {"A": "1", "B": "x y"}
+    assert spec.env == {"A": EnvVar(value="1"), "B": EnvVar(value="x y")}
+    assert spec.env_values({}) == {"A": "1", "B": "x y"}
     assert spec.ssh.host_key_policy == "strict"
 
 
@@ -65,7 +66,12 @@ def test_host_shorthand_and_defaults(tmp_path):
     ("job:\n  script: jobs/nope.py\n", ":2: job.script: 'jobs/nope.py' not found in workdir"),
     ("hosts: [a, b]\n", ":1: hosts: backend 'local' runs on exactly one host"),
     ("healthcheck:\n  sizes: [4K, lots]\n", ":2: healthcheck.sizes: size 'lots' is not a positive byte count"),
-    ("env:\n  1BAD: x\n", ":1: env: '1BAD' is not a valid environment variable name"),
+    ("env:\n  1BAD: x\n", ":2: env.1BAD: '1BAD' is not a valid environment variable name"),
+    ("env:\n  A: x\n  DEBUG: on\n", ':3: env.DEBUG: on would become true; write DEBUG: "on"'),
+    ("slurm:\n  time: 1:30:00\n", ':2: slurm.time: 1:30:00 would become 5400; write time: "1:30:00"'),
+    ("name: x\nname: y\n", ":2: name: duplicate key 'name' (first at line 1)"),
+    ("backend: ssh\nhosts: [a]\nslurm:\n  partition: gpu\n",
+     ":4: slurm.partition: not supported by backend 'ssh' (only used by backend: slurm)"),
 ])
 def test_bad_input_is_one_clear_line_with_file_line_and_key(tmp_path, text, expected):
     path = write(tmp_path, text)
@@ -89,16 +95,18 @@ def test_missing_file(tmp_path):
     assert "missing.yaml: no such file" in result.output
 
 
-def test_several_errors_are_all_reported(tmp_path):
+def test_several_errors_are_one_line_first_and_a_count(tmp_path):
+    path = write(tmp_path, "master: {port: 0}\nnproc_per_node: 0\nrdzv_timeout: 0\n")
     with pytest.raises(SpecError) as err:
-        load_spec(write(tmp_path, "nproc_per_node: 0\nmaster: {port: 0}\n"))
-    assert "nproc_per_node" in str(err.value) and "master.port" in str(err.value)
+        load_spec(path)
+    assert str(err.value) == (f"{path}:1: master.port: Input should be greater than or equal to 1, got 0 "
+                              "(and 2 more problems)")
 
 
 def test_cli_process_exit_code_and_no_traceback(tmp_path):
     """The installed entry point itself, not only CliRunner: exit 2, one line on stderr."""
     path = write(tmp_path, "nproc_per_node: 0\n")
-    proc = subprocess.run([sys.executable, "-m", "ddplaunch", "up", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "ddplaunch", "validate", str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"ddplaunch: error: {path}:1: nproc_per_node: "
@@ -111,3 +119,21 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 << 30
     with pytest.raises(ValueError):
         parse_size("0")
+
+
+def test_env_forms_secrets_and_redaction(tmp_path):
+    spec = load_spec(write(tmp_path, """
+        env:
+          PLAIN: "x"
+          HF_TOKEN: {from_env: MY_HF_TOKEN}
+          DB: {value: "hunter2", secret: true}
+          WANDB_API_KEY: abc
+    """))
+    assert spec.secret_names() == {"HF_TOKEN", "DB", "WANDB_API_KEY"}
+    assert spec.env_values({"MY_HF_TOKEN": "hf_123"}) == {
+        "PLAIN": "x", "HF_TOKEN": "hf_123", "DB": "hunter2", "WANDB_API_KEY": "abc"}
+    assert spec.redacted()["env"] == {"PLAIN": "x", "HF_TOKEN": {"from_env": "MY_HF_TOKEN"},
+                                      "DB": "<secret>", "WANDB_API_KEY": "<secret>"}
+    with pytest.raises(SpecError, match="^env.HF_TOKEN: from_env MY_HF_TOKEN is not set in the launcher's "
+                                        "environment; export it before ddplaunch up$"):
+        spec.env_values({})
