@@ -6,6 +6,11 @@ its own host and clears its fault. The lifecycle test builds a second, private c
 
 import json
 import os
+import pwd
+import random
+import shutil
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,18 +21,21 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, load_cluster,
-                           render_spec, sim_down, sim_fault, sim_status, sim_up)
+from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster, SimConfig, SimError, SimHost,
+                           check_state_dir, load_cluster, render_spec, secure_state_dir, sim_down, sim_fault,
+                           sim_status, sim_up)
 from ddplaunch.sim import cli as sim_cli
-from ddplaunch.sim.cluster import prefix_lock
+from ddplaunch.sim.cluster import noisy_rc_text, prefix_lock
+from ddplaunch.sim.netns import nsswitch_text
 from ddplaunch.sim.proc import pid_alive
 from ddplaunch.sim.sshd import sshd_config_text
-from ddplaunch.sim.testing import ssh_client, ssh_run, wait_listening
+from ddplaunch.sim.testing import is_listening, shared_cluster, ssh_client, ssh_run, wait_listening
 from tests.simfixture import sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
 
 LIFECYCLE_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX2", "dlx")
 LIFECYCLE_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET2", "10.213.8.0/24")
 needs_sim = pytest.mark.skipif(bool(sim_skip_reason()), reason=sim_skip_reason() or "")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another user)")
 
 
 # ----------------------------------------------------------------------------- pure parts
@@ -83,8 +91,100 @@ def test_sshd_config_has_the_testbed_settings(tmp_path):
     text = sshd_config_text(addr="10.0.0.11", host_key=tmp_path / "k", pid_file=tmp_path / "p",
                             authorized_keys=tmp_path / "a")
     for line in ("ListenAddress 10.0.0.11", "UsePAM no", "StrictModes no", "PasswordAuthentication no",
-                 "PermitRootLogin prohibit-password", "MaxStartups 100:30:200", "MaxSessions 50"):
+                 "PermitRootLogin prohibit-password", "MaxStartups 256:30:512", "MaxSessions 64"):
         assert line in text.splitlines()
+    assert "PerSourcePenalties no" not in text
+    assert "PerSourcePenalties no" in sshd_config_text(addr="10.0.0.11", host_key=tmp_path / "k",
+                                                       pid_file=tmp_path / "p", authorized_keys=tmp_path / "a",
+                                                       penalties_off=True).splitlines()
+
+
+def test_nsswitch_asks_only_the_hosts_file_and_keeps_the_rest():
+    text = nsswitch_text("passwd: files systemd\nhosts:          files mdns4_minimal dns\nnetworks: files\n")
+    lines = text.splitlines()
+    assert [ln for ln in lines if ln.startswith("hosts")] == ["hosts:          files"]
+    assert "passwd: files systemd" in lines and "networks: files" in lines
+
+
+def test_noisy_rc_talks_first_and_then_runs_the_original():
+    text = noisy_rc_text("export FOO=1\n")
+    lines = text.splitlines()
+    assert lines.index(f"echo '{RC_NOISE_STDOUT}'") < lines.index("export FOO=1")
+    assert f"echo '{RC_NOISE_STDERR}' >&2" in lines and text.endswith("export FOO=1\n")
+
+
+# ----------------------------------------------------------------------------- the state dir
+
+def test_fresh_state_dir_is_private_and_ours(tmp_path):
+    d = tmp_path / "new" / "st"
+    assert secure_state_dir(d) is True
+    st = os.lstat(d)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    assert secure_state_dir(d, 0o711) is False  # ours already: accepted, traversal-only for munge
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o711
+
+
+@needs_root
+def test_state_dir_of_another_user_is_refused(tmp_path):
+    d = tmp_path / "planted"
+    d.mkdir(mode=0o700)
+    (d / "authorized_keys").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPlanted attacker\n")
+    nobody = pwd.getpwnam("nobody").pw_uid
+    os.chown(d, nobody, -1)
+    with pytest.raises(SimError, match=r"refusing sim state dir .*planted: it belongs to user 'nobody'.*rm -rf"):
+        secure_state_dir(d)
+    assert os.lstat(d).st_uid == nobody and stat.S_IMODE(os.lstat(d).st_mode) == 0o700  # untouched
+    with pytest.raises(SimError, match="belongs to user 'nobody'"):
+        load_cluster(d)  # nor is a state file in it ever read
+
+
+def test_state_dir_symlink_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(SimError, match=f"refusing sim state dir {link}: it is a symlink"):
+        secure_state_dir(link)
+    with pytest.raises(SimError, match="symlink"):
+        check_state_dir(link)
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o702, 0o777])
+def test_state_dir_writable_by_others_is_refused(tmp_path, mode):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(SimError, match=f"writable by group or others \\(mode {mode:04o}\\)"):
+        secure_state_dir(d)
+    assert stat.S_IMODE(os.lstat(d).st_mode) == mode  # refused, not "fixed"
+
+
+def test_state_dir_under_a_parent_others_can_write_is_refused(tmp_path):
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o777)  # not sticky: anyone could rename our dir away and put theirs there
+    with pytest.raises(SimError, match="its parent .*shared"):
+        secure_state_dir(parent / "st")
+    assert not (parent / "st").exists()
+    os.chmod(parent, 0o1777)  # sticky, like /tmp: fine
+    assert secure_state_dir(parent / "st") is True
+
+
+@needs_root
+def test_lock_file_of_another_user_is_refused():
+    suffix = f"locktest{os.getpid()}"
+    path = Path(f"/tmp/ddplaunch-sim-{LIFECYCLE_PREFIX}.{suffix}")
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    try:
+        os.chown(path, pwd.getpwnam("nobody").pw_uid, -1)
+        # refused either by us (owner check) or, with fs.protected_regular, by the kernel
+        with pytest.raises(SimError, match="belongs to user 'nobody'|if another user created it"):
+            with prefix_lock(LIFECYCLE_PREFIX, suffix):
+                pass
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_cli_needs_root_and_one_fault_action(monkeypatch, tmp_path):
@@ -272,3 +372,182 @@ def test_sim_exec_cli_runs_in_the_host(sim_cluster):
                           c.hosts[1].addr, "--", "hostname"],
                          capture_output=True, text=True, timeout=15, check=True).stdout
     assert out.strip() == c.hosts[1].name
+
+
+# ----------------------------------------------------------------------------- names, rc noise, CLI
+
+@needs_sim
+def test_every_sim_address_resolves_both_ways_inside_a_host(sim_cluster):
+    c = sim_cluster
+    gateway = str(c.naming.bridge_addr)
+    pairs = [(h.addr, h.name) for h in c.hosts] + [(gateway, f"{c.prefix}gw")]
+    for addr, name in pairs:
+        assert c.run(c.hosts[0], ["getent", "hosts", addr]).stdout.split()[:2] == [addr, name]
+    probe = ("import json, socket, sys, time\n"
+             "t0 = time.monotonic(); out = {}\n"
+             "for a in sys.argv[1:]:\n"
+             "    out[a] = socket.gethostbyaddr(a)[0]\n"
+             "    socket.getnameinfo(('::ffff:' + a, 0), 0)  # torch's peer address form; must not fail\n"
+             "    out[socket.gethostbyname(out[a])] = out[a]\n"
+             "print(json.dumps({'names': out, 's': time.monotonic() - t0}))\n")
+    res = json.loads(c.run(c.hosts[1], [sys.executable, "-c", probe, *(a for a, _ in pairs)]).stdout)
+    assert res["names"] == dict(pairs) and res["s"] < 1.0, res
+
+
+_GLOO_RANK = """
+import datetime, os, sys
+import torch, torch.distributed as dist
+rank, master, port, ifname = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ.update(MASTER_ADDR=master, MASTER_PORT=port, GLOO_SOCKET_IFNAME=ifname)
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"rank {rank} sum {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_sim
+@pytest.mark.slow  # two `import torch` on shared cores: ~20 s
+def test_gloo_across_two_hosts_prints_no_hostname_warning(sim_cluster):
+    pytest.importorskip("torch")
+    c = sim_cluster
+    a, b = c.hosts[0], c.hosts[1]
+    port = str(random.randint(20000, 28000))
+    argv = [sys.executable, "-c", _GLOO_RANK]
+    procs = [subprocess.Popen(c.exec_argv(h, [*argv, str(r), a.name, port, c.ifname]), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, h in enumerate((a, b))]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"rank {r} sum 2.0" in out, err
+        assert "cannot be retrieved" not in err, err  # c10d's failed reverse lookup of its peer
+
+
+def _openssh(c, host, command):
+    return subprocess.run(["ssh", "-i", str(c.key), "-o", f"UserKnownHostsFile={c.known_hosts}",
+                           "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5",
+                           f"root@{c.host(host).addr}", command],
+                          capture_output=True, text=True, timeout=30)
+
+
+@needs_sim
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
+def test_rc_noise_reaches_stdout_and_stderr_of_every_ssh_session():
+    with shared_cluster(2, prefix=LIFECYCLE_PREFIX, subnet=LIFECYCLE_SUBNET, rc_noise=True) as c:
+        for h in c.hosts:
+            res = _openssh(c, h.name, "echo hi")
+            out = res.stdout.splitlines()
+            assert res.returncode == 0 and out[0] == RC_NOISE_STDOUT and out[-1] == "hi", res
+            assert RC_NOISE_STDERR in res.stderr.splitlines(), res
+        assert ssh_run(c, c.hosts[0].name, "hostname") == (0, f"{RC_NOISE_STDOUT}\n{c.hosts[0].name}\n")
+        assert c.rc_target is not None and c.rc_target.read_text() != c.rc_file.read_text()  # bound in hosts only
+        with pytest.raises(SimError, match="without rc noise"):
+            with shared_cluster(2, prefix=LIFECYCLE_PREFIX, subnet=LIFECYCLE_SUBNET):
+                pass
+
+
+def _cli(*args):
+    res = CliRunner().invoke(sim_cli.sim_group, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _operstate(ns, dev):
+    out = subprocess.run(["ip", "-j"] + (["-n", ns] if ns else []) + ["link", "show", "dev", dev],
+                         capture_output=True, text=True, check=True, timeout=5).stdout
+    return json.loads(out)[0]
+
+
+def _root_qdisc_kind(ns, dev):
+    argv = (["nsenter", f"--net=/run/netns/{ns}"] if ns else []) + ["tc", "-j", "qdisc", "show", "dev", dev, "root"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=5).stdout
+    return [q["kind"] for q in json.loads(out or "[]")]
+
+
+@needs_sim
+def test_fault_cli_changes_the_link_qdisc_and_sshd_and_clear_undoes_it(sim_cluster):
+    c = sim_cluster
+    h = c.hosts[1]
+    sd = c.state_dir
+    veth = c.naming.veth(h.index)
+    try:
+        assert "link down" in _cli("fault", "--state-dir", sd, h.name, "--down")
+        assert _operstate(h.ns, c.ifname)["operstate"] != "UP" and "UP" not in _operstate(None, veth)["flags"]
+        _cli("fault", "--state-dir", sd, h.name, "--clear")
+        assert "UP" in _operstate(None, veth)["flags"] and "UP" in _operstate(h.ns, c.ifname)["flags"]
+
+        assert "rate 100mbit" in _cli("fault", "--state-dir", sd, h.addr, "--rate", "100mbit")
+        assert _root_qdisc_kind(h.ns, c.ifname) == ["tbf"] and _root_qdisc_kind(None, veth) == ["tbf"]
+        _cli("fault", "--state-dir", sd, h.name, "--clear")
+        assert "tbf" not in _root_qdisc_kind(h.ns, c.ifname) + _root_qdisc_kind(None, veth)
+
+        pid = load_cluster(sd).host(h.name).sshd_pid
+        assert "sshd stopped" in _cli("fault", "--state-dir", sd, h.name, "--sshd-stop")
+        assert not pid_alive(pid) and not is_listening(c, h.name, 22)
+        _cli("fault", "--state-dir", sd, h.name, "--clear")
+        assert is_listening(c, h.name, 22) and pid_alive(load_cluster(sd).host(h.name).sshd_pid)
+
+        res = CliRunner().invoke(sim_cli.sim_group, ["fault", "--state-dir", str(sd), "nosuchhost", "--down"])
+        assert res.exit_code == 2 and "valid hosts are" in res.output
+    finally:
+        sim_fault(c, h.name, clear=True)  # also refreshes the shared cluster's recorded PIDs
+    assert ssh_run(c, h.name, "hostname") == (0, h.name + "\n")
+
+
+@needs_sim
+def test_up_copes_with_leftovers_and_down_cli_removes_everything(tmp_path):
+    naming = Naming.parse(LIFECYCLE_PREFIX, LIFECYCLE_SUBNET)
+    state_dir = tmp_path / "st"
+    with prefix_lock(LIFECYCLE_PREFIX, "session.lock", timeout=300):
+        try:
+            # a crash left a namespace, a veth pair and the bridge of this prefix behind
+            for argv in (["ip", "netns", "add", naming.ns(1)],
+                         ["ip", "link", "add", naming.veth(2), "type", "veth", "peer", "name", naming.veth_peer(2)],
+                         ["ip", "link", "add", naming.bridge, "type", "bridge"]):
+                subprocess.run(argv, check=True, timeout=10)
+            out = _cli("up", "--hosts", 2, "--prefix", LIFECYCLE_PREFIX, "--subnet", LIFECYCLE_SUBNET,
+                       "--state-dir", state_dir)
+            assert f"sim cluster '{LIFECYCLE_PREFIX}' up: 2 hosts" in out
+            c = load_cluster(state_dir)
+            assert [ssh_run(c, h.name, "hostname")[1].strip() for h in c.hosts] == [h.name for h in c.hosts]
+            assert stat.S_IMODE(os.lstat(state_dir).st_mode) == 0o700
+            assert "removed 2 namespaces, stopped 2 sshd" in _cli("down", "--state-dir", state_dir)
+            assert _our_netns(LIFECYCLE_PREFIX) == [] and not any(pid_alive(h.sshd_pid) for h in c.hosts)
+            links = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True, check=True,
+                                   timeout=5).stdout
+            assert not [x["ifname"] for x in json.loads(links) if naming.owns_link(x["ifname"])]
+            assert "removed 0 namespaces, stopped 0 sshd" in _cli("down", "--state-dir", state_dir)  # idempotent
+            assert "removed 0 namespaces" in _cli("down", "--prefix", LIFECYCLE_PREFIX)
+        finally:
+            sim_down(state_dir, prefix=LIFECYCLE_PREFIX)
+    assert _our_netns(LIFECYCLE_PREFIX) == []
+
+
+@needs_root
+@needs_sim
+def test_up_refuses_a_planted_state_dir_and_never_trusts_planted_keys(tmp_path):
+    cfg = SimConfig(n_hosts=1, prefix=LIFECYCLE_PREFIX, subnet=LIFECYCLE_SUBNET, state_dir=tmp_path / "st")
+    planted = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIPlantedPlantedPlantedPlantedPlantedPlanted\n"
+    cfg.state_dir.mkdir(mode=0o700)
+    (cfg.state_dir / "authorized_keys").write_text(planted)
+    (cfg.state_dir / "client_key.pub").write_text(planted)
+    os.chown(cfg.state_dir, pwd.getpwnam("nobody").pw_uid, -1)
+    with prefix_lock(LIFECYCLE_PREFIX, "session.lock", timeout=300):
+        try:
+            with pytest.raises(SimError, match="belongs to user 'nobody'"):
+                sim_up(cfg)
+            assert _our_netns(LIFECYCLE_PREFIX) == []  # refused before anything was built
+            os.chown(cfg.state_dir, os.geteuid(), -1)  # now ours: accepted, but its keys are replaced
+            c = sim_up(cfg)
+            authorized = (cfg.state_dir / "authorized_keys").read_text()
+            assert planted not in authorized and authorized.split()[:2] == \
+                c.key.with_name(c.key.name + ".pub").read_text().split()[:2]
+            assert stat.S_IMODE(os.lstat(c.key).st_mode) == 0o600
+            assert ssh_run(c, c.hosts[0].name, "hostname") == (0, c.hosts[0].name + "\n")
+        finally:
+            sim_down(cfg.state_dir, prefix=LIFECYCLE_PREFIX)

@@ -7,6 +7,8 @@ are polled with `squeue` (not `sbatch --wait`). The lifecycle test builds its ow
 
 import os
 import re
+import shutil
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -140,6 +142,19 @@ def test_scancel_leaves_no_step_process(slurm_cluster, tmp_path):
     assert wait_until(lambda: not any(extras().values()), 20, interval=0.1), \
         {n: [pid_cmdline(p) for p in pids] for n, pids in extras().items()}
     assert wait_job_state(slurm_cluster, job, ["CANCELLED"], timeout=5) == "CANCELLED"
+
+
+@needs_slurm
+@pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser")
+def test_state_dir_is_traversal_only_yet_other_users_run_jobs(slurm_cluster):
+    st = os.lstat(slurm_cluster.state_dir)
+    # 0711: munged and job users reach munge/, etc/slurm.conf and slurm/jobs by name, but
+    # nobody else can list the dir or plant a file in it
+    assert stat.S_IMODE(st.st_mode) == 0o711 and st.st_uid == os.geteuid() == 0
+    assert stat.S_IMODE(os.lstat(slurm_cluster.key).st_mode) == 0o600
+    out = slurm_run(slurm_cluster, ["runuser", "-u", "nobody", "--", "env", f"SLURM_CONF={slurm_cluster.slurm.conf}",
+                                    "srun", "-N1", "id", "-un"], timeout=30)
+    assert out.strip() == "nobody"
 
 
 @needs_slurm

@@ -68,15 +68,20 @@ def sim_group() -> None:
               help="Also run a Slurm cluster: munged, slurmctld (own namespace) and a slurmd per host.")
 @click.option("--slurm-nodes", type=click.IntRange(1), default=None,
               help="slurm.nodes in the Slurm spec [default: min(2, hosts)].")
+@click.option("--rc-noise", is_flag=True,
+              help="Give the hosts a root ~/.bashrc that prints a line to stdout and one to stderr "
+                   "in every SSH session (then runs the original), like many real hosts' rc files.")
 @_sim_errors
 def up_cmd(n_hosts: int, subnet: str, prefix: str | None, state_dir: Path | None, out: Path | None,
-           workdir: Path | None, nproc_per_node: int, slurm: bool, slurm_nodes: int | None) -> None:
+           workdir: Path | None, nproc_per_node: int, slurm: bool, slurm_nodes: int | None,
+           rc_noise: bool) -> None:
     """Build (or rebuild) a sim cluster and write its cluster spec."""
     t0 = time.monotonic()
     cluster = sim_up(SimConfig(n_hosts=n_hosts, prefix=prefix or DEFAULT_PREFIX, subnet=subnet,
                                state_dir=state_dir, spec_out=None if slurm else out, workdir=workdir,
                                nproc_per_node=nproc_per_node, slurm=slurm,
-                               slurm_spec_out=out if slurm else None, slurm_nodes=slurm_nodes))
+                               slurm_spec_out=out if slurm else None, slurm_nodes=slurm_nodes,
+                               rc_noise=rc_noise))
     st = cluster.slurm
     if st is not None:
         click.echo(f"{st.controller_name:<8} {st.controller_addr:<15} slurmctld pid {st.slurmctld_pid}, "
@@ -85,7 +90,8 @@ def up_cmd(n_hosts: int, subnet: str, prefix: str | None, state_dir: Path | None
         click.echo(f"{h.name:<8} {h.addr:<15} sshd pid {h.sshd_pid}"
                    + (f", slurmd pid {st.slurmd_pids.get(h.name)}" if st else ""))
     click.echo(f"sim cluster {cluster.prefix!r} up: {len(cluster.hosts)} hosts on {cluster.bridge} "
-               f"({cluster.subnet}), ifname {cluster.ifname}, {time.monotonic() - t0:.1f}s")
+               f"({cluster.subnet}), ifname {cluster.ifname}, {time.monotonic() - t0:.1f}s"
+               + (f", noisy rc over {cluster.rc_target}" if cluster.rc_file else ""))
     click.echo(f"cluster spec: {cluster.spec_path}")
     click.echo(f"ssh: ssh -i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
                f"root@{cluster.hosts[0].addr}")

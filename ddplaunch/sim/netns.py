@@ -3,29 +3,42 @@
 A host is a network namespace with one veth leg (named the same in every host, so one
 GLOO_SOCKET_IFNAME serves all) on a bridge in the root namespace. It has no default route.
 Commands enter a host with `nsenter --net` plus `unshare --uts --mount`, which gives them the
-host's hostname and a private /etc/hosts and fail-fast resolv.conf. `ip netns exec` is avoided
-on purpose: it remounts /sys, which breaks slurmd. Daemons (sshd, later slurmd) sit on top.
+host's hostname and, bind-mounted in the private mount namespace, the sim's /etc/hosts (every
+sim address, the bridge included), a fail-fast resolv.conf and an nsswitch.conf that asks
+only the hosts file (and optionally a noisy ~/.bashrc, see cluster.py). `ip netns exec` is
+avoided on purpose: it remounts /sys, which breaks slurmd. Daemons (sshd, slurmd) sit on top.
+
+Why nsswitch `hosts: files`: the TCPStore of torch listens on a dual-stack socket, so a peer
+shows up as `::ffff:10.x.y.z`. nss_files has no entry for such a v4-mapped address (the DNS
+module would unmap it), glibc then asks DNS, the unreachable resolver answers "try again",
+and getnameinfo() fails with EAI_AGAIN (-3), which c10d logs as "The hostname of the client
+socket cannot be retrieved. err=-3" on every rank. Without DNS in the list the lookup ends in
+"not found" and getnameinfo() returns the numeric address, as it does on a host whose DNS
+answers. Forward and reverse lookups of every IPv4 sim address come from the hosts file.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddplaunch.sim.proc import SimError, run, stop_pids
+from ddplaunch.sim.proc import SimError, run, run_concurrently, stop_pids
 
 IFNAMSIZ = 15          # Linux interface names are at most 15 characters
 FIRST_HOST_OFFSET = 10  # host i gets network address + 10 + i; .10 is kept for a controller
 PREFIX_RE = re.compile(r"^[a-z](?:[a-z0-9]{0,8}[a-z])?$")
 NETNS_DIR = Path("/run/netns")
 
-# Enter-and-exec script: $1 hosts file, $2 resolv.conf, $3 hostname, then the command.
-_ENTER_SH = ('mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf'
-             ' && hostname "$3" && shift 3 && exec "$@"')
+# Enter-and-exec script: $1 the number N of bind mounts, then N (source, target) pairs, then
+# the hostname, then the command. It only execs, so the command keeps the wrapper's PID.
+_ENTER_SH = ('n=$1; shift; while [ "$n" -gt 0 ]; do mount --bind "$1" "$2" || exit 125; shift 2;'
+             ' n=$((n - 1)); done; hostname "$1" && shift && exec "$@"')
+NSSWITCH = Path("/etc/nsswitch.conf")
 
 
 @dataclass(frozen=True)
@@ -129,8 +142,33 @@ def list_links(netns: str | None = None) -> dict[str, dict]:
 
 def netns_pids(ns: str) -> list[int]:
     """PIDs of all processes in namespace `ns` (empty when it does not exist)."""
-    proc = run(["ip", "netns", "pids", ns], check=False)
-    return [int(tok) for tok in proc.stdout.split()] if proc.returncode == 0 else []
+    return pids_by_netns([ns]).get(ns, [])
+
+
+def pids_by_netns(names: Sequence[str]) -> dict[str, list[int]]:
+    """PIDs of all processes in each of the named namespaces, from one scan of /proc (what
+    `ip netns pids` does, without a process per namespace). Missing namespaces map to []."""
+    inodes: dict[tuple[int, int], str] = {}
+    for ns in names:
+        try:
+            st = os.stat(NETNS_DIR / ns)
+        except OSError:
+            continue
+        inodes[(st.st_dev, st.st_ino)] = ns
+    out: dict[str, list[int]] = {ns: [] for ns in names}
+    if not inodes:
+        return out
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry.name}/ns/net")
+        except OSError:
+            continue  # gone, or a kernel thread
+        ns = inodes.get((st.st_dev, st.st_ino))
+        if ns is not None:
+            out[ns].append(int(entry.name))
+    return out
 
 
 def foreign_addr_in_subnet(naming: Naming) -> str | None:
@@ -151,6 +189,8 @@ def create_network(naming: Naming, n_hosts: int, controller: bool = False) -> No
     """Create the bridge and hosts 1..n (and host 0, the controller, when asked):
     namespace, veth pair, address, links up.
 
+    The root namespace's part is one `ip -batch`; each host's part (address, links up) is one
+    `ip -n NS -batch`, and those run concurrently (128 hosts: about a second).
     Assumes nothing of this prefix exists (call `destroy_network` first).
     Raises:
         SimError: an `ip` command failed (its message names the command).
@@ -161,34 +201,43 @@ def create_network(naming: Naming, n_hosts: int, controller: bool = False) -> No
             f"link set {naming.bridge} up"]
     indices = range(0 if controller else 1, n_hosts + 1)
     for i in indices:
+        # the in-host leg is created in its namespace under its final name: no rename step
         root += [f"netns add {naming.ns(i)}",
-                 f"link add {naming.veth(i)} type veth peer name {naming.veth_peer(i)}",
-                 f"link set {naming.veth(i)} master {naming.bridge} up",
-                 f"link set {naming.veth_peer(i)} netns {naming.ns(i)}"]
+                 f"link add {naming.veth(i)} type veth peer name {naming.ifname} netns {naming.ns(i)}",
+                 f"link set {naming.veth(i)} master {naming.bridge} up"]
     _ip_batch(root)
-    for i in indices:
-        _ip_batch([f"link set {naming.veth_peer(i)} name {naming.ifname}",
-                   f"addr add {naming.addr(i)}/{plen} dev {naming.ifname}",
-                   f"link set {naming.ifname} up",
-                   "link set lo up"], netns=naming.ns(i))
+    run_concurrently([(["ip", "-n", naming.ns(i), "-batch", "-"],
+                       "\n".join([f"addr add {naming.addr(i)}/{plen} dev {naming.ifname}",
+                                   f"link set {naming.ifname} up",
+                                   "link set lo up"]) + "\n")
+                      for i in indices])
 
 
 def destroy_network(naming: Naming) -> list[int]:
     """Remove every namespace, veth and bridge of this prefix; kill what still runs inside.
 
     Processes inside our namespaces are ours by construction (only the sim puts them there).
-    Idempotent: nothing there is fine. Returns the PIDs that were killed.
+    All of them get one grace period together, the namespaces and links go in one `ip -batch`
+    each. Idempotent: nothing there is fine. Returns the PIDs that were killed.
     """
     ours = [ns for ns in list_netns() if naming.owns_netns(ns)]
-    killed = [pid for ns in ours for pid in netns_pids(ns)]
+    by_ns = pids_by_netns(ours)
+    killed = [pid for ns in ours for pid in by_ns.get(ns, [])]
     stop_pids(killed, grace=3.0)  # all namespaces at once: one grace period, not one per host
-    for ns in ours:
-        run(["ip", "netns", "del", ns])
-    # deleting a namespace deletes its veth pair; this catches half-built leftovers
-    links = list_links()
-    for name in sorted(links, key=lambda n: n == naming.bridge):  # bridge last
-        if naming.owns_link(name):
-            run(["ip", "link", "del", name], check=False)
+    if ours:
+        run(["ip", "-force", "-batch", "-"], input="".join(f"netns del {ns}\n" for ns in ours),
+            check=False, timeout=60)
+        left = [ns for ns in list_netns() if naming.owns_netns(ns)]
+        if left:
+            raise SimError(f"could not delete network namespace(s) {', '.join(left[:5])}: "
+                           f"try `ip netns del {left[0]}`")
+    # deleting a namespace deletes its veth pair (the kernel may do it a moment later);
+    # this also catches half-built leftovers
+    links = [name for name in list_links() if naming.owns_link(name)]
+    links.sort(key=lambda n: n == naming.bridge)  # bridge last
+    if links:
+        run(["ip", "-force", "-batch", "-"], input="".join(f"link del {name}\n" for name in links),
+            check=False, timeout=60)
     if naming.bridge in list_links():
         raise SimError(f"could not delete bridge {naming.bridge}: try `ip link del {naming.bridge}`")
     return killed
@@ -196,16 +245,17 @@ def destroy_network(naming: Naming) -> list[int]:
 
 def _ip_batch(lines: Sequence[str], netns: str | None = None) -> None:
     argv = ["ip"] + (["-n", netns] if netns else []) + ["-batch", "-"]
-    run(argv, input="\n".join(lines) + "\n")
+    run(argv, input="\n".join(lines) + "\n", timeout=60)
 
 
 # ----------------------------------------------------------------------------- entering a host
 
 def write_etc_files(etc_dir: Path, hosts: Sequence[tuple[str, str]]) -> tuple[Path, Path]:
-    """Write the private /etc/hosts (all sim hosts) and fail-fast resolv.conf every host mounts.
+    """Write the private /etc/hosts (every (name, addr) in `hosts`), the fail-fast resolv.conf
+    and the nsswitch.conf (hosts from the file only, see the module doc) every host mounts.
 
     Without them, name lookups inside a namespace wait 10-20 s for an unreachable DNS server.
-    Returns (hosts_file, resolv_conf).
+    Returns (hosts_file, resolv_conf); the nsswitch.conf is `nsswitch_path(hosts_file)`.
     """
     etc_dir.mkdir(parents=True, exist_ok=True)
     hosts_file, resolv = etc_dir / "hosts", etc_dir / "resolv.conf"
@@ -214,23 +264,52 @@ def write_etc_files(etc_dir: Path, hosts: Sequence[tuple[str, str]]) -> tuple[Pa
     hosts_file.write_text("# written by ddplaunch sim\n" + "\n".join(lines) + "\n")
     resolv.write_text("# written by ddplaunch sim: no DNS in the sim, fail at once\n"
                       "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    nsswitch_path(hosts_file).write_text(nsswitch_text(_read_text(NSSWITCH)))
     return hosts_file, resolv
 
 
-def enter_prefix(ns: str, hostname: str, hosts_file: Path, resolv_conf: Path) -> list[str]:
+def nsswitch_path(hosts_file: Path) -> Path:
+    """The sim's nsswitch.conf, next to its hosts file."""
+    return hosts_file.parent / "nsswitch.conf"
+
+
+def nsswitch_text(original: str) -> str:
+    """`original` (the machine's nsswitch.conf) with its hosts line replaced by `hosts: files`
+    (pure); every other database is left as the machine has it."""
+    lines = [line for line in original.splitlines() if not re.match(r"\s*hosts\s*:", line)]
+    return "\n".join(["# written by ddplaunch sim: host names come from the sim's hosts file only",
+                      "hosts:          files", *lines, ""])
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def enter_prefix(ns: str, hostname: str, hosts_file: Path, resolv_conf: Path,
+                 binds: Sequence[tuple[Path, Path]] = ()) -> list[str]:
     """The argv prefix that runs the argv appended to it inside a sim host (pure).
 
-    The wrapper only execs (nsenter -> unshare -> sh -> exec), so the PID of the started
-    process is the PID of the appended command itself.
+    Inside the host's private mount namespace `hosts_file`, `resolv_conf` and (when it is
+    there) the nsswitch.conf next to `hosts_file` are bind-mounted over their /etc files,
+    then each (source, target) of `binds`. The wrapper only execs (nsenter -> unshare -> sh
+    -> exec), so the PID of the started process is the PID of the appended command itself.
     """
+    mounts = [(hosts_file, Path("/etc/hosts")), (resolv_conf, Path("/etc/resolv.conf"))]
+    nsswitch = nsswitch_path(hosts_file)
+    if nsswitch.is_file():  # state dirs written before it existed lack it
+        mounts.append((nsswitch, NSSWITCH))
+    mounts += list(binds)
     return ["nsenter", f"--net={NETNS_DIR / ns}", "unshare", "--uts", "--mount",
-            "--propagation", "private", "--", "sh", "-c", _ENTER_SH, "sh",
-            str(hosts_file), str(resolv_conf), hostname]
+            "--propagation", "private", "--", "sh", "-c", _ENTER_SH, "sh", str(len(mounts)),
+            *(str(p) for pair in mounts for p in pair), hostname]
 
 
 def enter_argv(ns: str, hostname: str, hosts_file: Path, resolv_conf: Path,
-               argv: Sequence[str]) -> list[str]:
+               argv: Sequence[str], binds: Sequence[tuple[Path, Path]] = ()) -> list[str]:
     """`enter_prefix(...) + argv`; raises SimError when `argv` is empty."""
     if not argv:
         raise SimError("nothing to run: give a command after the host")
-    return enter_prefix(ns, hostname, hosts_file, resolv_conf) + list(argv)
+    return enter_prefix(ns, hostname, hosts_file, resolv_conf, binds) + list(argv)

@@ -51,6 +51,32 @@ def run(argv: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, check: bool 
     return proc
 
 
+def run_concurrently(jobs: Sequence[tuple[Sequence[str], str | None]], *, timeout: float = DEFAULT_TIMEOUT_S,
+                     workers: int = 16) -> list[subprocess.CompletedProcess[str]]:
+    """`run(argv, input=input)` for every (argv, input) of `jobs`, up to `workers` at a time;
+    the results in order. Every job runs to its end even when one fails.
+
+    Raises:
+        SimError: the first (in order) job that failed, as `run` would raise it.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(job: tuple[Sequence[str], str | None]) -> subprocess.CompletedProcess[str] | SimError:
+        try:
+            return run(job[0], input=job[1], timeout=timeout)
+        except SimError as exc:
+            return exc
+
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        results = list(pool.map(one, jobs))
+    for res in results:
+        if isinstance(res, SimError):
+            raise res
+    return results  # type: ignore[return-value]
+
+
 def require_tool(path_or_name: str, fix: str) -> str:
     """Return the absolute path of a tool, or raise a SimError carrying `fix`."""
     found = path_or_name if os.path.isabs(path_or_name) and os.access(path_or_name, os.X_OK) \

@@ -11,7 +11,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddplaunch.sim.proc import SimError, pid_alive, pid_cmdline, require_tool, run, stop_pids, wait_until
+from ddplaunch.sim.proc import (SimError, pid_alive, pid_cmdline, require_tool, run, run_concurrently,
+                                stop_pids, wait_until)
 
 SSHD = "/usr/sbin/sshd"
 SSHD_FIX = "install OpenSSH's server: apt-get install openssh-server"
@@ -25,16 +26,37 @@ def require_sshd() -> str:
     return require_tool(SSHD, SSHD_FIX)
 
 
-def ensure_keypair(path: Path, comment: str) -> Path:
-    """Create an ed25519 key without passphrase at `path` (+ .pub) unless a valid one is there."""
+def new_keypair(path: Path, comment: str) -> Path:
+    """Create a fresh ed25519 key pair without passphrase at `path` (0600) and `path`.pub,
+    replacing whatever was there (a key we did not just make is never trusted); returns the
+    .pub path. Made in-process (no ssh-keygen per key), files opened O_EXCL|O_NOFOLLOW."""
     pub = path.with_name(path.name + ".pub")
-    if not (path.is_file() and pub.is_file() and pub.read_text().startswith("ssh-ed25519 ")):
-        path.unlink(missing_ok=True)
-        pub.unlink(missing_ok=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    pub.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    except ImportError:  # pragma: no cover - cryptography comes with paramiko
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
-    os.chmod(path, 0o600)
+        os.chmod(path, 0o600)
+        return pub
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH)
+    write_new_file(path, private, 0o600)
+    write_new_file(pub, public + f" {comment}\n".encode(), 0o644)
     return pub
+
+
+def write_new_file(path: Path, data: bytes, mode: int) -> None:
+    """Create `path` (which must not exist; never through a symlink) with `mode` and `data`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.chmod(path, mode)  # the umask may have taken bits off
 
 
 def public_key(path: Path) -> str:
@@ -48,8 +70,11 @@ def known_hosts_text(entries: Sequence[tuple[str, str]]) -> str:
     return "".join(f"{addr} {key}\n" for addr, key in entries)
 
 
-def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_keys: Path) -> str:
-    """The sshd_config of one sim host (pure)."""
+def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_keys: Path,
+                     penalties_off: bool = False) -> str:
+    """The sshd_config of one sim host (pure). `penalties_off` adds `PerSourcePenalties no`
+    (OpenSSH 9.8+, where every login of the sim comes from the one bridge address and a few
+    probes that close without authenticating would get that address refused)."""
     return "\n".join([
         "# written by ddplaunch sim",
         "Port 22",
@@ -57,7 +82,7 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
         f"HostKey {host_key}",
         f"PidFile {pid_file}",
         f"AuthorizedKeysFile {authorized_keys}",
-        "StrictModes no",              # the state dir lives in /tmp; sshd would reject it
+        "StrictModes no",              # /tmp (1777) fails its path check; cluster.py checks the state dir
         "PermitRootLogin prohibit-password",
         "PubkeyAuthentication yes",
         "PasswordAuthentication no",
@@ -66,46 +91,76 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
         "UseDNS no",
         "PrintMotd no",
         f"AcceptEnv {ACCEPT_ENV}",
-        "MaxStartups 100:30:200",      # many parallel launches from one client
-        "MaxSessions 50",
+        # one client (the launcher, or a test) may open 128+ logins at once: no early drops
+        "MaxStartups 256:30:512",
+        "MaxSessions 64",
         "Subsystem sftp /usr/lib/openssh/sftp-server",
         "LogLevel INFO",
+        *(["PerSourcePenalties no"] if penalties_off else []),  # OpenSSH >= 9.8: one source IP
         "",
     ])
 
 
-def write_sshd_config(host_dir: Path, addr: str, authorized_keys: Path) -> Path:
-    """Create the host key and sshd_config for one host under `host_dir`; returns the config."""
+def write_sshd_config(host_dir: Path, addr: str, authorized_keys: Path, check: bool = True) -> Path:
+    """Create a fresh host key and the sshd_config for one host under `host_dir`; returns the
+    config. With `check`, `sshd -t` validates it (do it for one host: the rest differ only in
+    addresses and paths)."""
     host_key = host_dir / "ssh_host_ed25519_key"
-    ensure_keypair(host_key, f"ddplaunch-sim-host-{addr}")
+    new_keypair(host_key, f"ddplaunch-sim-host-{addr}")
     config = host_dir / "sshd_config"
     config.write_text(sshd_config_text(addr=addr, host_key=host_key, pid_file=host_dir / "sshd.pid",
-                                       authorized_keys=authorized_keys))
+                                       authorized_keys=authorized_keys, penalties_off=_penalties_option()))
     mkdir_privsep()
-    run([SSHD, "-t", "-f", str(config)])
+    if check:
+        run([SSHD, "-t", "-f", str(config)])
     return config
+
+
+_PENALTIES: list[bool] = []
+
+
+def _penalties_option() -> bool:
+    """Whether this sshd knows `PerSourcePenalties` (asked once per process)."""
+    if not _PENALTIES:
+        proc = run([SSHD, "-t", "-f", "/dev/null", "-o", "PerSourcePenalties=no",
+                    "-o", "HostKey=/nonexistent"], check=False)
+        _PENALTIES.append("PerSourcePenalties" not in proc.stderr)
+    return _PENALTIES[0]
 
 
 def start_sshd(host_dir: Path, enter: Sequence[str]) -> int:
     """Start the host's sshd through `enter` (the host wrapper argv prefix); return its PID.
 
-    sshd daemonizes and writes its pid file once its listening socket is bound, so the pid
-    file appearing is the readiness signal.
-
     Raises:
         SimError: sshd exited with an error or wrote no pid file in time (see sshd.log).
     """
-    config, pid_file, log = host_dir / "sshd_config", host_dir / "sshd.pid", host_dir / "sshd.log"
-    pid_file.unlink(missing_ok=True)
+    return start_sshds([(host_dir, enter)])[0]
+
+
+def start_sshds(hosts: Sequence[tuple[Path, Sequence[str]]]) -> list[int]:
+    """Start the sshd of every (host_dir, enter) concurrently; their PIDs, in order.
+
+    sshd daemonizes at once and writes its pid file once its listening socket is bound, so
+    the pid file appearing is the readiness signal; all hosts are waited for together.
+
+    Raises:
+        SimError: an sshd exited with an error or wrote no pid file in time (see its sshd.log).
+    """
     mkdir_privsep()
-    run([*enter, SSHD, "-f", str(config), "-E", str(log)])
-    if not wait_until(lambda: _read_pid(pid_file) is not None, START_TIMEOUT_S):
-        raise SimError(f"sshd for {host_dir.name} wrote no pid file within {START_TIMEOUT_S:g}s: see {log}")
-    pid = _read_pid(pid_file)
-    assert pid is not None
-    if not pid_alive(pid):
-        raise SimError(f"sshd for {host_dir.name} exited right after start: see {log}")
-    return pid
+    for host_dir, _ in hosts:
+        (host_dir / "sshd.pid").unlink(missing_ok=True)
+    run_concurrently([([*enter, SSHD, "-f", str(host_dir / "sshd_config"), "-E", str(host_dir / "sshd.log")],
+                       None) for host_dir, enter in hosts])
+    pid_files = [host_dir / "sshd.pid" for host_dir, _ in hosts]
+    timeout = START_TIMEOUT_S + 0.05 * len(hosts)
+    if not wait_until(lambda: all(_read_pid(f) is not None for f in pid_files), timeout, interval=0.05):
+        late = next(h for (h, _), f in zip(hosts, pid_files) if _read_pid(f) is None)
+        raise SimError(f"sshd for {late.name} wrote no pid file within {timeout:g}s: see {late / 'sshd.log'}")
+    pids = [_read_pid(f) for f in pid_files]
+    for (host_dir, _), pid in zip(hosts, pids):
+        if not pid_alive(pid):
+            raise SimError(f"sshd for {host_dir.name} exited right after start: see {host_dir / 'sshd.log'}")
+    return [p for p in pids if p is not None]
 
 
 def stop_sshd(pid: int | None, host_dir: Path) -> bool:
@@ -114,12 +169,17 @@ def stop_sshd(pid: int | None, host_dir: Path) -> bool:
     Established sessions keep running (OpenSSH behaviour); `sim down` ends them with the
     namespace. Returns True when a process was stopped.
     """
-    if not is_our_sshd(pid, host_dir):
-        return False
-    assert pid is not None
-    stop_pids([pid])
-    (host_dir / "sshd.pid").unlink(missing_ok=True)
-    return True
+    return bool(stop_sshds([(pid, host_dir)]))
+
+
+def stop_sshds(hosts: Sequence[tuple[int | None, Path]]) -> list[int]:
+    """Stop every (pid, host_dir) sshd that is still ours, all in one grace period; the PIDs
+    that were stopped."""
+    ours = [(pid, d) for pid, d in hosts if pid is not None and is_our_sshd(pid, d)]
+    stop_pids([pid for pid, _ in ours])
+    for _, d in ours:
+        (d / "sshd.pid").unlink(missing_ok=True)
+    return [pid for pid, _ in ours]
 
 
 def is_our_sshd(pid: int | None, host_dir: Path) -> bool:

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from ddplaunch.sim.cluster import SimCluster, SimConfig, check_requirements, prefix_lock, sim_down, sim_up
+from ddplaunch.sim.cluster import (RC_NOISE_STDERR, RC_NOISE_STDOUT, SimCluster, SimConfig,  # noqa: F401
+                                   check_requirements, prefix_lock, sim_down, sim_up)
 from ddplaunch.sim.proc import SimError, run, wait_until
 from ddplaunch.sim.slurm import SlurmState
 
@@ -41,15 +42,21 @@ def missing_requirement(slurm_too: bool = False) -> str | None:
 
 @contextmanager
 def shared_cluster(n_hosts: int = 4, prefix: str = TEST_PREFIX, subnet: str = TEST_SUBNET,
-                   workdir: Path | None = None, slurm: bool = False) -> Iterator[SimCluster]:
-    """Yield a running test cluster (with `slurm`, also a Slurm cluster whose nodes are idle);
-    the last user to leave tears it down (also on errors)."""
+                   workdir: Path | None = None, slurm: bool = False,
+                   rc_noise: bool = False) -> Iterator[SimCluster]:
+    """Yield a running test cluster (with `slurm`, also a Slurm cluster whose nodes are idle;
+    with `rc_noise`, root's ~/.bashrc on the hosts prints RC_NOISE_STDOUT to stdout and
+    RC_NOISE_STDERR to stderr in every SSH session); the last user to leave tears it down
+    (also on errors). A noisy and a quiet cluster need different prefixes."""
     if prefix in _live:
         cluster, users = _live[prefix]
-        if len(cluster.hosts) < n_hosts or (slurm and cluster.slurm is None):
+        if len(cluster.hosts) < n_hosts or (slurm and cluster.slurm is None) \
+                or rc_noise != (cluster.rc_file is not None):
             raise SimError(f"test cluster {prefix!r} already up with {len(cluster.hosts)} hosts"
-                           f"{'' if cluster.slurm else ' without Slurm'}, {n_hosts} requested"
-                           f"{' with Slurm' if slurm else ''}: use another prefix")
+                           f"{'' if cluster.slurm else ' without Slurm'}"
+                           f"{' with' if cluster.rc_file else ' without'} rc noise, {n_hosts} requested"
+                           f"{' with Slurm' if slurm else ''}{' with' if rc_noise else ' without'} rc noise: "
+                           "use another prefix")
         _live[prefix] = (cluster, users + 1)
         try:
             yield cluster
@@ -62,7 +69,7 @@ def shared_cluster(n_hosts: int = 4, prefix: str = TEST_PREFIX, subnet: str = TE
         stack.callback(shutil.rmtree, state_dir, ignore_errors=True)
         stack.callback(sim_down, state_dir, prefix=prefix, purge=False)
         cluster = sim_up(SimConfig(n_hosts=n_hosts, prefix=prefix, subnet=subnet,
-                                   state_dir=state_dir, workdir=workdir, slurm=slurm))
+                                   state_dir=state_dir, workdir=workdir, slurm=slurm, rc_noise=rc_noise))
         _live[prefix] = (cluster, 1)
         stack.callback(_live.pop, prefix, None)
         yield cluster
