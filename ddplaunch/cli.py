@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -18,6 +19,8 @@ from ddplaunch.errors import EXIT_INTERRUPTED, DdplaunchError
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False))
 EXCLUDE_OPT = click.option("--exclude", multiple=True, metavar="HOST",
                            help="Leave this host (name or address) out; ranks are re-planned. Repeatable.")
+VERBOSE_OPT = click.option("-v", "--verbose", is_flag=True,
+                           help="Show every line (torchrun's banners and warnings, stopped hosts' tracebacks).")
 
 
 def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,37 +49,40 @@ def cli() -> None:
     """
 
 
-@cli.command(context_settings={"ignore_unknown_options": True})
+@cli.command()
 @SPEC_ARG
-@click.option("--dry-run", is_flag=True, help="Print the exact per-host commands; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Print exactly what would execute; run and write nothing.")
 @click.option("--skip-healthcheck", is_flag=True, help="Start the job without the all_reduce check.")
 @click.option("--run-id", help="Use this run id instead of a fresh one (letters, digits, . _ -).")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
 @click.option("--detach", is_flag=True, help="Slurm: submit the batch job and return (see status/logs/down).")
 @EXCLUDE_OPT
-@click.argument("job_args", nargs=-1, type=click.UNPROCESSED)
+@VERBOSE_OPT
+@click.argument("job_args", nargs=-1, metavar="[-- JOB_ARGS...]")
 @_handle_errors
 def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_json: bool,
-       detach: bool, exclude: tuple[str, ...], job_args: tuple[str, ...]) -> None:
+       detach: bool, exclude: tuple[str, ...], verbose: bool, job_args: tuple[str, ...]) -> None:
     """Pre-flight, health check, then the job of SPEC. Arguments after `--` replace job.args."""
     from ddplaunch.launch import UpOptions
 
-    opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=_check_run_id(run_id),
-                     job_args=list(job_args) if job_args else None, detach=detach, exclude=list(exclude))
+    opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=run_id,
+                     job_args=list(job_args) if job_args else None, detach=detach, exclude=list(exclude),
+                     verbose=verbose)
     _launch(spec, opts, dry_run, as_json)
 
 
 @cli.command()
 @SPEC_ARG
-@click.option("--dry-run", is_flag=True, help="Print the exact per-host commands; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Print exactly what would execute; run and write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
 @EXCLUDE_OPT
+@VERBOSE_OPT
 @_handle_errors
-def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...]) -> None:
-    """Pre-flight host checks and the health check of SPEC; launches no job."""
+def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], verbose: bool) -> None:
+    """Pre-flight host checks, the health check and the pair tests of SPEC; launches no job."""
     from ddplaunch.launch import UpOptions
 
-    _launch(spec, UpOptions(healthcheck_only=True, exclude=list(exclude)), dry_run, as_json)
+    _launch(spec, UpOptions(healthcheck_only=True, exclude=list(exclude), verbose=verbose), dry_run, as_json)
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
@@ -101,49 +107,66 @@ def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
 @SPEC_ARG
 @_handle_errors
 def validate(spec: str) -> None:
-    """Check SPEC and print the resolved values; exit 2 with file:line on errors."""
+    """Check SPEC and print the resolved values (secrets shown as <secret>); exit 2 with file:line."""
     import yaml
 
+    from ddplaunch.launch import _redacted
     from ddplaunch.spec import load_spec
 
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "
                f"{loaded.nproc_per_node} proc per node)")
-    click.echo(yaml.safe_dump(loaded.model_dump(mode="json"), sort_keys=False), nl=False)
+    click.echo(yaml.safe_dump(_redacted(loaded), sort_keys=False), nl=False)
 
 
 @cli.command()
 @_handle_errors
 def runs() -> None:
     """List recorded runs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
     from ddplaunch.runs import list_runs
 
+    table = Table("run id", "state", "backend", "hosts", "started", box=None, pad_edge=False)
     for r in list_runs():
-        click.echo(f"{r.run_id}  {r.state:<11} {r.backend:<5} {len(r.hosts)} host(s)  "
-                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.started_at))}")
+        table.add_row(r.run_id, r.shown_state(), r.backend, str(len(r.hosts)),
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)))
+    Console(width=200 if not sys.stdout.isatty() else None, highlight=False).print(table)
+
+
+def _pick(run_id: str | None) -> Any:
+    """The named run, or the latest run of this directory's project (saying which, on stderr)."""
+    from ddplaunch.runs import latest_run, load_run
+
+    if run_id:
+        return load_run(run_id)
+    record, how = latest_run(Path.cwd())
+    click.echo(f"ddplaunch: {how}", err=True)
+    return record
 
 
 @cli.command()
 @click.argument("run_id", required=False)
 @_handle_errors
 def status(run_id: str | None) -> None:
-    """Show a run's state and every host's outcome per stage (default: the latest run)."""
-    from ddplaunch.runs import latest_run, load_run, status_lines
+    """Show a run's state and every host's outcome per stage (default: the latest run here)."""
+    from ddplaunch.runview import status as run_status
 
-    for line in status_lines(load_run(run_id) if run_id else latest_run()):
+    for line in run_status(_pick(run_id)):
         click.echo(line)
 
 
 @cli.command()
-@click.argument("run_id")
+@click.argument("run_id", required=False)
 @click.option("--host", help="Only lines from this host.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends.")
 @_handle_errors
-def logs(run_id: str, host: str | None, follow: bool) -> None:
-    """Print a run's log (every host's lines, prefixed [host:rank])."""
-    from ddplaunch.runs import log_lines
+def logs(run_id: str | None, host: str | None, follow: bool) -> None:
+    """Print a run's log, every host's lines prefixed [host:rank] (default: the latest run here)."""
+    from ddplaunch.runview import logs as run_logs
 
-    for line in log_lines(run_id, host, follow):
+    for line in run_logs(_pick(run_id), host, follow):
         click.echo(line)
 
 
@@ -151,34 +174,31 @@ def logs(run_id: str, host: str | None, follow: bool) -> None:
 @click.argument("run_id")
 @_handle_errors
 def down(run_id: str) -> None:
-    """End every process left of RUN_ID on every host (found by the run's tag, not by name)."""
-    from ddplaunch.backends import get_backend
+    """End every process left of RUN_ID on every host (found by the run's tag and your user id,
+    never by name)."""
     from ddplaunch.runs import load_run
-    from ddplaunch.spec import ClusterSpec
+    from ddplaunch.runview import down as run_down
 
-    record = load_run(run_id)
-    spec = ClusterSpec.model_validate(record.spec)
-    for line in get_backend(spec).down(run_id):
+    for line in run_down(load_run(run_id)):
         click.echo(line)
 
 
-def _check_run_id(run_id: str | None) -> str | None:
-    import re
-
-    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,80}", run_id):
-        raise click.BadParameter("use letters, digits, '.', '_' and '-' only", param_hint="--run-id")
-    return run_id
-
-
-def _add_sim() -> None:
+def _add_optional() -> None:
     try:
         from ddplaunch.sim.cli import sim_group
     except ImportError:
-        return
-    cli.add_command(sim_group)
+        pass
+    else:
+        cli.add_command(sim_group)
+    try:
+        from ddplaunch.initspec import init_cmd
+    except ImportError:
+        pass
+    else:
+        cli.add_command(init_cmd, "init")
 
 
-_add_sim()
+_add_optional()
 
 
 def main() -> None:

@@ -12,10 +12,13 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from ddplaunch.backends.base import Backend, LineSink, StageResult
+from ddplaunch.backends.contract import Backend
+from ddplaunch.console import LineSink
+from ddplaunch.results import StageResult
 from ddplaunch.errors import PlanError
 from ddplaunch.localize import Localization, localize, render_html
 from ddplaunch.preflight import PreflightReport, render_table, run_preflight
+from ddplaunch.runs import write_private
 from ddplaunch.spec import ClusterSpec
 
 
@@ -39,10 +42,10 @@ def exclude_hosts(spec: ClusterSpec, labels: list[str]) -> ClusterSpec:
 
 
 def preflight_wanted(spec: ClusterSpec, check_only: bool) -> bool:
-    """Pre-flight runs for ssh (and every `check`), unless the spec says otherwise."""
+    """Pre-flight runs on remote hosts (and for every `check`), unless the spec says otherwise."""
     if spec.preflight.enabled is not None:
         return spec.preflight.enabled
-    return spec.backend == "ssh" or (check_only and spec.backend == "local")
+    return check_only or any(h.addr not in ("localhost", "127.0.0.1") for h in spec.hosts)
 
 
 def preflight_gate(spec: ClusterSpec, backend: Backend, run_id: str, port: Optional[int],
@@ -50,7 +53,7 @@ def preflight_gate(spec: ClusterSpec, backend: Backend, run_id: str, port: Optio
     """Run the pre-flight checks; the spec to go on with (None: stop)."""
     report = run_preflight(spec, backend, run_id, port)
     sink.block(render_table(report))
-    (run_dir / "preflight.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
     if report.socket_ifname and not spec.socket_ifname:
         spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
     if report.ok:
@@ -59,19 +62,20 @@ def preflight_gate(spec: ClusterSpec, backend: Backend, run_id: str, port: Optio
 
 
 def healthcheck_gate(spec: ClusterSpec, backend: Backend, run_id: str, result: StageResult,
-                     stop: threading.Event, sink: LineSink, run_dir: Path
+                     stop: threading.Event, sink: LineSink, run_dir: Path, pairwise: bool = False
                      ) -> tuple[Optional[ClusterSpec], Optional[Localization]]:
     """After the all-rank health check: localize bad hosts when it failed (or always with
-    `healthcheck.pairwise`), then stop, exclude them, or go on."""
-    wanted = (not result.ok or spec.healthcheck.pairwise) and len(spec.hosts) > 1
+    `healthcheck.pairwise`, or `pairwise` — `check` is the full diagnostic), then stop, exclude
+    them, or go on."""
+    wanted = (not result.ok or spec.healthcheck.pairwise or pairwise) and len(spec.hosts) > 1
     if result.interrupted or stop.is_set() or not wanted:
         return (spec if result.ok else None), None
     sink.note("localizing: each host alone, then host pairs, then suspects with known-good hosts"
               if not result.ok else "pairwise gate: host pairs, then suspects with known-good hosts")
     loc = localize(spec, backend, run_id, stop, singles=not result.ok)
     sink.block(loc.summary())
-    (run_dir / "localize.json").write_text(json.dumps(loc.to_dict(), indent=2, sort_keys=True))
-    (run_dir / "localize.html").write_text(render_html(loc))
+    write_private(run_dir / "localize.json", json.dumps(loc.to_dict(), indent=2, sort_keys=True))
+    write_private(run_dir / "localize.html", render_html(loc))
     sink.note(f"localization chart: {run_dir / 'localize.html'}")
     if not loc.bad_hosts:
         if not result.ok:

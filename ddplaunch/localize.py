@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ddplaunch.backends.base import Backend, LineSink
+from ddplaunch.backends.contract import Backend
+from ddplaunch.console import LineSink
 from ddplaunch.plan import derive_port, make_plan
 from ddplaunch.spec import ClusterSpec, HostSpec
 
@@ -136,7 +137,7 @@ class _ProbeRunner:
                                            "master": self.spec.master.model_copy(update={"addr": None, "port": None})})
         plan = make_plan(sub, tag, "healthcheck", derive_port(tag), direct=True)
         sink = LineSink(io.StringIO())
-        result = self.backend.run(plan, sink, self.stop)
+        result = self.backend.launch(self.backend.render(plan), sink, self.stop)
         payload = sink.payload("HEALTHCHECK")
         labels = tuple(h.label for h in group)
         if not result.ok or payload is None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
-from ddplaunch.backends.base import Backend
-from ddplaunch.plan import host_python, master_addr, quote
+from ddplaunch.backends.contract import Backend
+from ddplaunch.hostcmd import host_program, parse_answer
+from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
-
-PROBE_SOURCE = Path(__file__).with_name("hostside") / "probe.py"
 CHECKS = ("ssh", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
 PROBE_SECONDS = 4.0
@@ -70,8 +68,8 @@ class PreflightReport:
                            "checks": {k: asdict(v) for k, v in h.checks.items()}} for h in self.hosts]}
 
 
-def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int]) -> str:
-    """The shell line that probes `host` (pure)."""
+def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int]) -> tuple[str, str]:
+    """(shell line that probes `host`, nonce of its answer line)."""
     master = master_addr(spec)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
             "listen": host.addr == master or (master == "127.0.0.1" and host.addr == "localhost"),
@@ -79,14 +77,19 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto", "probe_s": PROBE_SECONDS}
     if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
-    return (f"{quote(host_python(spec, host))} -c {quote(PROBE_SOURCE.read_text())} "
-            f"{quote(json.dumps(args, sort_keys=True))}")
+    return host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True))
 
 
 def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Optional[int]) -> PreflightReport:
     """Probe every host in parallel and evaluate the facts."""
     t0 = time.time()
-    results = backend.run_short(lambda h: probe_command(spec, h, run_id, port), timeout=PROBE_SECONDS + 20)
+    nonces: dict[str, str] = {}
+
+    def command(host: HostSpec) -> str:
+        text, nonces[host.label] = probe_command(spec, host, run_id, port)
+        return text
+
+    results = backend.probe(command, timeout=PROBE_SECONDS + 20)
     t1 = time.time()
     raw: dict[str, Any] = {}
     for host, res, err in results:
@@ -94,8 +97,8 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
             raw[host.label] = {"error": str(err)}
             continue
         code, out = res
-        line = next((x for x in out.splitlines() if x.startswith("DDPLAUNCH_PROBE ")), None)
-        raw[host.label] = (json.loads(line.split(" ", 1)[1]) if line
+        answer = parse_answer(out, nonces.get(host.label, ""))
+        raw[host.label] = (answer if isinstance(answer, dict)
                            else {"exit": code, "output": out.strip()[-300:], "python": None})
     report = evaluate(spec, raw, launcher_time=(t0 + t1) / 2, port=port)
     report.elapsed_s = time.time() - t0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ddplaunch.backends.base import STATE_ORDER, StageResult
+from ddplaunch.results import STATE_ORDER, StageResult
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 
 
@@ -42,7 +42,10 @@ def summarize(run_id: str, stages: list[StageResult], code: int, blocked: Option
         first = stage.first_failure
         if first is not None:
             out.append(f"  first failure: {first.describe()}")
-            if first.tail:
+            if first.cause:
+                out.append(f"  rank {first.failed_rank} on {first.host} said:")
+                out += [f"    {line}" for line in first.cause[-tail_lines:]]
+            elif first.tail:
                 out.append(f"  last lines from {first.host}:")
                 out += [f"    {line}" for line in first.tail[-tail_lines:]]
         out.append("  every node:")

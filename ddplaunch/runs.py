@@ -1,21 +1,29 @@
 """Run records: one JSON file per `up`, written atomically under `$DDPLAUNCH_HOME/runs/<id>/`.
 
-A record holds the spec, the rendered plan, the hosts, the start time, each stage's per-node
-outcome and the run's state, so `status`, `logs` and `down` work after ddplaunch has exited.
+A record holds the spec (secrets redacted), the requests that were executed, the hosts, who
+launched it (pid, its start time, host), each stage's per-node outcome and the run's state — so
+`status`, `logs` and `down` work after ddplaunch has exited. Data only: no backend is imported
+here. Run directories are 0700 and every file in them 0600.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
-from ddplaunch.errors import RunNotFoundError
+from ddplaunch.errors import PlanError, RunNotFoundError
+
+#: Every run id, wherever it comes from (generated, --run-id, status/logs/down arguments).
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+ACTIVE_STATES = ("starting", "running", "submitted")
 
 
 def home() -> Path:
@@ -23,9 +31,25 @@ def home() -> Path:
     return Path(os.environ.get("DDPLAUNCH_HOME", "~/.ddplaunch")).expanduser()
 
 
+def check_run_id(run_id: str, what: str = "run id") -> str:
+    """The run id if it is safe in paths and shell words, else PlanError (exit 2)."""
+    if not RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
+        raise PlanError(f"{what} {run_id!r}: use 1-100 letters, digits, '.', '_' and '-', starting with "
+                        "a letter or digit (no '/', no '..')")
+    return run_id
+
+
 def new_run_id(name: str) -> str:
     """`<spec name>-<UTC time>-<4 hex>`: sortable, unique, and safe in shell words."""
     return f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """A process's start time in clock ticks since boot (pid reuse changes it), None if gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @dataclass
@@ -41,6 +65,8 @@ class RunRecord:
     started_at: float = field(default_factory=time.time)
     state: str = "starting"
     launcher_pid: int = field(default_factory=os.getpid)
+    launcher_start: Optional[int] = field(default_factory=lambda: process_start_time(os.getpid()))
+    launcher_host: str = field(default_factory=socket.gethostname)
     stages: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     ended_at: Optional[float] = None
@@ -53,45 +79,87 @@ class RunRecord:
     def log_path(self) -> Path:
         return self.dir / "output.log"
 
+    def make_dir(self) -> Path:
+        """The run directory, 0700 (created with that mode, not chmodded later)."""
+        (home() / "runs").mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dir.mkdir(exist_ok=True, mode=0o700)
+        return self.dir
+
     def save(self) -> None:
-        """Write the record atomically (temp file + rename): a reader never sees half of it."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".record.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / "record.json")
+        """Write the record atomically (0600 temp file + rename): a reader never sees half of it."""
+        self.make_dir()
+        write_private(self.dir / "record.json", json.dumps(asdict(self), indent=2, sort_keys=True))
+
+    def launcher_alive(self) -> Optional[bool]:
+        """Whether the launching process still runs (None: launched on another machine)."""
+        if self.launcher_host != socket.gethostname():
+            return None
+        start = process_start_time(self.launcher_pid)
+        return start is not None and (self.launcher_start is None or start == self.launcher_start)
+
+    def shown_state(self) -> str:
+        """The state, with a launcher that died without writing a final state said plainly."""
+        if self.state in ACTIVE_STATES and self.state != "submitted" and self.launcher_alive() is False:
+            return f"launcher died (pid {self.launcher_pid} gone; last state {self.state})"
+        return self.state
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically through a 0600 temp file in the same directory."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mkstemp creates 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def open_private(path: Path, mode: str = "a"):
+    """Open a file of a run directory, created 0600."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o600)
+    return os.fdopen(fd, mode)
 
 
 def load_run(run_id: str) -> RunRecord:
     """The record of `run_id`.
 
     Raises:
-        RunNotFoundError: no such run under `home()`.
+        RunNotFoundError: no such run under `home()`, or its record is unreadable.
+        PlanError: the id is not a valid run id.
     """
+    check_run_id(run_id)
     path = home() / "runs" / run_id / "record.json"
     try:
-        data = json.loads(path.read_text())
+        return _record(json.loads(path.read_text()))
     except FileNotFoundError:
         raise RunNotFoundError(f"no run {run_id!r} under {home() / 'runs'}; `ddplaunch runs` lists them") from None
-    return RunRecord(**data)
+    except (OSError, ValueError, TypeError) as err:
+        raise RunNotFoundError(f"run {run_id!r}: record {path} is unreadable ({type(err).__name__}: "
+                               f"{str(err)[:200]}); remove the directory or pass another run id") from None
+
+
+def _record(data: Any) -> RunRecord:
+    if not isinstance(data, dict):
+        raise TypeError("not a JSON object")
+    known = {f.name for f in fields(RunRecord)}
+    return RunRecord(**{k: v for k, v in data.items() if k in known})
 
 
 def list_runs() -> list[RunRecord]:
-    """Every recorded run, newest first."""
+    """Every readable recorded run, newest first."""
     root = home() / "runs"
     records = []
     for path in sorted(root.glob("*/record.json")) if root.is_dir() else []:
         try:
-            records.append(RunRecord(**json.loads(path.read_text())))
-        except (ValueError, TypeError):
+            records.append(_record(json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
             continue
     return sorted(records, key=lambda r: r.started_at, reverse=True)
 
 
-def latest_run() -> RunRecord:
-    """The newest recorded run.
+def latest_run(project_dir: Optional[Path] = None) -> tuple[RunRecord, str]:
+    """The newest run of the project in `project_dir` (specs in it or below), else the newest run
+    of all; with the words saying which was picked.
 
     Raises:
         RunNotFoundError: no run recorded yet.
@@ -99,42 +167,20 @@ def latest_run() -> RunRecord:
     runs = list_runs()
     if not runs:
         raise RunNotFoundError(f"no runs recorded under {home() / 'runs'} yet; start one with `ddplaunch up`")
-    return runs[0]
+    if project_dir is not None:
+        here = str(project_dir.resolve())
+        mine = [r for r in runs if str(Path(r.spec_path).resolve()).startswith(here + os.sep)]
+        if mine:
+            return mine[0], f"latest run of {here}: {mine[0].run_id}"
+    return runs[0], f"latest run (none of {project_dir or '?'}; newest of all): {runs[0].run_id}"
 
 
 def status_lines(record: RunRecord) -> list[str]:
-    """A run's state and every host's outcome per stage (Slurm runs: the job's live state too)."""
-    lines = [f"{record.run_id}: {record.state} ({record.backend}; hosts {', '.join(record.hosts)})"]
+    """A run's state and every host's outcome per stage."""
+    lines = [f"{record.run_id}: {record.shown_state()} ({record.backend}; hosts {', '.join(record.hosts)})"]
     for stage in record.stages:
         lines.append(f"  stage {stage['stage']}:")
         for o in stage["outcomes"]:
             code = "" if o["exit_code"] is None else f" exit {o['exit_code']}"
             lines.append(f"    {o['host']} (node {o['node_rank']}): {o['state']}{code}")
-    if record.backend == "slurm":
-        from ddplaunch.backends.slurm import job_status
-        from ddplaunch.spec import ClusterSpec
-
-        lines += job_status(ClusterSpec.model_validate(record.spec), record.run_id)
     return lines
-
-
-def log_lines(run_id: str, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
-    """A run's log lines (only `host`'s when given); with `follow`, until the run ends."""
-    record = load_run(run_id)
-    mine = (lambda line: True) if host is None else (lambda line: line.startswith((f"[{host}:", f"[{host}]")))
-    if record.backend == "slurm" and (follow or not record.log_path.exists()):
-        from ddplaunch.backends.slurm import job_logs
-        from ddplaunch.spec import ClusterSpec
-
-        yield from filter(mine, job_logs(ClusterSpec.model_validate(record.spec), run_id, follow))
-        return
-    with open(record.log_path) as f:
-        while True:
-            line = f.readline()
-            if line:
-                if mine(line):
-                    yield line.rstrip("\n")
-            elif follow and load_run(run_id).state == "running":
-                time.sleep(0.2)
-            else:
-                return

@@ -3,7 +3,7 @@
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
 any rank it takes a py-spy stack dump of every worker on every host (found by the run's env tag
 and their RANK), saves the dumps in the run record, prints where each rank is stuck and ends
-the run as a failure. `mismatch_lines` condenses PyTorch's collective consistency errors.
+the run as a failure. Log parsing (mismatches, store errors) is in torchrun_logs.py.
 """
 
 from __future__ import annotations
@@ -16,53 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ddplaunch.backends.base import Backend, LineSink, StopEvent
-from ddplaunch.plan import LaunchPlan, host_python, quote
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.backends.contract import Backend
+from ddplaunch.console import LineSink
+from ddplaunch.hostcmd import host_program, parse_answer
+from ddplaunch.plan import LaunchPlan, host_python
+from ddplaunch.results import StopEvent
+from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Seconds py-spy gets per host (all its workers are dumped in parallel there).
 DUMP_TIMEOUT = 30.0
-
-# Runs on each host with the host's python: stdlib only. Prints one JSON object.
-_REMOTE_SOURCE = r'''
-import json, os, shutil, subprocess, sys
-from concurrent.futures import ThreadPoolExecutor
-run_id, python, host = sys.argv[1], sys.argv[2], sys.argv[3].encode()
-procs = []
-for name in os.listdir("/proc"):
-    if not name.isdigit() or int(name) == os.getpid():
-        continue
-    try:
-        env = dict(kv.split(b"=", 1) for kv in open(f"/proc/{name}/environ", "rb").read().split(b"\0") if b"=" in kv)
-        cwd = os.readlink(f"/proc/{name}/cwd")
-    except OSError:
-        continue
-    # DDPLAUNCH_HOST too: hosts that share a PID namespace (the sim cluster) see each other's processes
-    if env.get(b"DDPLAUNCH_RUN_ID") == run_id.encode() and env.get(b"DDPLAUNCH_HOST", host) == host:
-        procs.append({"pid": int(name), "cwd": cwd, "rank": int(env[b"RANK"]) if b"RANK" in env else None,
-                      "local_rank": int(env.get(b"LOCAL_RANK", b"-1"))})
-workers = [p for p in procs if p["rank"] is not None]
-# No worker yet (torchrun still in rendezvous): dump the torchrun agents instead.
-targets = workers or procs
-candidates = [os.path.join(os.path.dirname(python), "py-spy"), shutil.which("py-spy")]
-spy = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
-def dump(p):
-    try:
-        out = subprocess.run([spy, "dump", "--pid", str(p["pid"]), "--json"], capture_output=True,
-                             text=True, timeout=25)
-        if out.returncode == 0:
-            p["threads"] = json.loads(out.stdout)
-        else:
-            p["error"] = (out.stderr or out.stdout).strip()[-500:]
-    except Exception as err:
-        p["error"] = f"{type(err).__name__}: {err}"
-    return p
-if spy:
-    with ThreadPoolExecutor(max(1, min(32, len(targets)))) as pool:
-        targets = list(pool.map(dump, targets))
-print(json.dumps({"py_spy": spy, "looked_for": [c for c in candidates if c], "workers": bool(workers),
-                  "procs": targets}))
-'''
 
 
 @dataclass
@@ -77,26 +39,28 @@ class RankStack:
     error: Optional[str] = None
 
 
-def collect_stacks(backend: Backend, spec: ClusterSpec, run_id: str
+def collect_stacks(backend: Backend, spec: ClusterSpec, run_id: str, hosts: Optional[list[HostSpec]] = None
                    ) -> tuple[list[RankStack], list[str], dict[str, Any]]:
     """Dump every worker of run `run_id` on every host with py-spy.
 
     Returns:
         (one RankStack per dumped process, problem lines per host, raw answers by host label).
     """
-    def command(host: Any) -> str:
+    nonces: dict[str, str] = {}
+
+    def command(host: HostSpec) -> str:
         python = host_python(spec, host)
-        return f"{quote(python)} -c {quote(_REMOTE_SOURCE)} {quote(run_id)} {quote(python)} {quote(host.label)}"
+        text, nonces[host.label] = host_program("stacks", python, run_id, python)
+        return text
 
     stacks, problems, raw = [], [], {}
-    for host, answer, err in backend.run_short(command, timeout=DUMP_TIMEOUT):
+    for host, answer, err in backend.probe(command, timeout=DUMP_TIMEOUT, hosts=hosts):
         if err is not None or answer is None:
             problems.append(f"{host.label}: no stack dump: {err}")
             continue
         code, out = answer
-        try:
-            data = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
+        data = parse_answer(out, nonces.get(host.label, ""))
+        if not isinstance(data, dict):
             problems.append(f"{host.label}: no stack dump (exit {code}): {out.strip()[-300:]}")
             continue
         raw[host.label] = data
@@ -238,7 +202,8 @@ class HangWatchdog:
         self.sink.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
                        "dumping every rank's stack with py-spy")
         try:
-            stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id)
+            stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
+                                                   [n.host for n in self.plan.nodes if n.host is not None])
         except Exception as err:  # noqa: BLE001 - the run must still be ended
             stacks, problems, raw = [], [f"stack dump failed: {type(err).__name__}: {err}"], {}
         headline = f"hang: no output for {idle:.0f}s (job.hang_timeout={self.timeout:g})"
@@ -254,50 +219,3 @@ class HangWatchdog:
         for line in lines:
             self.sink.note(line)
         self.stop.stop(f"hang: no output from any rank for {idle:.0f}s")
-
-
-_FP_RE = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)(?=, but Rank|\.Collectives|$)")
-_FIELD_RE = re.compile(r"(OpType)=([A-Z_]+)|(TensorShape)=(\[[^\]]*\])|(TensorDtypes)=(\w+)")
-_PREFIX_RE = re.compile(r"^\[([^\]:]+):(\d+)\]")
-
-
-def mismatch_lines(findings: list[str]) -> list[str]:
-    """PyTorch's collective mismatch errors, one short line per reporting rank, with its host:
-    `dlt1 rank 0: collective mismatch: rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float`."""
-    out = []
-    for line in findings:
-        if "Detected mismatch between collectives" not in line:
-            continue
-        prefix = _PREFIX_RE.match(line)
-        who = f"{prefix.group(1)} rank {prefix.group(2)}" if prefix else "?"
-        sides = []
-        for rank, fp in _FP_RE.findall(line):
-            fields = {}
-            for m in _FIELD_RE.finditer(fp):
-                key = next(g for g in m.groups()[0::2] if g)
-                fields[key] = next(g for g in m.groups()[1::2] if g)
-            sides.append(" ".join(x for x in (f"rank {rank}", fields.get("OpType"), fields.get("TensorShape"),
-                                               fields.get("TensorDtypes")) if x))
-        detail = " vs ".join(sides) if sides else line.split("Detected mismatch", 1)[1][:200]
-        text = f"{who}: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): {detail}"
-        if text not in out:
-            out.append(text)
-    return out
-
-
-def store_errors(findings: list[str]) -> list[str]:
-    """Rendezvous/store timeouts (a host that never joined), one per host and message."""
-    out = []
-    for line in findings:
-        m = re.search(r"(torch\.distributed\.)?(DistStoreError|DistNetworkError): (.*)", line)
-        prefix = _PREFIX_RE.match(line)
-        if m and prefix is None and line.startswith("["):
-            host = line[1:line.index("]")]
-            text = f"{host}: {m.group(2)}: {m.group(3).strip()}"
-        elif m:
-            text = f"{prefix.group(1)} rank {prefix.group(2)}: {m.group(2)}: {m.group(3).strip()}"
-        else:
-            continue
-        if text not in out:
-            out.append(text)
-    return out

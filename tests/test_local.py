@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.hostside import reaper
+from ddplaunch.hostside.procs import run_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,10 +64,25 @@ def test_dry_run_prints_plan_and_runs_nothing(env, tmp_path):
     assert not (tmp_path / "state").exists() and not (tmp_path / ".ddplaunch").exists()
 
 
+def write_env_files(dry_text: str, home: Path) -> None:
+    """Write each node's environment file the way the dry run describes it (path and lines)."""
+    path = None
+    for line in dry_text.splitlines():
+        if line.startswith("# node ") and "(mode 0600) holds" in line:
+            path = Path(line.split(": ", 1)[1].split(" (mode")[0].replace('"$HOME"', str(home)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+        elif line.startswith("#   export ") and path is not None:
+            with open(path, "a") as f:
+                f.write(line[4:] + "\n")
+
+
 def test_dry_run_line_is_what_runs(env, tmp_path):
-    """The job line printed by --dry-run, run by hand with bash, is the job ddplaunch runs."""
+    """The job line printed by --dry-run, run by hand with bash (after writing the env file it
+    describes), is the job ddplaunch runs."""
     proc = ddplaunch(["up", "cluster.yaml", "--dry-run", "--run-id", "same", "--skip-healthcheck"], env)
     (line,) = [x for x in proc.stdout.splitlines() if not x.startswith("#")]
+    write_env_files(proc.stdout, tmp_path)
     by_hand = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=120, env=env)
     assert by_hand.returncode == 0
     assert "[localhost:1] rank=1 mean_grad=4.0 updated_weight=0.6" in by_hand.stdout
@@ -123,13 +138,13 @@ def test_sigint_ends_every_process_exit_130(env, tmp_path):
         seen.append(line)
         if line.startswith(("[localhost:0]", "[localhost:1]")) or time.time() > deadline:
             break
-    assert len(reaper.run_pids("sigint-1")) >= 3, "".join(seen)  # torchrun + 2 workers
+    assert len(list(run_processes("sigint-1"))) >= 3, "".join(seen)  # torchrun + 2 workers
     t0 = time.time()
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=30)
     assert proc.returncode == 130, "".join(seen) + rest
     assert time.time() - t0 < 15
-    assert reaper.run_pids("sigint-1") == []
+    assert list(run_processes("sigint-1")) == []
     assert "stage job: INTERRUPTED" in rest
 
 
@@ -137,7 +152,7 @@ def test_runs_status_logs_and_down_of_a_finished_run(env, tmp_path):
     path = spec_file(tmp_path, "healthcheck: {enabled: false}\n")
     assert ddplaunch(["up", str(path), "--run-id", "rec-1"], env).returncode == 0
     runs = ddplaunch(["runs"], env)
-    assert runs.returncode == 0 and runs.stdout.startswith("rec-1  ok")
+    assert runs.returncode == 0 and runs.stdout.splitlines()[1].split()[:4] == ["rec-1", "ok", "local", "1"]
     for args in (["status", "rec-1"], ["status"]):  # no id: the latest run
         status = ddplaunch(args, env)
         assert status.stdout.splitlines()[:3] == ["rec-1: ok (local; hosts localhost)", "  stage job:",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from ddplaunch.backends.base import Backend
+from ddplaunch.backends.contract import Backend
 from ddplaunch.spec import ClusterSpec
 
 
 def get_backend(spec: ClusterSpec) -> Backend:
-    """The backend that drives `spec.backend`; imported lazily (fabric loads slowly)."""
+    """The backend that drives `spec.backend`; imported lazily (fabric loads slowly). Making one
+    connects to nothing."""
     if spec.backend == "local":
         from ddplaunch.backends.local import LocalBackend
 

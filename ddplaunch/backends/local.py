@@ -2,7 +2,7 @@
 
 The same command line as a remote host gets, in a new session, so ending the run is one
 signal to its process group; leftovers (torchrun starts workers in sessions of their own) are
-found by the run's environment tag.
+found by the run's tag (hostside/procs.py, imported here directly).
 """
 
 from __future__ import annotations
@@ -14,25 +14,36 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Optional
 
+from ddplaunch.backends.contract import CommandFor, HostResult
+from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellRequest, describe_reap
+from ddplaunch.console import LineSink
+from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.hostside import reaper
-from ddplaunch.backends.base import (
-    INTERRUPTED, RUNNING, HostResult, LineSink, NodeOutcome, StageCallback, StageResult, finish_outcome,
-    run_in_order, stop_cause)
-from ddplaunch.errors import BackendError
+from ddplaunch.hostside.procs import run_processes
+from ddplaunch.outcomes import finish_outcome
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
+from ddplaunch.results import INTERRUPTED, RUNNING, NodeOutcome, StageResult, stop_cause
 from ddplaunch.spec import ClusterSpec, HostSpec
-
-#: Seconds torchrun gets to stop its workers after SIGTERM before everything is killed.
-SHUTDOWN_GRACE = 10.0
 
 
 class LocalBackend:
     """Runs a one-node plan here."""
 
+    name = "local"
+
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
+
+    def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        return list(self.spec.hosts)
+
+    def allocation_text(self) -> str:
+        return ""
+
+    def render(self, plan: LaunchPlan) -> ShellRequest:
+        return ShellRequest(plan)
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
@@ -42,30 +53,34 @@ class LocalBackend:
                 return False
         return True
 
-    def run_all(self, plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
-                on_stage: StageCallback) -> list[StageResult]:
-        return run_in_order(self, plans, sink, stop, on_stage)
-
-    def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
+    def launch(self, request: ShellRequest, sink: LineSink, stop: threading.Event) -> StageResult:
+        plan = request.plan
         (node,) = plan.nodes
         run_dir = Path.home() / HOST_RUN_ROOT / plan.run_id
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for src, dst in plan.uploads:
             shutil.copyfile(src, run_dir / dst)
-        outcome = NodeOutcome(node_rank=0, host=node.host.label, state=RUNNING)
+        (run_dir / f"node{node.node_rank}.pid").unlink(missing_ok=True)
+        env_file = run_dir / f"{plan.stage}-node{node.node_rank}.env"
+        env_file.unlink(missing_ok=True)
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the start
+        with os.fdopen(fd, "w") as f:
+            f.write(node.env_text())
+        outcome = NodeOutcome(node_rank=0, host=node.host_label, state=RUNNING)
         sink.state(outcome.host, f"running {plan.stage}")
         result = StageResult(stage=plan.stage, outcomes=[outcome])
         proc = subprocess.Popen(["bash", "-c", node.shell_line()], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, text=True, errors="replace")
-        reader = threading.Thread(target=_pump, args=(proc, sink, node.host.label), daemon=True)
+        reader = threading.Thread(target=_pump, args=(proc, sink, node.host_label), daemon=True)
         reader.start()
         while proc.poll() is None:
             if stop.wait(0.1):
                 result.interrupted = stop_cause(stop) is None  # a hang found by ddplaunch is a failure
                 outcome.state = INTERRUPTED
                 outcome.detail = f"stopped by ddplaunch: {stop_cause(stop) or 'interrupted by the user'}"
-                sink.note(f"stopping {node.host.label}: SIGTERM to torchrun (pid {proc.pid})")
+                sink.note(f"stopping {node.host_label}: SIGTERM to torchrun (pid {proc.pid})")
+                sink.mute({0})
                 _terminate(proc, plan.run_id)
                 break
         proc.wait()
@@ -79,9 +94,10 @@ class LocalBackend:
     def close(self) -> None:
         pass
 
-    def run_short(self, command: Callable[[HostSpec], str], timeout: float = 30) -> list[HostResult]:
+    def probe(self, command: CommandFor, timeout: float = 30,
+              hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         results: list[HostResult] = []
-        for host in self.spec.hosts:
+        for host in self.spec.hosts if hosts is None else hosts:
             try:
                 proc = subprocess.run(["bash", "-c", command(host)], capture_output=True, text=True,
                                       timeout=timeout, stdin=subprocess.DEVNULL)
@@ -90,10 +106,23 @@ class LocalBackend:
                 results.append((host, None, BackendError(f"{host.label}: command did not finish within {timeout}s")))
         return results
 
-    def down(self, run_id: str) -> list[str]:
-        left = reaper.run_pids(run_id)
+    def status(self, record: dict) -> list[str]:
+        return []
+
+    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
+        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
+                        "under nohup, tmux or screen instead (or use backend: slurm)")
+
+    def logs(self, record: dict, follow: bool) -> None:
+        return None
+
+    def down(self, record: dict) -> list[str]:
+        run_id = record["run_id"]
+        before = sorted(run_processes(run_id))
+        reaper.term_pidfiles(run_id, [str(p) for p in (Path.home() / HOST_RUN_ROOT / run_id).glob("node*.pid")])
         reaper.reap(run_id)
-        return [f"localhost: ended {len(left)} process(es)" if left else "localhost: nothing left"]
+        left = sorted(run_processes(run_id))
+        return [f"localhost: {describe_reap({'before': before, 'left': left})}"]
 
 
 def _pump(proc: subprocess.Popen, sink: LineSink, host: str) -> None:

@@ -1,9 +1,10 @@
 """SSH backend: one torchrun per host over Fabric connections, in parallel, with fail-fast.
 
-Fabric makes and configures the connections; each node's command runs in its own channel
-with a pty, so a dropped connection (even a SIGKILLed ddplaunch) HUPs the remote torchrun.
-Host keys are verified against known_hosts (Fabric would accept any key). Stopping a node
-is explicit: SIGTERM to the recorded torchrun PID, then the run's env tag finds leftovers.
+Fabric makes and configures the connections (one per host per run); each node's command runs in
+its own channel with a pty, so a dropped connection (even a SIGKILLed ddplaunch) HUPs the remote
+torchrun. Host keys are verified against known_hosts (Fabric would accept any key). The node's
+environment goes over the channel's stdin into a 0600 file, never onto a command line. Stopping
+a node is explicit: SIGTERM to the recorded torchrun pid, then the run's tag finds leftovers.
 """
 
 from __future__ import annotations
@@ -19,21 +20,26 @@ from typing import Callable, Optional, TypeVar
 import paramiko
 from fabric import Connection
 
-from ddplaunch.backends.base import (
-    FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, HostResult, LineSink, NodeOutcome, StageCallback,
-    StageResult, finish_outcome, run_in_order, stop_cause)
-from ddplaunch.errors import BackendError
+from ddplaunch.backends.contract import CommandFor, HostResult
+from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellRequest, describe_reap, reaper_command
+from ddplaunch.console import LineSink
+from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.hostcmd import marked, parse_answer
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_python, host_run_dir, quote
+from ddplaunch.results import (FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult,
+                               stop_cause)
 from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.outcomes import finish_outcome
 
-#: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
-SHUTDOWN_GRACE = 10.0
-REAPER_SOURCE = Path(__file__).resolve().parents[1] / "hostside" / "reaper.py"
+#: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
+MAX_PARALLEL = 64
 T = TypeVar("T")
 
 
 class SshBackend:
     """Runs a plan on every host of an `ssh` spec."""
+
+    name = "ssh"
 
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
@@ -113,14 +119,34 @@ class SshBackend:
                 return host, fn(host), None
             except BackendError as err:
                 return host, None, err
-        with ThreadPoolExecutor(max_workers=max(1, min(64, len(hosts)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(hosts)))) as pool:
             return list(pool.map(one, hosts))
 
-    def run_short(self, command: Callable[[HostSpec], str], timeout: float = 30) -> list[HostResult]:
-        """Run a short command (built per host) on every host in parallel."""
-        return self._each(lambda h: self._exec(h, command(h), timeout))
+    def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        return list(self.spec.hosts)
 
-    def _exec(self, host: HostSpec, command: str, timeout: float = 30) -> tuple[int, str]:
+    def allocation_text(self) -> str:
+        return ""
+
+    def render(self, plan: LaunchPlan) -> ShellRequest:
+        return ShellRequest(plan)
+
+    def probe(self, command: CommandFor, timeout: float = 30,
+              hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
+        """Run a short command (built per host) on every host in parallel."""
+        return self._each(lambda h: self._exec(h, command(h), timeout), hosts)
+
+    def status(self, record: dict) -> list[str]:
+        return []
+
+    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
+        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
+                        "under nohup, tmux or screen instead (or use backend: slurm)")
+
+    def logs(self, record: dict, follow: bool) -> None:
+        return None
+
+    def _exec(self, host: HostSpec, command: str, timeout: float = 30, stdin: str = "") -> tuple[int, str]:
         """Run a short command (no pty); (exit status, stdout+stderr).
 
         A bare channel rather than Fabric's `run`: its runner polls with sleeps that cost ~0.3 s a
@@ -132,6 +158,9 @@ class SshBackend:
             channel.settimeout(timeout)
             channel.set_combine_stderr(True)
             channel.exec_command(command)
+            if stdin:
+                channel.sendall(stdin.encode())
+            channel.shutdown_write()
             chunks = []
             while data := channel.recv(65536):
                 chunks.append(data)
@@ -152,14 +181,11 @@ class SshBackend:
             return True  # unreachable: `run` reports every host's connection problem
         return code == 0
 
-    def run_all(self, plans: list[LaunchPlan], sink: LineSink, stop: threading.Event,
-                on_stage: StageCallback) -> list[StageResult]:
-        return run_in_order(self, plans, sink, stop, on_stage)
-
-    def run(self, plan: LaunchPlan, sink: LineSink, stop: threading.Event) -> StageResult:
+    def launch(self, request: ShellRequest, sink: LineSink, stop: threading.Event) -> StageResult:
+        plan = request.plan
         outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host.label) for n in plan.nodes]
         result = StageResult(stage=plan.stage, outcomes=outcomes)
-        plan_hosts = [n.host for n in plan.nodes]
+        plan_hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in plan_hosts:
             sink.state(host.label, f"connecting ({plan.stage})")
         ready = self._each(lambda h: self._prepare(h, plan), plan_hosts)
@@ -202,6 +228,7 @@ class SshBackend:
                 cause = stop_cause(stop) or "interrupted by the user"
                 sink.note(f"{cause}: stopping every host")
             if stopping:
+                sink.mute({n.node_rank for n in plan.nodes if n.node_rank not in done})
                 for node in plan.nodes:
                     if node.node_rank not in done and outcomes[node.node_rank].state == RUNNING:
                         outcomes[node.node_rank].state = INTERRUPTED
@@ -231,9 +258,10 @@ class SshBackend:
         result.ended_at = time.time()
         return result
 
-    def down(self, run_id: str) -> list[str]:
+    def down(self, record: dict) -> list[str]:
+        run_id = record["run_id"]
         lines = []
-        for host, left, err in self._each(lambda h: self._kill(h, run_id)):
+        for host, left, err in self._each(lambda h: self._reap(h, run_id, term_pid_files=True)):
             lines.append(f"{host.label}: {err}" if err else f"{host.label}: {left}")
         self.close()
         return lines
@@ -243,10 +271,12 @@ class SshBackend:
     def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
         """Connect, create the run dir, upload the plan's files and the spec's `sync` paths."""
         conn = self.connect(host)
+        (node,) = [n for n in plan.nodes if n.host == host]
         # A pid file left by an earlier stage would hide a torchrun that never starts in this one.
-        stale = " ".join(n.pid_file for n in plan.nodes if n.host == host)
-        code, out = self._exec(host, f"mkdir -p {host_run_dir(plan.run_id)} && rm -f {stale} && "
-                                     f"cd {quote(plan.nodes[0].workdir)}")
+        # The environment (secrets included) arrives on stdin into a file that is 0600 from the start.
+        code, out = self._exec(host, f"(umask 077 && mkdir -p {host_run_dir(plan.run_id)} && "
+                                     f"rm -f {node.pid_file} && cat > {node.env_file}) && "
+                                     f"cd {quote(node.workdir)}", stdin=node.env_text())
         if code != 0:
             raise BackendError(f"{host.label}: cannot prepare the run directory or enter workdir "
                                f"{plan.nodes[0].workdir}: {out.strip()}")
@@ -276,35 +306,28 @@ class SshBackend:
             Node ranks without a pid file: their shell never reached `exec torchrun`.
         """
         def term(node: NodeCommand) -> Optional[int]:
+            assert node.host is not None
+            tag = quote(f"^DDPLAUNCH_RUN_ID={node.env_dict()['DDPLAUNCH_RUN_ID']}$")
+            # the pid is signalled only if it is ours and carries the run's tag (a stale pid file
+            # may name a process that has nothing to do with this run)
+            command, nonce = marked(
+                f"if [ -f {node.pid_file} ]; then p=$(cat {node.pid_file}); [ -O /proc/$p ] && "
+                f"grep -qz {tag} /proc/$p/environ 2>/dev/null && kill -TERM $p; echo 0; else echo 1; fi")
             try:
-                _, out = self._exec(node.host, f"if [ -f {node.pid_file} ]; then kill -TERM $(cat {node.pid_file}) "
-                                               f"2>/dev/null; true; else echo NO_PID_FILE; fi", timeout=10)
+                _, out = self._exec(node.host, command, timeout=10)
             except Exception:  # noqa: BLE001 - a dead host: its channel ends on its own
                 return None
-            return node.node_rank if "NO_PID_FILE" in out else None
+            return node.node_rank if parse_answer(out, nonce) == 1 else None
         if not nodes:
             return []
-        with ThreadPoolExecutor(max_workers=max(1, min(64, len(nodes)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(nodes)))) as pool:
             return [rank for rank in pool.map(term, nodes) if rank is not None]
 
-    def _reaper_command(self, host: HostSpec, run_id: str, kill: bool) -> str:
-        # python3 from PATH would do too, but the spec's interpreter is known to exist there
-        args = [run_id, "--kill"] if kill else [run_id]
-        return (f"{quote(host_python(self.spec, host))} -c {quote(REAPER_SOURCE.read_text())} "
-                + " ".join(quote(a) for a in args))
-
-    def _reap(self, host: HostSpec, run_id: str) -> str:
-        code, out = self._exec(host, self._reaper_command(host, run_id, kill=True), timeout=30)
-        return out.strip()
-
-    def _kill(self, host: HostSpec, run_id: str) -> str:
-        run_dir = host_run_dir(run_id)
-        self._exec(host, f"for f in {run_dir}/node*.pid; do [ -f \"$f\" ] && "
-                         f"kill -TERM $(cat \"$f\") 2>/dev/null; done; true", timeout=10)
-        before = self._exec(host, self._reaper_command(host, run_id, kill=False))[1].strip()
-        left = self._reap(host, run_id)
-        return ("nothing left" if before == "none" else f"ended pids {before}") + \
-            ("" if left == "none" else f"; STILL ALIVE: {left}")
+    def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:
+        command, nonce = reaper_command(host_python(self.spec, host), run_id, kill=True,
+                                        term_pid_files=term_pid_files)
+        _, out = self._exec(host, command, timeout=45)
+        return describe_reap(parse_answer(out, nonce))
 
 
 def _exit_status(ch: paramiko.Channel) -> Optional[int]:

@@ -1,9 +1,14 @@
 """Cluster health check: a plain torchrun script that needs only torch on the hosts.
 
-Run it like any job (``python -m torch.distributed.run ... healthcheck.py``). It checks
-rendezvous, a monitored barrier, all_reduce/broadcast correctness and all_reduce
-bandwidth, then rank 0 prints a table, a verdict line and one machine-readable
-``DDPLAUNCH_HEALTHCHECK_JSON`` line. Exit status: 0 healthy, 1 on any failure.
+Run it like any job (``python -m torch.distributed.run ... healthcheck.py``), or call
+``run(argv)`` in a worker before its own script (``entry.py``). It checks rendezvous, a
+monitored barrier, exact collective results and bandwidth (``--collectives``), optionally
+busbw between host pairs (``--pairwise``), then rank 0 prints a table, a verdict line and one
+machine-readable ``DDPLAUNCH_HEALTHCHECK_JSON`` line. Exit status: 0 healthy, 1 on any failure.
+
+It uses a process group of its own on the key prefix ``ddplaunch/healthcheck/<restart>`` of
+torchrun's store and destroys it at the end, so the process is clean for the job's own
+``init_process_group()``.
 """
 
 import argparse
@@ -11,6 +16,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -19,11 +25,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "DDPLAUNCH_HC_FAULT_RANK"  # test hook: this rank corrupts its all_reduce result
+FAULT_ENV = "DDPLAUNCH_HC_FAULT_RANK"  # test hook: this rank corrupts its collective results
 STALL_ENV = "DDPLAUNCH_HC_STALL_RANK"  # test hook: this rank misses the barrier
+SLOW_ENV = "DDPLAUNCH_HC_SLOW_HOST"  # test hook: this host's pair transfers are slowed down
+SLOW_DELAY_S = 0.25  # the slow host waits this long before each pair all_reduce
+HOST_ENV = "DDPLAUNCH_HOST"  # the host label the launcher knows the host by
+STORE_PREFIX = "ddplaunch/healthcheck"
 CHECK_NUMEL = 4096  # small integers in float32 stay exact through a SUM
+CHECK_MOD = 1021  # position pattern modulus: sums stay below 2**24 for thousands of ranks
 GATE_MIN_BYTES = 1 << 20  # smaller messages measure latency, not bandwidth
+PAIR_ITERS = 3  # timed all_reduces per pair (+1 warm-up)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_UNSUPPORTED_RE = re.compile(r"not supported|unsupported|does not support|not implemented", re.I)
 
 
 class CheckFailed(Exception):
@@ -38,6 +55,21 @@ class CheckFailed(Exception):
         super().__init__(message)
         self.check = check
         self.culprits = list(culprits)
+
+
+class _ArgumentError(Exception):
+    """argparse wanted to exit; ``run`` turns it into a return value."""
+
+    def __init__(self, status: int):
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    def exit(self, status=0, message=None):  # no SystemExit from inside a library call
+        if message:
+            sys.stderr.write(message)
+        raise _ArgumentError(status)
 
 
 def emit(line: str) -> None:
@@ -55,24 +87,61 @@ def parse_size(text: str) -> int:
     return size
 
 
+def format_size(nbytes: int) -> str:
+    """``8388608`` -> ``8 MiB``; sizes that are no whole KiB/MiB/GiB stay in bytes."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} bytes"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Parses the options; errors name the cluster.yaml keys they come from.
+
+    Raises:
+        _ArgumentError: bad options (usage printed) or --help.
+    """
+    parser = _Parser(prog="healthcheck.py", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     parser.add_argument("--sizes", default="4K,64K,1M,8M", help="comma list of byte sizes (K/M/G)")
-    parser.add_argument("--iters", type=int, default=5, help="timed all_reduces per size (+2 warm-up)")
+    parser.add_argument("--iters", type=int, default=5, help="timed collectives per size (+2 warm-up)")
     parser.add_argument("--timeout", type=float, default=60.0, help="init and collective timeout, s")
     parser.add_argument("--min-busbw-gbps", type=float, default=None, help="fail below this busbw")
+    parser.add_argument("--collectives", default="all_reduce",
+                        help="comma list of " + ", ".join(COLLECTIVES) + " (checked and timed)")
+    parser.add_argument("--pairwise", action="store_true",
+                        help="also time disjoint host pairs (one rank per host) and name slow hosts")
+    parser.add_argument("--pair-size", default="16M", help="all_reduce size of a pair probe")
+    parser.add_argument("--pair-parallelism", type=int, default=0,
+                        help="pairs measured at the same time (0: all)")
+    parser.add_argument("--min-busbw-fraction", type=float, default=0.5,
+                        help="a pair below this fraction of the healthy median is slow")
     parser.add_argument("--json", default=None, help="rank 0 writes the JSON result here")
     args = parser.parse_args(argv)
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        args.pair_size = parse_size(args.pair_size)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
+    args.collectives = [c.strip() for c in args.collectives.split(",") if c.strip()]
+    unknown = [c for c in args.collectives if c not in COLLECTIVES]
+    if unknown or not args.collectives:
+        parser.error(f"healthcheck.collectives: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"choose from {', '.join(COLLECTIVES)}")
+    args.collectives = list(dict.fromkeys(args.collectives))
     if not args.sizes or args.iters < 1:
-        parser.error("need at least one size and --iters >= 1")
+        parser.error("healthcheck.sizes needs at least one size and healthcheck.iterations >= 1")
     if args.min_busbw_gbps is not None and max(args.sizes) < GATE_MIN_BYTES:
-        parser.error("--min-busbw-gbps needs a size of at least 1M in --sizes")
+        parser.error("healthcheck.min_busbw_gbps needs a size of at least 1M in healthcheck.sizes")
+    if args.pair_parallelism < 0 or not 0 < args.min_busbw_fraction <= 1:
+        parser.error("healthcheck.pair_parallelism must be >= 0 and "
+                     "healthcheck.min_busbw_fraction in (0, 1]")
     return args
+
+
+def host_label() -> str:
+    """The name the launcher knows this host by (DDPLAUNCH_HOST), else the hostname."""
+    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
 
 
 def local_facts(backend: str, device: torch.device) -> dict:
@@ -87,7 +156,7 @@ def local_facts(backend: str, device: torch.device) -> dict:
         pass
     name = "cpu" if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})"
     return {"rank": dist.get_rank(), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-            "host": socket.gethostname(), "ip": ip, "torch": torch.__version__,
+            "host": socket.gethostname(), "label": host_label(), "ip": ip, "torch": torch.__version__,
             "backend": backend, "device": name, "pid": os.getpid()}
 
 
@@ -111,25 +180,77 @@ def barrier(backend: str, timeout: timedelta) -> None:
             raise CheckFailed("barrier", f"barrier failed: {exc}") from exc
         culprits = [int(r) for r in found.group(1).replace(",", " ").split()]
         raise CheckFailed("barrier", "did not reach the monitored barrier within "
-                                     f"{timeout.total_seconds():g}s", culprits) from exc
+                                     f"{timeout.total_seconds():g}s (healthcheck.timeout)", culprits) from exc
 
 
-def check_collectives(device: torch.device) -> list:
-    """Verifies all_reduce(SUM) and broadcast results exactly; returns this rank's failures."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor):
+    """One failure tuple for the first wrong element, or None when ``got`` is exact."""
+    bad = (got != expected).nonzero()
+    if not bad.numel():
+        return None
+    i = int(bad[0])
+    return (name, f"{name} result wrong: got {got[i].item()} expected {expected[i].item()} at index {i}")
+
+
+def _faulty(rank: int) -> bool:
+    return os.environ.get(FAULT_ENV, "").strip() == str(rank)
+
+
+def _check_all_reduce(device, rank, world):
     pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
     # rank+1 everywhere plus a position pattern, so a swapped or dropped chunk shows.
     tensor = pattern + (rank + 1)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    if os.environ.get(FAULT_ENV, "").strip() == str(rank):
+    if _faulty(rank):
         tensor.mul_(4)  # test hook: only this rank sees a wrong result
-    failures = []
-    expected = pattern * world + world * (world + 1) / 2
-    bad = (tensor != expected).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        failures.append(("all_reduce", f"all_reduce result wrong: got {tensor[i].item()} "
-                                       f"expected {expected[i].item()} at index {i}"))
+    return _first_mismatch("all_reduce", tensor, pattern * world + world * (world + 1) / 2)
+
+
+def _check_all_gather(device, rank, world):
+    chunk = max(1, CHECK_NUMEL // world)
+    pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
+    out = torch.full((world * chunk,), -1.0, device=device)
+    _all_gather(out, pattern[rank * chunk:(rank + 1) * chunk].clone())
+    if _faulty(rank):
+        out.mul_(4).add_(1)
+    return _first_mismatch("all_gather", out, pattern)
+
+
+def _check_reduce_scatter(device, rank, world):
+    chunk = max(1, CHECK_NUMEL // world)
+    pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
+    out = torch.full((chunk,), -1.0, device=device)
+    _reduce_scatter(out, pattern + (rank + 1), op=dist.ReduceOp.SUM)
+    if _faulty(rank):
+        out.mul_(4).add_(1)
+    mine = pattern[rank * chunk:(rank + 1) * chunk]
+    return _first_mismatch("reduce_scatter", out, mine * world + world * (world + 1) / 2)
+
+
+_CHECKS = {"all_reduce": _check_all_reduce, "all_gather": _check_all_gather,
+           "reduce_scatter": _check_reduce_scatter}
+
+
+def check_collectives(device: torch.device, collectives=("all_reduce",)) -> tuple:
+    """Verifies each collective's result (and broadcast) exactly on this rank.
+
+    Returns:
+        (failures, unsupported): failures as (check, message) tuples; unsupported maps a
+        collective this backend lacks to the error it raised.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures, unsupported = [], {}
+    for name in collectives:
+        try:
+            wrong = _CHECKS[name](device, rank, world)
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            if not _UNSUPPORTED_RE.search(str(exc)):
+                raise
+            unsupported[name] = str(exc).strip().splitlines()[0][:300]
+            continue
+        if wrong:
+            failures.append(wrong)
+    pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
     sent = pattern * 3 + 7 if rank == 0 else torch.zeros_like(pattern)
     dist.broadcast(sent, src=0)
     bad = (sent != pattern * 3 + 7).nonzero()
@@ -137,47 +258,211 @@ def check_collectives(device: torch.device) -> list:
         i = int(bad[0])
         failures.append(("broadcast", f"broadcast from rank 0 wrong: got {sent[i].item()} "
                                       f"expected {(i * 3 + 7):.1f} at index {i}"))
-    return failures
+    return failures, unsupported
 
 
-def measure_bandwidth(sizes: list, iters: int, device: torch.device) -> list:
-    """Times all_reduce per size; the slowest rank's time counts, like nccl-tests."""
-    world = dist.get_world_size()
-    rows = []
-    for size in sizes:
+def bus_factor(collective: str, world: int) -> float:
+    """busbw / algbw as nccl-tests defines it."""
+    if collective == "all_reduce":
+        return 2 * (world - 1) / world
+    return (world - 1) / world  # all_gather, reduce_scatter
+
+
+def _timed_op(collective: str, size: int, world: int, device: torch.device):
+    """Returns (count, op): ``count`` float32 elements in nccl-tests' sense of the size.
+
+    nccl-tests' size is the whole buffer: all_reduce's tensor, all_gather's output (each rank
+    sends size/n), reduce_scatter's input (each rank keeps size/n).
+    """
+    if collective == "all_reduce":
         count = size // 4
         tensor = torch.ones(count, dtype=torch.float32, device=device)
-        for _ in range(2):
-            dist.all_reduce(tensor)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_reduce(tensor)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        per_op = elapsed.item() / iters
-        nbytes = count * 4
-        algbw = nbytes / per_op / 1e9
-        rows.append({"bytes": nbytes, "count": count, "iters": iters, "time_us": per_op * 1e6,
-                     "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world})
+        return count, lambda: dist.all_reduce(tensor)
+    count = max(world, (size // 4) // world * world)
+    full = torch.ones(count, dtype=torch.float32, device=device)
+    part = torch.ones(count // world, dtype=torch.float32, device=device)
+    if collective == "all_gather":
+        return count, lambda: _all_gather(full, part)
+    return count, lambda: _reduce_scatter(part, full)
+
+
+def measure_bandwidth(sizes: list, iters: int, device: torch.device, collectives=("all_reduce",)) -> list:
+    """Times each collective per size; the slowest rank's time counts, like nccl-tests."""
+    world = dist.get_world_size()
+    rows = []
+    for collective in collectives:
+        for size in sizes:
+            count, op = _timed_op(collective, size, world, device)
+            for _ in range(2):
+                op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            per_op = elapsed.item() / iters
+            nbytes = count * 4
+            algbw = nbytes / per_op / 1e9
+            rows.append({"collective": collective, "bytes": nbytes, "count": count, "iters": iters,
+                         "time_us": per_op * 1e6, "algbw_gbps": algbw,
+                         "busbw_gbps": algbw * bus_factor(collective, world)})
     return rows
 
 
+# ---------------------------------------------------------------- pair gate
+
+def healthy_median(speeds: list):
+    """The median of the faster half of the pairs (as ddplaunch/localize.py computes it)."""
+    if not speeds:
+        return None
+    top = sorted(speeds, reverse=True)[: (len(speeds) + 1) // 2]
+    return statistics.median(top)
+
+
+def schedule(pairs: list, parallelism: int) -> list:
+    """Splits pair indices into waves of disjoint pairs, at most ``parallelism`` each (0: any)."""
+    waves, left = [], list(range(len(pairs)))
+    while left:
+        wave, busy = [], set()
+        for i in list(left):
+            if busy.isdisjoint(pairs[i]) and (not parallelism or len(wave) < parallelism):
+                wave.append(i)
+                busy.update(pairs[i])
+                left.remove(i)
+        waves.append(wave)
+    return waves
+
+
+def _measure_pair(group, size: int, device: torch.device, slow: bool) -> tuple:
+    """One pair probe on this rank: (busbw_gbps or None, detail)."""
+    try:
+        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(PAIR_ITERS):
+            if slow:
+                time.sleep(SLOW_DELAY_S)  # test hook: this host transfers slowly
+            dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        algbw = (size // 4) * 4 / (elapsed.item() / PAIR_ITERS) / 1e9
+        return algbw * bus_factor("all_reduce", 2), ""
+    except Exception as exc:  # the partner sees its own error; the probe is failed either way
+        return None, f"all_reduce failed: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}"
+
+
+def _run_round(pairs: list, leaders: dict, args, device: torch.device) -> list:
+    """Measures every pair (host labels) in waves; every rank returns the same probe list."""
+    me = dist.get_rank()
+    backend = dist.get_backend()
+    groups = [dist.new_group([leaders[a], leaders[b]], backend=backend) for a, b in pairs]
+    slow = os.environ.get(SLOW_ENV, "").strip() == host_label()
+    mine = {}
+    for wave in schedule(pairs, args.pair_parallelism):
+        for i in wave:
+            if me in (leaders[pairs[i][0]], leaders[pairs[i][1]]):
+                mine[i] = _measure_pair(groups[i], args.pair_size, device, slow)
+        dist.barrier()  # waves never overlap
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    probes = []
+    for i, (a, b) in enumerate(pairs):
+        seen = [everyone[leaders[h]].get(i, (None, "no result")) for h in (a, b)]
+        failed = [detail for bw, detail in seen if bw is None]
+        busbw = None if failed else min(bw for bw, _ in seen)
+        probes.append({"hosts": [a, b], "ok": not failed, "busbw_gbps": busbw,
+                       "detail": failed[0] if failed else ""})
+    return probes
+
+
+def pair_gate(args, device: torch.device, facts: list) -> dict:
+    """Disjoint host pairs, then suspects re-paired with known-good hosts (localize.py's method).
+
+    One rank per host (LOCAL_RANK 0). Every rank takes part in creating every subgroup and
+    returns the same verdict, in the shape of ``localize.Localization.to_dict()``.
+    """
+    leaders = {}
+    for f in facts:
+        if f["local_rank"] == 0:
+            leaders.setdefault(f["label"], f["rank"])
+    hosts = list(leaders)
+    loc = {"singles": [], "pairs": [], "repairs": [], "median_busbw_gbps": None,
+           "bad_hosts": [], "reasons": {}}
+    if len(hosts) < 2:
+        return loc
+    pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
+    if len(hosts) % 2:  # the odd one out pairs with the first host
+        pairs.append((hosts[-1], hosts[0]))
+    loc["pairs"] = _run_round(pairs, leaders, args, device)
+    med = healthy_median([p["busbw_gbps"] for p in loc["pairs"] if p["busbw_gbps"] is not None])
+    loc["median_busbw_gbps"] = med
+    floor = (med or 0) * args.min_busbw_fraction
+    for p in loc["pairs"]:
+        p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
+    good = [h for h in hosts if all(p["ok"] for p in loc["pairs"] if h in p["hosts"])]
+    suspects = [h for h in hosts if h not in good]
+    if suspects and good:
+        repairs = [(s, good[i % len(good)]) for i, s in enumerate(suspects)]
+        loc["repairs"] = _run_round(repairs, leaders, args, device)
+        for p in loc["repairs"]:
+            p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
+            if p["ok"]:
+                continue
+            suspect, partner = p["hosts"]
+            if p["busbw_gbps"] is None:
+                why = f"failed with known-good host {partner}: {p['detail']}"
+            else:
+                why = (f"slow with known-good host {partner}: busbw {p['busbw_gbps']:.3f} GB/s is below "
+                       f"healthcheck.min_busbw_fraction {args.min_busbw_fraction:g} x median {med:.3f} GB/s")
+            loc["reasons"][suspect] = why
+    elif suspects:
+        for s in suspects:
+            loc["reasons"][s] = "every pair is slow or failed: no known-good host to compare with"
+    loc["bad_hosts"] = [h for h in hosts if h in loc["reasons"]]
+    verdict = [loc]
+    dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict is everyone's
+    return verdict[0]
+
+
+# ---------------------------------------------------------------- report
+
 def render_table(result: dict) -> str:
-    """Formats the facts and bandwidth tables for humans (rank 0 prints it once)."""
+    """Formats the facts, bandwidth and pair tables for humans (rank 0 prints it once)."""
     lines = [f"{'rank':>4}  {'host':<20} {'ip':<15} {'device':<28} torch"]
     for f in result["ranks"]:
         lines.append(f"{f['rank']:>4}  {f['host']:<20} {f['ip']:<15} {f['device']:<28} {f['torch']}")
-    if result["bandwidth"]:
-        lines.append(f"{'bytes':>12} {'count':>10} {'iters':>5} {'time_us':>10} "
+    if result["bandwidth"] or result.get("unsupported"):
+        lines.append(f"{'collective':<15}{'bytes':>12} {'count':>10} {'iters':>5} {'time_us':>10} "
                      f"{'algbw_GBps':>10} {'busbw_GBps':>10}")
         for r in result["bandwidth"]:
-            lines.append(f"{r['bytes']:>12} {r['count']:>10} {r['iters']:>5} {r['time_us']:>10.1f} "
+            lines.append(f"{r.get('collective', 'all_reduce'):<15}{r['bytes']:>12} {r['count']:>10} "
+                         f"{r['iters']:>5} {r['time_us']:>10.1f} "
                          f"{r['algbw_gbps']:>10.3f} {r['busbw_gbps']:>10.3f}")
+        for name, why in (result.get("unsupported") or {}).items():
+            lines.append(f"{name:<15}{'unsupported':>12}  by {result['backend']} in torch "
+                         f"{torch.__version__}: {why}")
+    loc = result.get("pairs")
+    if loc and (loc["pairs"] or loc["repairs"]):
+        med = loc["median_busbw_gbps"]
+        lines.append("host pairs (one rank per host, all_reduce):")
+        for kind, probes in (("pair", loc["pairs"]), ("re-pair", loc["repairs"])):
+            for p in probes:
+                bw = "failed" if p["busbw_gbps"] is None else f"{p['busbw_gbps']:.3f} GB/s"
+                ratio = f" ({p['busbw_gbps'] / med:.2f} x median)" if med and p["busbw_gbps"] is not None else ""
+                lines.append(f"  {kind:<7} {' + '.join(p['hosts']):<28} {bw}{ratio}"
+                             f"{'' if p['ok'] else '  <- slow/failed'}")
+        lines.append("  bad hosts: " + (", ".join(loc["bad_hosts"]) if loc["bad_hosts"] else "none"))
+    elif loc is not None:
+        lines.append("host pairs: fewer than 2 hosts, nothing to pair")
     return "\n".join(lines)
 
 
@@ -224,50 +509,99 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
         time.sleep(2 * args.timeout)  # test hook: arrive after the barrier gave up
     barrier(backend, timeout)
     try:
-        mine = check_collectives(device)
+        mine = check_collectives(device, args.collectives)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     except Exception as exc:
         raise CheckFailed("collectives", f"correctness collectives raised: {exc}") from exc
-    for rank, failures in enumerate(everyone):
+    for rank, (failures, unsupported) in enumerate(everyone):
+        for name, why in unsupported.items():
+            result["unsupported"].setdefault(name, why)
         for check, message in failures:
             result["failures"].append({"rank": rank, "host": facts[rank]["host"],
                                        "check": check, "message": message})
     if result["failures"]:  # every rank saw the same gathered list, so all skip together
         return
+    measured = [c for c in args.collectives if c not in result["unsupported"]]
     try:
-        result["bandwidth"] = measure_bandwidth(args.sizes, args.iters, device)
+        result["bandwidth"] = measure_bandwidth(args.sizes, args.iters, device, measured)
     except Exception as exc:
         raise CheckFailed("bandwidth", f"bandwidth sweep raised: {exc}") from exc
-    largest = max(result["bandwidth"], key=lambda row: row["bytes"])
     gate = args.min_busbw_gbps
-    if gate is not None and largest["busbw_gbps"] < gate:
-        result["failures"].append({"rank": None, "host": None, "check": "bandwidth", "message":
-                                   f"busbw {largest['busbw_gbps']:.3f} GB/s at {largest['bytes']} bytes "
-                                   f"is below --min-busbw-gbps {gate}"})
+    for collective in measured:
+        rows = [row for row in result["bandwidth"] if row["collective"] == collective]
+        largest = max(rows, key=lambda row: row["bytes"])
+        if gate is not None and largest["busbw_gbps"] < gate:
+            result["failures"].append({"rank": None, "host": None, "check": "bandwidth", "message":
+                                       f"{collective} busbw {largest['busbw_gbps']:.3f} GB/s at "
+                                       f"{format_size(largest['bytes'])} is below "
+                                       f"healthcheck.min_busbw_gbps {gate:g}"})
+    if args.pairwise:
+        try:
+            result["pairs"] = pair_gate(args, device, facts)
+        except Exception as exc:
+            raise CheckFailed("pair", f"pair probes raised: {exc}") from exc
+        leaders = {}
+        for f in facts:
+            if f["local_rank"] == 0:
+                leaders.setdefault(f["label"], f["rank"])
+        for host in result["pairs"]["bad_hosts"]:
+            result["failures"].append({"rank": leaders[host], "host": host, "check": "pair", "message":
+                                       f"host {host} is bad: {result['pairs']['reasons'][host]}"})
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def _init_group(backend: str, timeout: timedelta, rank: int, world: int) -> None:
+    """Our own default group on a key prefix of the launcher's store.
+
+    Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True) and every
+    worker is a client; started directly (the torchrun env contract set by hand), rank 0 hosts
+    it. The restart count is part of the prefix, so a restarted worker group never reads the
+    keys of an earlier attempt.
+    """
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size=world, is_master=not agent_store and rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    prefix = f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
+                            world_size=world, timeout=timeout)
+
+
+def run(argv: list) -> int:
+    """Parses ``argv``, runs the health check in this process and returns its exit status.
+
+    Never exits the process: the caller (``entry.py``) goes on to the job's own script, which
+    finds no process group left behind. 0 healthy, 1 failed, 2 bad options.
+    """
+    try:
+        args = parse_args(argv)
+    except _ArgumentError as exc:
+        return exc.status
     started = time.perf_counter()
     rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     host = socket.gethostname()
     backend = args.backend if args.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
-        emit(f"HEALTHCHECK FAIL: rank {rank} (host {host}): --backend nccl needs CUDA, "
-             "but torch.cuda.is_available() is False; use --backend gloo")
+        emit(f"HEALTHCHECK FAIL: rank {rank} (host {host}): dist_backend nccl needs CUDA, "
+             "but torch.cuda.is_available() is False; set dist_backend: gloo")
         return 1
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    if dist.is_initialized():
+        emit(f"HEALTHCHECK FAIL: rank {rank} (host {host}): a process group already exists in this "
+             "process; the health check runs before the job's init_process_group()")
+        return 1
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+        _init_group(backend, timedelta(seconds=args.timeout), rank, world)
     except Exception as exc:
         emit(f"HEALTHCHECK FAIL: rank {rank} (host {host}): init_process_group failed: {exc}")
         return 1
     result = {"ok": False, "world_size": dist.get_world_size(), "backend": backend, "ranks": [],
-              "failures": [], "bandwidth": [], "min_busbw_gbps": args.min_busbw_gbps, "elapsed_s": 0.0}
+              "failures": [], "bandwidth": [], "min_busbw_gbps": args.min_busbw_gbps,
+              "collectives": args.collectives, "unsupported": {}, "elapsed_s": 0.0}
     try:
         run_checks(args, backend, device, result)
     except CheckFailed as exc:
@@ -289,6 +623,11 @@ def main(argv=None) -> int:
         report(result, args.json)
     dist.destroy_process_group()
     return 0 if result["ok"] else 1
+
+
+def main(argv=None) -> int:
+    """Script entry: ``run`` on the command line (kept for callers of the old name)."""
+    return run(sys.argv[1:] if argv is None else list(argv))
 
 
 if __name__ == "__main__":

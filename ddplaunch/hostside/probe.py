@@ -1,7 +1,8 @@
 """Pre-flight probe: facts about one host, printed as one JSON line.
 
 A plain script (standard library only, torch is looked up, not imported) that backends run on
-every host at once with `python -c SOURCE ARGS_JSON`. The master host's probe listens on the
+every host at once with `python -c SOURCE NONCE ARGS_JSON` (procs.py's source first); the answer
+is the line `DDPLAUNCH_ANSWER_<nonce> {...}`, whatever the host's shell start-up prints around it. The master host's probe listens on the
 master port while every host's probe connects to it, so one parallel round shows both that the
 port is free and that every host reaches it over TCP.
 """
@@ -16,6 +17,11 @@ import subprocess
 import sys
 import threading
 import time
+
+try:
+    from ddplaunch.hostside.procs import run_processes
+except ImportError:  # sent to a host as one program: procs.py's source comes first
+    pass
 
 SIOCGIFADDR = 0x8915
 
@@ -63,33 +69,13 @@ def gpu_facts(need):
 
 
 def leftovers(current_run):
-    """Other ddplaunch runs still alive on this host: {run_id: [pids]}.
-
-    Only processes in this network namespace count: hosts that share a kernel (containers,
-    the simulated cluster) each see their own.
-    """
+    """Other ddplaunch runs of this user still alive here: {run_id: [pids]} (see procs.py)."""
     found = {}
-    here = _netns("self")
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-            if _netns(name) != here:
-                continue
-        except OSError:
-            continue
-        for item in env:
-            if item.startswith(b"DDPLAUNCH_RUN_ID="):
-                rid = item.split(b"=", 1)[1].decode(errors="replace")
-                if rid != current_run:
-                    found.setdefault(rid, []).append(int(name))
+    for pid, env in run_processes(None).items():
+        rid = env[b"DDPLAUNCH_RUN_ID"].decode(errors="replace")
+        if rid != current_run:
+            found.setdefault(rid, []).append(pid)
     return found
-
-
-def _netns(pid):
-    return os.readlink(f"/proc/{pid}/ns/net")
 
 
 def iface_of(ip):
@@ -164,7 +150,7 @@ def connect(master, port, deadline, me):
 
 
 def main():
-    args = json.loads(sys.argv[1])
+    nonce, args = sys.argv[1], json.loads(sys.argv[2])
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable}
     out.update(torch_facts())
     out.update(gpu_facts(args.get("need_gpus")))
@@ -184,7 +170,7 @@ def main():
         if listener is not None:
             listener.join()
     out["time"] = time.time()
-    print("DDPLAUNCH_PROBE " + json.dumps(out, sort_keys=True), flush=True)
+    print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps(out, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,46 @@
-"""Find and end every process of one run on this host, by the run's environment tag.
+"""End every process of one run on this host (see procs.py for which processes those are).
 
-Every process ddplaunch starts (torchrun and its workers) carries `DDPLAUNCH_RUN_ID=<id>` in
-its environment, so leftovers are found exactly — never by name pattern. Plain script with no
-imports beyond the standard library: backends also send its source to remote hosts.
-Usage: `python reaper.py RUN_ID [--kill]` prints `pid` lines (and kills them with --kill).
+Usage: `python - RUN_ID [--term PIDFILE...] [--kill]` with procs.py + this source on stdin or
+`-c`. `--term`: SIGTERM the pids recorded in these files (torchrun stops its workers) — each pid
+only after checking it is the run's. `--kill`: then SIGTERM, and after a grace SIGKILL, whatever of
+the run is left. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
 
+import json
 import os
 import signal
 import sys
 import time
 
+try:
+    from ddplaunch.hostside.procs import is_run_process, proc_alive, run_processes
+except ImportError:  # sent to a host as one program: procs.py's source comes first
+    pass
 
-def run_pids(run_id):
-    """PIDs on this host whose environment has DDPLAUNCH_RUN_ID=run_id (not this process)."""
-    tag = b"DDPLAUNCH_RUN_ID=" + run_id.encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
+GRACE = 5.0
+
+
+def term_pidfiles(run_id, paths):
+    """SIGTERM the pid in each file, when that pid is the run's; returns the pids signalled."""
+    sent = []
+    for path in paths:
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if tag in f.read().split(b"\0"):
-                    found.append(int(name))
-        except OSError:
+            with open(path) as f:
+                pid = int(f.read().strip() or 0)
+        except (OSError, ValueError):
             continue
-    return found
+        if pid > 0 and is_run_process(pid, run_id):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                sent.append(pid)
+            except OSError:
+                pass
+    return sent
 
 
-def reap(run_id, grace=5.0):
+def reap(run_id, grace=GRACE):
     """SIGTERM every process of the run, then SIGKILL what is left after `grace` seconds."""
-    pids = run_pids(run_id)
+    pids = list(run_processes(run_id))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -39,23 +49,33 @@ def reap(run_id, grace=5.0):
                 pass
         deadline = time.time() + grace
         while time.time() < deadline:
-            pids = [p for p in pids if _alive(p)]
+            pids = [p for p in pids if proc_alive(p)]
             if not pids:
                 return
             time.sleep(0.1)
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+def wait_gone(run_id, pids, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(proc_alive(p) for p in pids):
+        time.sleep(0.1)
+
+
+def main(argv):
+    nonce, run_id, rest = argv[0], argv[1], argv[2:]
+    kill = "--kill" in rest
+    files = rest[rest.index("--term") + 1:] if "--term" in rest else []
+    files = [f for f in files if f != "--kill"]
+    before = sorted(run_processes(run_id))
+    sent = term_pidfiles(run_id, files)
+    if sent:
+        wait_gone(run_id, sent, GRACE * 2)
+    if kill:
+        reap(run_id)
+    left = sorted(run_processes(run_id))
+    print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left}),
+          flush=True)
 
 
 if __name__ == "__main__":
-    rid = sys.argv[1]
-    if "--kill" in sys.argv:
-        reap(rid)
-    left = [p for p in run_pids(rid) if _alive(p)]
-    print(" ".join(map(str, left)) or "none")
+    main(sys.argv[1:])

@@ -1,0 +1,55 @@
+"""The processes of one run on this host: the one definition every host-side program uses.
+
+A process belongs to run R here when its environment holds `DDPLAUNCH_RUN_ID=R` (every process
+ddplaunch starts carries it), it belongs to the user running this program, and it lives in this
+program's network namespace (hosts that share one kernel, like the simulated cluster or
+containers, each see only their own). Standard library only: backends send this file's source to
+the hosts ahead of the program that uses it.
+"""
+
+import os
+
+
+def _environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _netns(pid):
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def proc_alive(pid):
+    """True while `pid` runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def run_processes(run_id=None):
+    """{pid: environ dict (bytes -> bytes)} of the run's live processes on this host (any run
+    when `run_id` is None), owned by this user, in this network namespace, not this process."""
+    me, uid, here = os.getpid(), os.getuid(), _netns("self")
+    found = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid or _netns(name) != here:
+                continue
+            env = dict(kv.split(b"=", 1) for kv in _environ(name) if b"=" in kv)
+        except OSError:
+            continue
+        tag = env.get(b"DDPLAUNCH_RUN_ID")
+        if tag is None or (run_id is not None and tag != run_id.encode()):
+            continue
+        if proc_alive(name):
+            found[int(name)] = env
+    return found
+
+
+def is_run_process(pid, run_id):
+    """Whether `pid` is one of the run's processes here (checked before any signal from a pid file)."""
+    return pid in run_processes(run_id)

@@ -1,0 +1,113 @@
+"""What a stage left behind: one `NodeOutcome` per node, gathered in a `StageResult`.
+
+Every backend returns these, whatever it drives; the report, the gate and the run record read
+them. Data only: no I/O, no backend.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+# Node states, in the order a report lists them (worst first).
+FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK = (
+    "failed", "lost", "unreachable", "interrupted", "running", "not-started", "ok")
+STATE_ORDER = (FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK)
+
+
+@dataclass
+class NodeOutcome:
+    """How one node's torchrun ended."""
+
+    node_rank: int
+    host: str
+    state: str = NOT_STARTED
+    exit_code: Optional[int] = None
+    detail: str = ""
+    failed_rank: Optional[int] = None
+    failed_local_rank: Optional[int] = None
+    rank_exit_code: Optional[int] = None
+    ended_at: Optional[float] = None
+    tail: list[str] = field(default_factory=list)
+    #: The failing rank's own last lines (its exception), from its per-rank output.
+    cause: list[str] = field(default_factory=list)
+    #: Times torchrun restarted this node's workers (`job.max_restarts`).
+    restarts: int = 0
+    #: The run ended before this node's torchrun started (its setup lines were still running).
+    never_started: bool = False
+
+    def describe(self) -> str:
+        """One line: host, node, state, exit code or signal, failing rank."""
+        if self.never_started:
+            return (f"{self.host} (node {self.node_rank}): torchrun never started (blocked before launch)"
+                    + (f"; {self.detail}" if self.detail else ""))
+        text = f"{self.host} (node {self.node_rank}): {self.state}"
+        if self.exit_code is not None:
+            text += f", exit code {self.exit_code}"
+        if self.failed_rank is not None:
+            text += (f"; rank {self.failed_rank} (local rank {self.failed_local_rank}) "
+                     f"{describe_exit(self.rank_exit_code)}")
+        if self.restarts:
+            text += f"; workers restarted {self.restarts}x"
+        if self.detail:
+            text += f"; {self.detail}"
+        return text
+
+
+@dataclass
+class StageResult:
+    """Every node's outcome of one stage."""
+
+    stage: str
+    outcomes: list[NodeOutcome]
+    interrupted: bool = False
+    started_at: float = field(default_factory=time.time)
+    ended_at: Optional[float] = None
+    #: What ddplaunch found out about the failure (hang stacks, collective mismatches), for the report.
+    diagnosis: list[str] = field(default_factory=list)
+    #: The allocation was requeued under the stage (Slurm): every stage runs again.
+    requeued: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.interrupted and not self.requeued and all(o.state == OK for o in self.outcomes)
+
+    @property
+    def first_failure(self) -> Optional[NodeOutcome]:
+        """The node that failed first (by end time), if any did."""
+        bad = [o for o in self.outcomes if o.state in (FAILED, LOST, UNREACHABLE)]
+        return min(bad, key=lambda o: o.ended_at or float("inf")) if bad else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """`exit code 3`, or `killed by SIGKILL` for torchrun's negative codes."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class StopEvent(threading.Event):
+    """The event that ends a run early; `cause` says why when ddplaunch itself stopped it (a hang):
+    such a run failed, while a stop without a cause is the user's interrupt."""
+
+    cause: Optional[str] = None
+
+    def stop(self, cause: str) -> None:
+        self.cause = cause
+        self.set()
+
+
+def stop_cause(stop: threading.Event) -> Optional[str]:
+    """Why ddplaunch stopped the run, or None for a user interrupt (or no stop at all)."""
+    return getattr(stop, "cause", None)

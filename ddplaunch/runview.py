@@ -1,0 +1,65 @@
+"""`status`, `logs` and `down` of a recorded run: the record (data) plus what its backend says.
+
+The record names its backend; the backend answers from the record alone (Slurm: the job it
+submitted), so these work after the launcher has exited — or died.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Iterator, Optional
+
+from ddplaunch.backends import get_backend
+from ddplaunch.backends.contract import Backend
+from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
+from ddplaunch.spec import ClusterSpec
+
+FOLLOW_POLL = 0.2
+
+
+def record_backend(record: RunRecord) -> Backend:
+    """The backend of a recorded run, configured from the record's (redacted) spec."""
+    spec = ClusterSpec.model_validate(record.spec)
+    spec = spec.model_copy(update={"base_dir": record.extra.get("base_dir", ".")})
+    return get_backend(spec)
+
+
+def status(record: RunRecord) -> list[str]:
+    """The record's state and outcomes, then the backend's live view (Slurm: the job)."""
+    return status_lines(record) + record_backend(record).status(asdict(record))
+
+
+def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
+    """A run's log lines (only `host`'s when given); with `follow`, until the run has ended (or its
+    launcher died)."""
+    def mine(line: str) -> bool:
+        return host is None or line.startswith((f"[{host}:", f"[{host}]"))
+
+    from_backend = record_backend(record).logs(asdict(record), follow)
+    if from_backend is not None:
+        yield from filter(mine, from_backend)
+        return
+    if not record.log_path.exists():
+        return
+    with open(record.log_path) as f:
+        while True:
+            line = f.readline()
+            if line:
+                if mine(line):
+                    yield line.rstrip("\n")
+                continue
+            if not follow:
+                return
+            current = load_run(record.run_id)
+            if current.state not in ACTIVE_STATES or current.launcher_alive() is False:
+                for rest in f:  # what was written between the last read and the end
+                    if mine(rest):
+                        yield rest.rstrip("\n")
+                return
+            time.sleep(FOLLOW_POLL)
+
+
+def down(record: RunRecord) -> list[str]:
+    """End every process left of the run, on every host, by the run's tag."""
+    return record_backend(record).down(asdict(record))
