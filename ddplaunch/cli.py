@@ -110,13 +110,12 @@ def validate(spec: str) -> None:
     """Check SPEC and print the resolved values (secrets shown as <secret>); exit 2 with file:line."""
     import yaml
 
-    from ddplaunch.launch import _redacted
     from ddplaunch.spec import load_spec
 
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "
                f"{loaded.nproc_per_node} proc per node)")
-    click.echo(yaml.safe_dump(_redacted(loaded), sort_keys=False), nl=False)
+    click.echo(yaml.safe_dump(loaded.redacted(), sort_keys=False), nl=False)
 
 
 @cli.command()

@@ -101,7 +101,7 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     run_id = check_run_id(opts.run_id, "--run-id") if opts.run_id else new_run_id(spec.name)
     backend = get_backend(spec)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=_redacted(spec), plan_text="")
+                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
     record.extra["base_dir"] = spec.base_dir
     record.state = "submitted"
     record.save()
@@ -135,7 +135,7 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
                         "pick another id or leave --run-id out")
     backend = get_backend(spec)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=_redacted(spec), plan_text="")
+                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
     record.extra["base_dir"] = spec.base_dir
     record.state = "running"
     record.save()
@@ -157,11 +157,6 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
     stream.write(summarize(run_id, report.stages, report.exit_code, report.blocked) + "\n")
     stream.flush()
     return report
-
-
-def _redacted(spec: ClusterSpec) -> dict[str, Any]:
-    # TRANSITION: until spec.py's redacted() lands
-    return spec.redacted() if hasattr(spec, "redacted") else spec.model_dump(mode="json")
 
 
 class _Run:

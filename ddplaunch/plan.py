@@ -215,7 +215,7 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         script, args, uploads = spec.job.script, list(spec.job.args if job_args is None else job_args), ()
         max_restarts = spec.job.max_restarts
     addr = master_addr(spec)
-    user_env = _env_values(spec, environ if environ is not None else _os_environ())
+    user_env = spec.env_values(environ if environ is not None else _os_environ())
     nodes = []
     for rank, host in enumerate(spec.hosts):
         python = host_python(spec, host)
@@ -237,20 +237,7 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
             script=script, args=tuple(args), run_dir=run_dir, host=host))
     return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr,
                       master_port=port, nproc_per_node=1 if direct else spec.nproc_per_node,
-                      nodes=tuple(nodes), uploads=uploads, secrets=_secret_names(spec))
-
-
-def _env_values(spec: ClusterSpec, environ: Mapping[str, str]) -> dict[str, str]:
-    # TRANSITION: until spec.py's EnvVar model lands
-    return spec.env_values(environ) if hasattr(spec, "env_values") else dict(spec.env)
-
-
-def _secret_names(spec: ClusterSpec) -> frozenset[str]:
-    if hasattr(spec, "secret_names"):
-        return spec.secret_names()
-    import re
-
-    return frozenset(k for k in spec.env if re.search(r"SECRET|TOKEN|PASSW|API_?KEY|PRIVATE", k, re.I))
+                      nodes=tuple(nodes), uploads=uploads, secrets=spec.secret_names())
 
 
 def _os_environ() -> Mapping[str, str]:
