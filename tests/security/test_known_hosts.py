@@ -49,6 +49,7 @@ def _accept(path: Path, hostname: str, key: paramiko.PKey) -> paramiko.SSHClient
     """What a connection does for an unknown host under accept-new (minus the network)."""
     client = paramiko.SSHClient()
     configure(client, path, "accept-new")
+    assert isinstance(client._policy, AcceptNewPolicy)
     assert client.get_host_keys().lookup(hostname) is None, "the host must be unknown for the policy to be asked"
     client._policy.missing_host_key(client, hostname, key)
     return client
