@@ -541,7 +541,9 @@ def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_no
                   f"  key: {q(str(cluster.key))}",
                   f"  known_hosts: {q(str(cluster.known_hosts))}",
                   "  host_key_policy: strict",
-                  "  connect_timeout: 5"])
+                  # covers banner and auth too: 128 hosts handshaking at once on a few shared
+                  # cores need more than the 5 s that catch a dead host quickly in a small sim
+                  f"  connect_timeout: {max(5, -(-len(cluster.hosts) // 8))}"])
 
 
 def spec_text(cluster: SimCluster, what: str, name: str, backend: str, *, python: str, workdir: Path,
