@@ -97,7 +97,7 @@ SlurmTime = Annotated[str, _shaped(_SLURM_TIME.pattern, "a Slurm time limit (MIN
 SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
 
 _SECRET_PARTS = ("SECRET", "PASSW", "CREDENTIAL", "APIKEY", "API_KEY", "PRIVATE")
-_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "AUTH", "AUTHN", "AUTHZ", "COOKIE", "KEY"}
+_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "AUTH", "AUTHN", "AUTHZ", "COOKIE"}
 
 
 def is_secret_name(name: str) -> bool:

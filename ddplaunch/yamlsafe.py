@@ -38,6 +38,7 @@ _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "merge")}
 # Control characters (tab, LF and CR aside) and YAML's other line breaks: never in a spec file.
 _BAD_CHAR = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufffe\uffff]")
+_LONG_INT = re.compile(r"[-+]?[0-9][0-9_]*")
 _CHAR_NAMES = {0: "NUL", 0x1b: "ESC", 0x7f: "DEL", 0x85: "NEL", 0x0b: "VT", 0x0c: "FF"}
 
 
@@ -160,7 +161,7 @@ class _Resolver(Resolver):
     def resolve(self, kind: type, value: Any, implicit: Any) -> str:
         # A long plain scalar is text: the implicit-type regexes backtrack on megabyte inputs.
         if kind is ScalarNode and implicit[0] and len(value) > MAX_FLOAT_CHARS:
-            return _CORE + "str"
+            return _CORE + ("int" if _LONG_INT.fullmatch(value) else "str")
         return super().resolve(kind, value, implicit)
 
 
