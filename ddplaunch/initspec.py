@@ -219,11 +219,13 @@ def _pad(value: str, prefix: str, column: int = 28) -> str:
 @click.option("--slurm", is_flag=True, help="A Slurm cluster (one sbatch job).")
 @click.option("--nodes", type=click.IntRange(1), default=None, help="Slurm: nodes to allocate [default: 2].")
 @click.option("--partition", default=None, help="Slurm: the partition [default: the cluster's default].")
+@click.option("--time", "time_limit", default=None, metavar="HH:MM:SS", help="Slurm: the time limit [default: 00:30:00].")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=None, help="Slurm: GPUs per node [default: none].")
 @click.option("--out", "out", default="cluster.yaml", show_default=True, type=click.Path(dir_okay=False),
               help="Where to write the spec.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 def init_cmd(ssh_hosts: tuple[str, ...], slurm: bool, nodes: Optional[int], partition: Optional[str],
-             out: str, force: bool) -> None:
+             time_limit: Optional[str], gpus_per_node: Optional[int], out: str, force: bool) -> None:
     """Write an annotated cluster spec: this machine (default), --ssh HOST... or --slurm.
 
     The job is the shipped example `example:toy_ddp.py`, so `ddplaunch up cluster.yaml`
@@ -231,11 +233,12 @@ def init_cmd(ssh_hosts: tuple[str, ...], slurm: bool, nodes: Optional[int], part
     """
     if ssh_hosts and slurm:
         _fail("--ssh and --slurm cannot be combined; pick one backend")
-    if (nodes or partition) and not slurm:
-        _fail("--nodes and --partition are Slurm options; add --slurm")
+    if (nodes or partition or time_limit or gpus_per_node is not None) and not slurm:
+        _fail("--nodes, --partition, --time and --gpus-per-node are Slurm options; add --slurm")
     kind = "slurm" if slurm else "ssh" if ssh_hosts else "local"
     try:
-        text = render_init_spec(kind, list(ssh_hosts), nodes=nodes, partition=partition)
+        text = render_init_spec(kind, list(ssh_hosts), nodes=nodes, partition=partition,
+                                time=time_limit or "00:30:00", gpus_per_node=gpus_per_node)
     except ValueError as err:
         _fail(str(err))
     _check_valid(text)

@@ -135,9 +135,11 @@ def test_cli_writes_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: pytest
     assert again.exit_code == 2
     assert again.stderr.count("\n") == 1 and "--force" in again.stderr
     assert Path("cluster.yaml").read_text() == written
-    forced = runner.invoke(init_cmd, ["--slurm", "--force"])
+    forced = runner.invoke(init_cmd, ["--slurm", "--force", "--nodes", "3", "--time", "2:00:00",
+                                      "--gpus-per-node", "4"])
     assert forced.exit_code == 0, forced.output
-    assert yaml.safe_load(Path("cluster.yaml").read_text())["backend"] == "slurm"
+    spec = load_spec("cluster.yaml")
+    assert (spec.backend, spec.slurm.nodes, spec.slurm.time, spec.slurm.gpus_per_node) == ("slurm", 3, "2:00:00", 4)
     other = runner.invoke(init_cmd, ["--out", "sub.yaml"])
     assert other.exit_code == 0 and yaml.safe_load(Path("sub.yaml").read_text())["backend"] == "local"
 
@@ -145,6 +147,7 @@ def test_cli_writes_and_refuses_to_overwrite(tmp_path: Path, monkeypatch: pytest
 @pytest.mark.parametrize("args,match", [
     (["--ssh", "a", "--slurm"], "cannot be combined"),
     (["--nodes", "2"], "add --slurm"),
+    (["--slurm", "--time", "soon"], "Slurm's format"),
     (["--ssh", "bad host"], "user@addr:port"),
 ])
 def test_cli_bad_input_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str],
@@ -160,7 +163,7 @@ def test_cli_bad_input_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, a
 
 @pytest.fixture(scope="module")
 def wheel_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(wheel, target dir): built from a copy of the tree (no build/ or egg-info left in it)."""
+    """(wheel, target dir): built from a copy of the tree at tmp/src (no build/ or egg-info left in it)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
@@ -183,13 +186,26 @@ def _from_wheel(target: Path, cwd: Path, *args: str, timeout: float = 60) -> sub
 
 def test_wheel_ships_jobs_templates_and_hostside(wheel_install: tuple[Path, Path]) -> None:
     wheel, _ = wheel_install
+    src = wheel.parents[1] / "src"  # the tree the wheel was built from
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("ddplaunch/jobs/toy_ddp.py", "ddplaunch/jobs/train.py", "ddplaunch/jobs/mismatch_demo.py",
-                   "ddplaunch/slurm/ddp.sbatch.j2", "ddplaunch/slurm/ddp.sbatch",
                    "ddplaunch/hostside/healthcheck.py", "ddplaunch/examples.py", "ddplaunch/initspec.py"):
         assert needed in names
-    shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith("ddplaunch/jobs/")}
-    assert shipped == {p.name for p in (ROOT / "jobs").glob("*.py")}
+    expected = {f"ddplaunch/jobs/{p.name}" for p in (src / "jobs").glob("*.py")}
+    expected |= {f"ddplaunch/slurm/{p.name}" for p in (src / "slurm").iterdir() if p.suffix in (".sbatch", ".j2")}
+    assert any(n.endswith(".j2") for n in expected), "no sbatch template in slurm/"
+    assert expected - names == set()
+
+
+def test_wheel_holds_every_module_of_the_tree(wheel_install: tuple[Path, Path]) -> None:
+    """A package missing from [tool.setuptools] packages in pyproject.toml is missing from the wheel."""
+    wheel, _ = wheel_install
+    src = wheel.parents[1] / "src"
+    modules = {p.relative_to(src).as_posix() for p in (src / "ddplaunch").rglob("*.py")
+               if "__pycache__" not in p.parts}
+    missing = sorted(modules - set(zipfile.ZipFile(wheel).namelist()))
+    assert not missing, (f"not in the wheel: {missing}; add their packages to [tool.setuptools] "
+                         "packages in pyproject.toml")
 
 
 def test_wheel_resolves_examples_from_the_installed_package(wheel_install: tuple[Path, Path],
