@@ -1,0 +1,459 @@
+"""A small transformer trained with FSDP2 (or DDP): sharded DCP checkpoints, resume at any world size.
+
+A plain torchrun script (needs only torch; relies on RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR/PORT, and optionally DDPLAUNCH_DIST_TIMEOUT). Every transformer block and the
+root module are wrapped with ``torch.distributed.fsdp.fully_shard``; ``--strategy ddp`` trains
+the same model on the same data with DistributedDataParallel, for the cross-check.
+
+- Data: a fixed synthetic next-token task. Step ``s`` always uses the same global batch; rank
+  ``r`` of ``W`` takes rows ``[r*B/W, (r+1)*B/W)`` of it, so the training is the same at any
+  world size that divides ``--global-batch``.
+- Checkpoints: torch.distributed.checkpoint (one file per rank) of the model and optimizer
+  state, every ``--ckpt-every`` steps, at the end, and on SIGUSR2 (then exit 75). Written into
+  ``step_N.tmp/``, renamed to ``step_N/`` once every rank has finished, then ``latest`` is
+  replaced atomically. A restarted run resumes from the newest complete ``step_N/`` at any
+  world size (DCP reshards on load); ``*.tmp`` directories are ignored.
+- End: every rank gathers the full (unsharded) parameters and hashes them; the ranks compare
+  (``rank=R full_params_sha256=...``, then ``replicas agree`` or exit 1).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+VOCAB, SEQ_LEN = 32, 16
+DATA_SEED = 1234  # the task never changes; --seed varies the initial weights and the data order
+STEP_DIR_RE = re.compile(r"^step_(\d+)$")
+#: Exit status after a preemption warning: checkpoint written, run again to resume (EX_TEMPFAIL).
+PREEMPTED_EXIT = 75
+_preempt = {"signalled": False}
+
+
+def say(line: str) -> None:
+    """Writes one whole flushed line; local ranks share a stdout pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
+    p.add_argument("--steps", type=int, default=60, help="total optimizer steps")
+    p.add_argument("--global-batch", type=int, default=32,
+                   help="sequences per step over all ranks; must be divisible by the world size")
+    p.add_argument("--samples", type=int, default=2048, help="synthetic data set size")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-name", default=os.environ.get("DDPLAUNCH_RUN_NAME", "default"))
+    p.add_argument("--ckpt-dir", default=None,
+                   help="default: $DDPLAUNCH_CKPT_DIR, else checkpoints/<run name>-fsdp; "
+                        "must be storage every rank can read (DCP writes one file per rank)")
+    p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at the end")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
+    # Test hooks.
+    p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
+    p.add_argument("--fail-rank", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--corrupt-rank", type=int, default=None,
+                   help="perturb this rank's gathered copy before hashing (tests the check)")
+    p.add_argument("--dump-final", default=None, help="rank 0 torch.saves the full parameters here")
+    args = p.parse_args(argv)
+    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CKPT_DIR") or \
+        os.path.join("checkpoints", f"{args.run_name}-fsdp")
+    return args
+
+
+# --------------------------------------------------------------------------- data and model
+
+def make_data(samples: int) -> torch.Tensor:
+    """``samples`` sequences of SEQ_LEN+1 tokens: x[t+1] = (x[t] + x[t-1]) mod VOCAB.
+
+    Each sequence starts from two random tokens; from the third token on, the next token is
+    determined by the two before it, which the model learns to read with attention.
+    """
+    gen = torch.Generator().manual_seed(DATA_SEED)
+    seqs = torch.empty(samples, SEQ_LEN + 1, dtype=torch.long)
+    seqs[:, :2] = torch.randint(0, VOCAB, (samples, 2), generator=gen)
+    for t in range(2, SEQ_LEN + 1):
+        seqs[:, t] = (seqs[:, t - 1] + seqs[:, t - 2]) % VOCAB
+    return seqs
+
+
+def global_batch_indices(step: int, samples: int, global_batch: int, seed: int) -> torch.Tensor:
+    """The data set rows of step ``step``'s global batch: a function of the step alone.
+
+    Epoch ``e`` visits the rows in a permutation seeded by (seed, e); a resumed run at any
+    world size therefore sees exactly the batches an uninterrupted run would.
+    """
+    per_epoch = samples // global_batch
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(samples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return perm[i * global_batch:(i + 1) * global_batch]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Embedding(SEQ_LEN, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        # Logits as (batch*seq, vocab), a fresh tensor: FSDP2 warns when a wrapped module
+        # returns a view (an in-place op on it would skip its pre-backward hook).
+        return self.head(self.ln_f(x).reshape(-1, x.shape[-1]))
+
+
+def build(strategy: str, dim: int, layers: int, heads: int, seed: int, device: torch.device,
+          lr: float = 1e-2):
+    """The model (same initial weights on every rank and for either strategy) and its optimizer.
+
+    FSDP2: each block is its own FSDP unit (its parameters are all-gathered just before its
+    forward and backward and resharded after; its gradients are reduce-scattered), and the root
+    covers the rest (embeddings, final norm, head).
+    """
+    torch.manual_seed(seed)
+    model = TinyLM(dim, layers, heads).to(device)
+    world = dist.get_world_size()
+    if strategy == "fsdp":
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    else:
+        # One bucket per parameter: DDP regroups its buckets after the first step of every start,
+        # which changes where a gradient sits in the all-reduced buffer and so (beyond 2 ranks)
+        # the order its ranks' values are summed in; a resumed run would then differ from an
+        # uninterrupted one in the last bits. With one parameter per bucket the regrouping changes
+        # nothing. (train.py uses find_unused_parameters=True, which warns on every rank here.)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=1e-6)
+    optimizer = torch.optim.Adam(wrapped.parameters(), lr=lr)
+    return model, wrapped, optimizer
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+
+
+def complete_checkpoints(ckpt_dir: str) -> list:
+    """(step, path) of every complete checkpoint, oldest first.
+
+    Only a finished save is ever renamed to ``step_N`` (and only after DCP wrote its
+    ``.metadata`` and rank 0 its ``meta.json``); ``step_N.tmp`` and anything else is ignored.
+    """
+    found = []
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = STEP_DIR_RE.match(name)
+        path = os.path.join(ckpt_dir, name)
+        if m and os.path.isfile(os.path.join(path, ".metadata")) and \
+                os.path.isfile(os.path.join(path, "meta.json")):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def save_checkpoint(args, model, optimizer, step: int, meta: dict) -> float:
+    """Every rank writes its shard into step_N.tmp/; rank 0 publishes it. Returns seconds."""
+    rank = dist.get_rank()
+    final = os.path.join(args.ckpt_dir, f"step_{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(args.ckpt_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a save that died midway
+    dist.barrier()
+    start = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)  # fsyncs every file
+    # dcp.save returns on a rank once it wrote its own file and the coordinator the metadata;
+    # the barrier makes sure every rank's file is complete before the directory is published.
+    dist.barrier()
+    if rank == 0:
+        write_atomically(os.path.join(tmp, "meta.json"),
+                         json.dumps(dict(meta, step=step, world_size=dist.get_world_size()),
+                                    indent=1).encode())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        write_atomically(os.path.join(args.ckpt_dir, "latest"), f"step_{step}\n".encode())
+        fsync_dir(args.ckpt_dir)
+        done = complete_checkpoints(args.ckpt_dir)
+        for _, old in done[:-args.keep] if args.keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to resume
+    return time.perf_counter() - start
+
+
+def load_latest(args, model, optimizer):
+    """Loads the newest complete checkpoint, whatever world size wrote it; returns its meta.
+
+    Rank 0 picks the directory (every rank must agree on it); each rank then reads just the
+    pieces of every saved shard that overlap its own shard.
+    """
+    box = [None]
+    if dist.get_rank() == 0:
+        done = complete_checkpoints(args.ckpt_dir)
+        if done:
+            path = done[-1][1]
+            with open(os.path.join(path, "meta.json")) as f:
+                box[0] = (path, json.load(f))
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return None, 0.0
+    path, meta = box[0]
+    start = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dist.barrier()
+    return dict(meta, path=path), time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------- checks
+
+def full_params(model) -> dict:
+    """Every parameter unsharded, on every rank (all-gathers FSDP's shards; DDP: a copy)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def params_sha256(full: dict) -> str:
+    """Hashes names and bytes of the full parameters, in sorted name order, on CPU."""
+    import hashlib
+    digest = hashlib.sha256()
+    for name in sorted(full):
+        digest.update(name.encode())
+        digest.update(full[name].detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_replicas(full: dict, rank: int, world: int) -> bool:
+    """Every rank prints its hash; rank 0 compares them all. Same verdict on every rank."""
+    mine = params_sha256(full)
+    say(f"rank={rank} full_params_sha256={mine}")
+    hashes = [None] * world
+    dist.all_gather_object(hashes, mine)
+    if len(set(hashes)) == 1:
+        if rank == 0:
+            say(f"replicas agree: {hashes[0][:16]} on {world} ranks")
+        return True
+    if rank == 0:
+        groups = {}
+        for r, h in enumerate(hashes):
+            groups.setdefault(h, []).append(r)
+        detail = "; ".join(f"ranks {ranks} have {h[:16]}" for h, ranks in
+                           sorted(groups.items(), key=lambda item: -len(item[1])))
+        say(f"replicas DIFFER: {len(groups)} distinct hashes: {detail}")
+    return False
+
+
+def preemption_agreed(device: torch.device) -> bool:
+    """True on every rank once any rank got SIGUSR2 (a tiny all_reduce per step: every rank
+    stops at the same step)."""
+    flag = torch.tensor([1.0 if _preempt["signalled"] else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def init_distributed(backend: str, timeout: timedelta) -> None:
+    """init_process_group from the torchrun env, safe across torchrun restarts (see train.py:
+    a restarted worker must not read its dead predecessor's keys in the agent's store)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ddplaunch/restart{restart}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=timeout)
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    # Slurm's warning ahead of the time limit (`--signal`, forwarded by torchrun's
+    # --signals-to-handle): checkpoint at the next step every rank agrees on, then exit 75.
+    signal.signal(signal.SIGUSR2, lambda signum, frame: _preempt.update(signalled=True))
+    args = parse_args(argv)
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")))
+    init_distributed(backend, timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.global_batch % world:
+        if rank == 0:
+            say(f"fsdp_train: --global-batch {args.global_batch} is not divisible by the "
+                f"world size {world}; choose a multiple of {world}")
+        dist.destroy_process_group()
+        return 2
+    local_batch = args.global_batch // world
+    if rank == 0:
+        say(f"fsdp_train: strategy={args.strategy} world_size={world} backend={backend} "
+            f"host={socket.gethostname()} restart={restart} global_batch={args.global_batch} "
+            f"local_batch={local_batch} ckpt_dir={args.ckpt_dir}")
+
+    data = make_data(args.samples)
+    model, wrapped, optimizer = build(args.strategy, args.dim, args.layers, args.heads, args.seed,
+                                      device, args.lr)
+    meta_base = {"strategy": args.strategy, "seed": args.seed, "global_batch": args.global_batch,
+                 "dim": args.dim, "layers": args.layers, "heads": args.heads}
+    step, start_loss = 0, None
+    resumed, load_s = load_latest(args, model, optimizer)
+    if resumed:
+        step, start_loss = resumed["step"], resumed.get("start_loss")
+        if rank == 0:
+            say(f"resumed from {resumed['path']} at step {step} (written by "
+                f"{resumed['world_size']} ranks with {resumed['strategy']}, now {world} "
+                f"with {args.strategy}) load_s={load_s:.4f}")
+        loaded = params_sha256(full_params(model))
+        if rank == 0:
+            say(f"resumed_full_params_sha256={loaded}")
+    elif rank == 0:
+        say(f"no complete checkpoint in {args.ckpt_dir}: starting at step 0")
+
+    save_times, last_saved = [], step if resumed else None
+
+    def checkpoint() -> None:
+        nonlocal last_saved
+        if last_saved == step:
+            return
+        save_times.append(save_checkpoint(args, model, optimizer, step,
+                                          dict(meta_base, start_loss=start_loss)))
+        last_saved = step
+
+    loss_sum, mean = torch.zeros((), device=device), float("nan")
+    while step < args.steps:
+        if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
+            say(f"rank={rank} failing on purpose at step {step} (--fail-at-step)")
+            os._exit(3)
+        rows = global_batch_indices(step, args.samples, args.global_batch, args.seed)
+        batch = data[rows[rank * local_batch:(rank + 1) * local_batch]].to(device)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        optimizer.zero_grad(set_to_none=True)
+        logits = wrapped(inputs)
+        loss = F.cross_entropy(logits, targets.reshape(-1))
+        loss.backward()  # FSDP reduce-scatters (DDP all-reduces) the averaged gradients here
+        optimizer.step()
+        step += 1
+        if start_loss is None or step % args.log_every == 0 or step == args.steps:
+            loss_sum.copy_(loss.detach())
+            dist.all_reduce(loss_sum)  # the global batch's mean loss (equal slices per rank)
+            mean = loss_sum.item() / world
+            if start_loss is None:
+                start_loss = mean
+            if rank == 0 and (step % args.log_every == 0 or step == args.steps or step == 1):
+                say(f"step={step} loss={mean:.6f}")
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if args.ckpt_every and step % args.ckpt_every == 0:
+            checkpoint()
+        if preemption_agreed(device):
+            checkpoint()
+            if rank == 0:
+                say(f"preempted (SIGUSR2): checkpoint at step {step}; exiting {PREEMPTED_EXIT} "
+                    "to be requeued")
+            del wrapped, model, optimizer
+            dist.destroy_process_group()
+            return PREEMPTED_EXIT
+    checkpoint()
+    if rank == 0:
+        say(f"final loss={mean:.6f} (start {start_loss:.6f}) steps={step}")
+        if save_times:
+            say(f"checkpoint times: saves={len(save_times)} save_s median="
+                f"{statistics.median(save_times):.4f} max={max(save_times):.4f}"
+                + (f" load_s={load_s:.4f}" if resumed else ""))
+
+    full = full_params(model)
+    if args.corrupt_rank == rank:
+        first = sorted(full)[0]
+        full[first] = full[first] + 1e-3  # test hook: only this rank's copy differs
+    if args.dump_final and rank == 0:
+        torch.save({k: v.detach().cpu() for k, v in full.items()}, args.dump_final)
+    agree = check_replicas(full, rank, world)
+    del wrapped, model, optimizer, full
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is saved and the group is destroyed: skip interpreter teardown, where Gloo's
+    # C++ threads are sometimes destroyed in an order that aborts the process (see train.py).
+    os._exit(status)
