@@ -81,6 +81,8 @@ class LineSink:
             return True
         if node_rank in self._muted:
             return False
+        if line.endswith("] ") and line.count("[") == 1 and ":" not in line:  # a blank line of torchrun's
+            return False
         if NOISE_RE.search(line):
             if "OMP_NUM_THREADS" in line and not self._banner_shown:
                 self._banner_shown = True

@@ -88,6 +88,7 @@ def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
         spec = exclude_hosts(spec, opts.exclude)
     backend = get_backend(spec)
     run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(spec.name)
+    backend.start_run(run_id, home() / "runs" / run_id, StopEvent())
     spec = spec.model_copy(update={"hosts": backend.hosts(allocate=False)})
     text = backend.allocation_text()
     for stage in stages_of(spec, opts):
@@ -143,8 +144,9 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
     try:
         with open_private(record.log_path) as log, _stop_on_signals() as stop, contextlib.closing(backend), \
                 contextlib.closing(make_sink(stream, log, [h.label for h in spec.hosts], opts.verbose)) as sink:
-            sink.note(f"run {run_id}: {spec.backend} backend, {len(spec.hosts)} host(s) x "
-                      f"{spec.nproc_per_node} proc; record in {record.dir}")
+            sink.note(f"run {run_id}: {spec.backend} backend, {spec.nproc_per_node} proc per host; "
+                      f"record in {record.dir}")
+            backend.start_run(run_id, record.dir, stop)
             _Run(spec, backend, opts, sink, stop, record, report).run()
     except BaseException:
         record.state = "interrupted" if isinstance(sys.exc_info()[1], KeyboardInterrupt) else "failed"

@@ -39,6 +39,10 @@ class Backend(Protocol):
 
     name: str
 
+    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
+        """A run begins: where its record lives (Slurm records its allocation there) and the event
+        that ends it (waiting for an allocation stops on it)."""
+
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         """The nodes stages run on (Slurm: the allocation's nodes, allocated on first use; without
         `allocate`, as far as known without asking anyone — for the dry run)."""

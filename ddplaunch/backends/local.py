@@ -36,6 +36,9 @@ class LocalBackend:
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
 
+    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
+        pass
+
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return list(self.spec.hosts)
 

@@ -122,6 +122,9 @@ class SshBackend:
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(hosts)))) as pool:
             return list(pool.map(one, hosts))
 
+    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
+        pass
+
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return list(self.spec.hosts)
 

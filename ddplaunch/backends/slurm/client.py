@@ -1,0 +1,173 @@
+"""Slurm's client commands (sbatch, srun, squeue, scontrol, scancel), each with a timeout, and
+what ddplaunch remembers of a job it submitted. `SLURM_CONF` comes from `slurm.conf` in the spec."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from ddplaunch.errors import BackendError
+
+#: Timeout of each Slurm client command.
+COMMAND_TIMEOUT = 30.0
+#: Seconds between `squeue` polls (`sbatch --wait` polls far too slowly for interactive use).
+POLL_INTERVAL = 0.3
+
+#: sbatch's complaint -> the spec key that causes it (first match wins).
+SBATCH_ERRORS = (
+    (re.compile(r"account", re.I), "slurm.account"),  # before partition: "account/partition combination"
+    (re.compile(r"partition", re.I), "slurm.partition"),
+    (re.compile(r"\bqos\b", re.I), "slurm.qos"),
+    (re.compile(r"time limit|--time\b|invalid time", re.I), "slurm.time"),
+    (re.compile(r"gres|generic resource|gpu", re.I), "slurm.gpus_per_node"),
+    (re.compile(r"cpus-per-task|cpu count|more processors", re.I), "slurm.cpus_per_task"),
+    (re.compile(r"node count|nodes|node configuration|nodelist", re.I), "slurm.nodes (or hosts)"),
+    (re.compile(r"configuration source|slurm\.conf|contact slurm controller|controller", re.I), "slurm.conf"),
+)
+
+
+@dataclass
+class SlurmJob:
+    """What ddplaunch remembers of a job it submitted or uses (`runs/<id>/slurm.json`)."""
+
+    job_id: str
+    #: ddplaunch submitted it (and cancels it when the run ends), rather than running inside it.
+    owned: bool
+    slurm_conf: Optional[str] = None
+    output_path: Optional[str] = None
+
+    def save(self, run_dir: Path) -> None:
+        from ddplaunch.runs import write_private
+
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_private(run_dir / "slurm.json", json.dumps(asdict(self), indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Optional["SlurmJob"]:
+        try:
+            return cls(**json.loads((run_dir / "slurm.json").read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+class SlurmClient:
+    """Runs Slurm client commands against one cluster (its `SLURM_CONF`)."""
+
+    def __init__(self, conf: Optional[str]):
+        self.conf = conf
+
+    def env(self, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.conf:
+            env["SLURM_CONF"] = self.conf
+        env.update(extra or {})
+        return env
+
+    def run(self, argv: list[str], timeout: float = COMMAND_TIMEOUT,
+            env: Optional[Mapping[str, str]] = None, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(env),
+                                  input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise BackendError(f"{argv[0]} not found on PATH: the Slurm client commands (sbatch, srun, squeue, "
+                               "scontrol, scancel) are needed for backend: slurm; run ddplaunch on a "
+                               "login node or install slurm-client") from None
+        except subprocess.TimeoutExpired:
+            raise BackendError(f"{argv[0]} gave no answer within {timeout:.0f}s "
+                               "(slurmctld down or unreachable? check slurm.conf)") from None
+
+    def job_state(self, job_id: str) -> Optional[str]:
+        """The job's state while it is in the queue (PENDING, RUNNING, ...), None once gone.
+
+        Raises:
+            BackendError: squeue fails (controller unreachable).
+        """
+        proc = self.run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+        if proc.returncode != 0:
+            if "Invalid job id" in proc.stderr:
+                return None
+            raise BackendError(f"squeue failed: {first_error(proc.stderr)}")
+        return proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else None
+
+    def job_info(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job` as a dict (JobState, NodeList, Restarts...); empty once forgotten."""
+        proc = self.run(["scontrol", "show", "job", "-o", job_id])
+        if proc.returncode != 0:
+            return {}
+        return dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """`gpu[01-02,07]` -> [gpu01, gpu02, gpu07], the way Slurm expands it."""
+        proc = self.run(["scontrol", "show", "hostnames", nodelist])
+        if proc.returncode != 0:
+            raise BackendError(f"scontrol show hostnames {nodelist}: {first_error(proc.stderr)}")
+        return proc.stdout.split()
+
+    def cancel(self, job_id: str, wait: float = 120.0) -> bool:
+        """`scancel` the job and wait until it has left the queue (no step process left)."""
+        self.run(["scancel", job_id])
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                if self.job_state(job_id) in (None, "COMPLETED", "CANCELLED", "FAILED"):
+                    return True
+            except BackendError:
+                pass
+            time.sleep(POLL_INTERVAL)
+        return False
+
+    def step_id(self, job_id: str, name: str) -> Optional[str]:
+        """The id (`JOB.STEP`) of the job's step named `name`, while it runs."""
+        proc = self.run(["squeue", "-s", "-h", "-j", job_id, "-o", "%i %j"])
+        for line in proc.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1] == name:
+                return parts[0]
+        return None
+
+
+def describe_sbatch_error(stderr: str) -> str:
+    """One line naming the spec key behind sbatch's refusal, e.g.
+    `slurm.partition: sbatch: error: invalid partition specified: foo`."""
+    first = first_error(stderr)
+    for pattern, key in SBATCH_ERRORS:
+        if pattern.search(stderr):
+            return f"{key}: {first}"
+    return f"slurm: sbatch refused the job: {first}"
+
+
+def first_error(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() or "fatal" in ln.lower()]
+    return (errors or lines or ["(no message)"])[0]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's hostlist syntax without asking Slurm: `gpu[01-04,07],cpu1` -> gpu01..gpu04, gpu07, cpu1
+    (zero padding kept). Used for `hosts:` on every backend."""
+    out: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
+        out += _expand_one(part.strip())
+    return [h for h in out if h]
+
+
+def _expand_one(part: str) -> list[str]:
+    m = re.search(r"\[([^\]]*)\]", part)
+    if not m:
+        return [part]
+    head, tail = part[:m.start()], part[m.end():]
+    names = []
+    for rng in m.group(1).split(","):
+        lo, _, hi = rng.partition("-")
+        if hi:
+            width = len(lo) if lo.startswith("0") else 0
+            names += [f"{head}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+        else:
+            names.append(f"{head}{lo}")
+    return [n + rest for n in names for rest in _expand_one(tail)]

@@ -1,0 +1,149 @@
+"""Pure rendering of what the Slurm backend executes: the allocation request and one srun step
+per stage (or, detached, one batch script that runs every stage itself).
+
+The step's command is the plan's node command with the node rank and host taken from the step
+($SLURM_NODEID, $SLURMD_NODENAME): the same torchrun invocation as every other backend. No user
+value is written into a script: Slurm options travel as sbatch/srun arguments (no shell), the
+environment in the step's process environment (secrets never on a command line).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+import jinja2
+
+from ddplaunch.plan import LaunchPlan, NodeCommand, Raw, host_run_dir, quote
+from ddplaunch.spec import ClusterSpec
+
+ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
+#: How a value known only once the allocation exists appears in a dry run.
+AT_LAUNCH = "<allocated at launch>"
+
+
+def template_dir() -> Path:
+    """slurm/ next to the package (source tree) or inside it (installed wheel: ddplaunch/slurm)."""
+    pkg = Path(__file__).resolve().parents[2]
+    for candidate in (pkg / "slurm", pkg.parent / "slurm"):
+        if (candidate / ALLOCATION_TEMPLATE).is_file():
+            return candidate
+    raise FileNotFoundError(f"{ALLOCATION_TEMPLATE} not found in {pkg / 'slurm'} or {pkg.parent / 'slurm'}")
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    """`sbatch` of the allocation that holds the nodes (None of it in in-allocation mode)."""
+
+    script: str
+    argv: tuple[str, ...]
+
+    def text(self) -> str:
+        return (f"# allocation: sbatch (script on stdin)\n{shlex.join(self.argv)}\n"
+                + "".join(f"#   | {line}\n" for line in self.script.splitlines()))
+
+
+def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: Optional[list[str]]) -> list[str]:
+    """Every sbatch option of the allocation, sorted: the same spec always gives the same request."""
+    s = spec.slurm
+    opts = [f"--job-name={run_id}", f"--nodes={len(nodelist) if nodelist else s.nodes or 1}",
+            "--ntasks-per-node=1", f"--output={output_path}", "--open-mode=append", "--export=NONE"]
+    for key in ("partition", "account", "qos", "time"):
+        value = getattr(s, key)
+        if value:
+            opts.append(f"--{key}={value}")
+    if nodelist:
+        opts.append(f"--nodelist={','.join(nodelist)}")
+    if s.gpus_per_node:
+        opts.append(f"--gres=gpu:{s.gpus_per_node}")
+    if s.cpus_per_task:
+        opts.append(f"--cpus-per-task={s.cpus_per_task}")
+    if s.requeue:
+        # A warning ahead of the time limit to the batch shell, which passes it to every step
+        # and requeues the job (USR1 belongs to NCCL).
+        opts += ["--requeue", f"--signal=B:USR2@{s.signal_seconds}"]
+    opts += [extra.strip().removeprefix("#SBATCH").strip() for extra in s.sbatch_extra]
+    return sorted(opts)
+
+
+def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
+                       nodelist: Optional[list[str]]) -> AllocationRequest:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                             undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
+                             keep_trailing_newline=True)
+    script = env.get_template(ALLOCATION_TEMPLATE).render(
+        run_id=run_id, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
+    return AllocationRequest(script=script, argv=("sbatch", "--parsable",
+                                                  *sbatch_options(spec, run_id, output_path, nodelist)))
+
+
+def step_template(plan: LaunchPlan) -> NodeCommand:
+    """The one command an srun step runs on every node of `plan`: node 0's command with the node
+    rank and host taken from the step."""
+    node = plan.nodes[0]
+    host = Raw('"$SLURMD_NODENAME"')
+    env = dict(node.env)
+    env["DDPLAUNCH_HOST"] = host
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = Raw('"[$SLURMD_NODENAME:\\${rank}] "')
+    if "GROUP_RANK" in env:  # started directly: one rank per node
+        env["RANK"] = env["GROUP_RANK"] = Raw('"$SLURM_NODEID"')
+    torchrun = node.torchrun and replace(
+        node.torchrun, node_rank=Raw('"$SLURM_NODEID"'),
+        log_dir=Raw(f'{node.run_dir}/torchrun-{plan.stage}-node"$SLURM_NODEID"'))
+    return replace(node, node_rank=Raw('"$SLURM_NODEID"'), host_label=host, env=tuple(sorted(env.items())),
+                   torchrun=torchrun, host=None)
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One stage as an srun step of the allocation: argv, the process environment, and the
+    upload step that stages the plan's files in each node's run directory first."""
+
+    plan: LaunchPlan
+    job: str
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    #: (local file, srun argv that writes its stdin into each node's run directory)
+    uploads: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
+
+    def text(self) -> str:
+        plan = self.plan
+        world = plan.world_size if plan.world_size is not None else "auto"
+        out = [f"# run {plan.run_id} stage {plan.stage}: backend slurm, {plan.nnodes} node(s) x "
+               f"{plan.nproc_per_node} proc = world {world}, master {plan.master_addr}:{plan.master_port} "
+               f"(port derived from the run id, checked free at launch)"]
+        for src, argv in self.uploads:
+            out.append(f"# upload {Path(src).name} to every node (on the stdin of:)")
+            out.append(shlex.join(argv))
+        out.append("# environment of every node (srun's process environment, never its command line):")
+        out += [f"#   {k}={quote(SHOWN if k in plan.secrets else v)}" for k, v in self.env]
+        out.append(shlex.join(self.argv))
+        return "\n".join(out) + "\n"
+
+
+SHOWN = Raw("<secret>")
+
+
+def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None) -> StepRequest:
+    """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run)."""
+    node = step_template(plan)
+    per_node = {k: v for k, v in node.env if isinstance(v, Raw)}
+    common = tuple((k, v) for k, v in node.env if not isinstance(v, Raw))
+    run_dir = host_run_dir(plan.run_id)
+    body = [f"(umask 077 && mkdir -p {run_dir} && rm -f {node.pid_file})"]
+    body.append("export " + " ".join(f"{k}={v}" for k, v in sorted(per_node.items())))
+    body.append(node.shell_line(env_source=False))
+    nodes = ",".join(plan.hosts)
+    srun = ["srun", f"--jobid={job}", f"--nodes={plan.nnodes}", f"--ntasks={plan.nnodes}",
+            "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=1", "--label", "--overlap",
+            f"--job-name=ddplaunch-{plan.stage}", "--export=ALL"]
+    if cpus_per_task:
+        srun.append(f"--cpus-per-task={cpus_per_task}")
+    base = [a for a in srun if not a.startswith(("--job-name", "--kill", "--label"))]
+    uploads = tuple((src, tuple(base + ["--input=all", "--job-name=ddplaunch-upload", "bash", "-c",
+                                        f"(umask 077 && mkdir -p {run_dir} && cat > {run_dir}/{dst})"]))
+                    for src, dst in plan.uploads)
+    return StepRequest(plan=plan, job=job, argv=tuple(srun + ["bash", "-c", " && ".join(body)]), env=common,
+                       uploads=uploads)

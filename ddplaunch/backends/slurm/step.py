@@ -1,0 +1,128 @@
+"""Running one srun step and following it: labelled lines to the sink, one outcome per node.
+
+srun labels each line with the task (= node) index and cuts lines into 1024-byte pieces (joined
+again here). Its own messages say how each failing node ended (`srun: error: HOST: task N: Exited
+with exit code C`); `--kill-on-bad-exit` ends the other nodes. A stop (Ctrl-C, a hang) is
+graceful: SIGTERM to the step's tasks (torchrun stops its workers), then srun is ended. srun dies
+with the launcher (PR_SET_PDEATHSIG), so even a SIGKILLed ddplaunch cancels its steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Optional
+
+from ddplaunch.backends.slurm.client import SlurmClient
+from ddplaunch.console import LineSink
+
+SRUN_PIECE = 1024
+#: Seconds torchrun gets to stop its workers after SIGTERM before srun is ended.
+SHUTDOWN_GRACE = 10.0
+_LABEL_RE = re.compile(r"^\s*(\d+): ?(.*)$")
+_TASK_END_RE = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated|.*)$")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies (srun then cancels the step)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class SrunStep:
+    """One srun process: its lines, and how each of its nodes ended."""
+
+    def __init__(self, client: SlurmClient, argv: list[str], env: dict[str, str], hosts: list[str],
+                 sink: Optional[LineSink], name: str, job: str):
+        self.client, self.hosts, self.sink, self.name, self.job = client, hosts, sink, name, job
+        self.ends: dict[int, tuple[Optional[int], str, float]] = {}  # node -> (exit code, how, when)
+        self.output: dict[int, list[str]] = {}
+        self.first_failure: Optional[int] = None
+        self._pieces: dict[int, str] = {}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=client.env(env),
+                                     preexec_fn=_die_with_parent)
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self._line(raw.rstrip(b"\n"))
+        for node, text in self._pieces.items():
+            self._emit(node, text)
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        label = _LABEL_RE.match(text)
+        if label is None:
+            self._srun_message(text)
+            return
+        node, rest = int(label.group(1)), label.group(2)
+        joined = self._pieces.pop(node, "") + rest
+        if len(raw) - raw.index(b": ") - 2 == SRUN_PIECE:  # srun cut a longer line here
+            self._pieces[node] = joined
+        else:
+            self._emit(node, joined)
+
+    def _emit(self, node: int, text: str) -> None:
+        self.output.setdefault(node, []).append(text)
+        if self.sink is not None:
+            self.sink.emit(node, self.host(node), text)
+
+    def _srun_message(self, text: str) -> None:
+        m = _TASK_END_RE.match(text)
+        if m:
+            code = int(m.group(4)) if m.group(4) else None
+            how = m.group(3)
+            for node in _task_ids(m.group(2)):
+                self.ends.setdefault(node, (code, how, time.time()))
+                if code is not None and code != 0 and self.first_failure is None:
+                    self.first_failure = node
+        if self.sink is not None and not text.startswith("srun: error: ") and text.strip():
+            self.sink.emit(-1, "srun", text)
+
+    def host(self, node: int) -> str:
+        return self.hosts[node] if 0 <= node < len(self.hosts) else f"node{node}"
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """SIGTERM every task of the step (torchrun stops its workers), then end srun."""
+        step = self.client.step_id(self.job, self.name)
+        if step:
+            self.client.run(["scancel", "--signal=TERM", step])
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # srun cancels the step
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def wait(self, timeout: Optional[float] = None, stop: Optional[Callable[[], bool]] = None) -> Optional[int]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.proc.poll() is None:
+            if stop is not None and stop():
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+        self._reader.join(timeout=5)
+        return self.proc.returncode
+
+
+def _task_ids(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
