@@ -187,6 +187,22 @@ def test_lock_file_of_another_user_is_refused():
         path.unlink(missing_ok=True)
 
 
+def test_lock_file_symlink_is_never_followed(tmp_path):
+    suffix = f"linktest{os.getpid()}"
+    path = Path(f"/tmp/ddplaunch-sim-{LIFECYCLE_PREFIX}.{suffix}")
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    path.unlink(missing_ok=True)
+    path.symlink_to(victim)
+    try:
+        with pytest.raises(SimError, match="cannot open the sim lock file"):
+            with prefix_lock(LIFECYCLE_PREFIX, suffix):
+                pass
+        assert victim.read_text() == "precious\n"
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def test_cli_needs_root_and_one_fault_action(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     res = CliRunner().invoke(sim_cli.sim_group, ["up", "--hosts", "2", "--state-dir", str(tmp_path)])
