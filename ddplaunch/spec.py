@@ -24,10 +24,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from yaml.nodes import MappingNode, Node, SequenceNode
+from yaml.nodes import MappingNode, Node
 
 from ddplaunch.errors import SpecError
-from ddplaunch.yamlsafe import char_name, coercion, load_yaml, node_at, one_line, show
+from ddplaunch.yamlsafe import char_name, coercion, load_yaml, node_at, nodes_along, one_line, replace_at, show
 
 SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SECRET_SHOWN = "<secret>"
@@ -412,25 +412,10 @@ def _backend_limit_problems(spec: ClusterSpec, root: Optional[Node], shown: str)
 
 def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple, int]]:
     """(loc, line) of every key the YAML sets along `key_path`; a section expands to its keys."""
-    found: list[tuple[tuple, Node, int]] = [((), root, 1)] if root is not None else []
-    parts = key_path.split(".")
-    for part in parts:
-        name, each = part.removesuffix("[]"), part.endswith("[]")
-        nxt = []
-        for loc, node, _ in found:
-            line, child = node_at(node, (name,))
-            if child is None:
-                continue
-            if each:
-                if isinstance(child, SequenceNode):
-                    nxt += [(loc + (name, j), item, item.start_mark.line + 1) for j, item in enumerate(child.value)]
-            else:
-                nxt.append((loc + (name,), child, line))
-        found = nxt
     out = []
-    for loc, node, line in found:
+    for loc, line, node in nodes_along(root, key_path):
         if isinstance(node, MappingNode) and _section(loc):
-            out += [(loc + (k.value,), k.start_mark.line + 1) for k, _ in node.value if isinstance(k.value, str)]
+            out += [(loc + sub, sub_line) for sub, sub_line, _ in nodes_along(node, "*")]
         else:
             out.append((loc, line))
     return out
@@ -477,9 +462,9 @@ def _load(path: Union[str, Path]) -> ClusterSpec:
     if not isinstance(data, dict):
         raise SpecError(f"{shown}:1: the spec must be a mapping of keys (name:, backend:, hosts: ...)")
     problems = _coercions(root, data, shown)
-    if "base_dir" in data:
-        problems.append((node_at(root, ("base_dir",))[0], f"{shown}:{node_at(root, ('base_dir',))[0]}: "
-                                                            "base_dir: unknown key 'base_dir'"))
+    if "base_dir" in data:  # a field of the model, never a key of the file
+        line = node_at(root, ("base_dir",))[0]
+        problems.append((line, f"{shown}:{line}: base_dir: unknown key 'base_dir'"))
         data = {k: v for k, v in data.items() if k != "base_dir"}
     try:
         spec = ClusterSpec.model_validate(data)
@@ -505,7 +490,7 @@ def _summary(messages: list[str]) -> str:
 #: Where a string is meant and YAML's coercion of an unquoted value would change it (`*`: every
 #: key of a mapping, `[]`: every item of a list) -> whether null is a valid value there.
 #: Elsewhere pydantic's types already refuse coerced values.
-COERCION_CHECKED = {"env.*": False, "env.*.value": False, "slurm.time": True, "job.args.[]": False}
+COERCION_CHECKED = {"env.*": False, "env.*.value": False, "slurm.time": True, "job.args[]": False}
 
 
 def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, str]]:
@@ -513,43 +498,20 @@ def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, 
     refused with the quoted form to write. Their text replaces them so each is reported once."""
     problems = []
     for pattern, null_ok in COERCION_CHECKED.items():
-        for loc, node in _nodes_along(root, pattern.split(".")):
+        for loc, _, node in nodes_along(root, pattern):
             found = coercion(node)
             if found is None or null_ok and node.tag == "tag:yaml.org,2002:null":
                 continue
             line = node.start_mark.line + 1
-            key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
-            problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write "
-                                   f"{key}{show(json.dumps(node.value, ensure_ascii=False), 120)}"))
-            _replace(data, loc, node.value)
+            problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write {_quoted(loc, node)}"))
+            replace_at(data, loc, node.value)
     return problems
 
 
-def _nodes_along(node: Optional[Node], parts: list[str], loc: tuple = ()) -> list[tuple[tuple, Node]]:
-    if not parts:
-        return [(loc, node)] if node is not None else []
-    part, rest = parts[0], parts[1:]
-    if part == "*" and isinstance(node, MappingNode):
-        return [found for k, v in node.value if isinstance(k.value, str)
-                for found in _nodes_along(v, rest, loc + (k.value,))]
-    if part == "[]" and isinstance(node, SequenceNode):
-        return [found for i, v in enumerate(node.value) for found in _nodes_along(v, rest, loc + (i,))]
-    if part not in ("*", "[]"):
-        _, child = node_at(node, (part,)) if isinstance(node, MappingNode) else (0, None)
-        return _nodes_along(child, rest, loc + (part,))
-    return []
-
-
-def _replace(data: Any, loc: tuple, value: str) -> None:
-    """Put `value` at `loc` in the constructed data, where that place exists."""
-    for part in loc[:-1]:
-        try:
-            data = data[part]
-        except (KeyError, IndexError, TypeError):
-            return
-    if isinstance(data, dict) and loc[-1] in data or isinstance(data, list) and isinstance(loc[-1], int) \
-            and loc[-1] < len(data):
-        data[loc[-1]] = value
+def _quoted(loc: tuple, node: Any) -> str:
+    """`KEY: "TEXT"` (or `"TEXT"` for a list item): how to write a plain scalar as a string."""
+    key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
+    return key + show(json.dumps(node.value, ensure_ascii=False), 120)
 
 
 def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
@@ -600,8 +562,7 @@ def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tu
             hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
             msg += f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
         elif e["type"] == "string_type" and coercion(node) and loc:
-            key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
-            msg = f"{coercion(node)}; write {key}{show(json.dumps(node.value, ensure_ascii=False), 120)}"
+            msg = f"{coercion(node)}; write {_quoted(loc, node)}"
         elif "input" in e and e["type"] not in ("missing", "value_error"):
             msg += f", got {show(repr(e['input']), 100)}"
         if msg.startswith("hosts: "):  # model-level messages name their key themselves

@@ -86,7 +86,7 @@ def read_text(path: Union[str, Path]) -> tuple[str, str]:
         SpecError: unusable path, missing/unreadable/non-regular/oversized file, not UTF-8, or a
             control character in the text (named with line:column).
     """
-    raw = os.fspath(path)
+    raw = os.fsdecode(os.fspath(path))
     shown = show(raw)
     if not raw:
         raise SpecError("(empty path): pass the path of a cluster spec such as cluster.yaml")
@@ -373,6 +373,37 @@ def node_at(root: Optional[Node], loc: tuple) -> tuple[int, Optional[Node]]:
         else:
             return line, None
     return line, node
+
+
+def nodes_along(root: Optional[Node], pattern: str) -> list[tuple[tuple, int, Node]]:
+    """(loc, line, node) of every node the document has along a dotted `pattern`: `*` is every
+    key of a mapping, `name[]` every item of the list at `name`; line is the key's (or item's)."""
+    found: list[tuple[tuple, int, Node]] = [((), 1, root)] if root is not None else []
+    for part in pattern.split("."):
+        name, each = part.removesuffix("[]"), part.endswith("[]")
+        step: list[tuple[tuple, int, Node]] = []
+        for loc, _, node in found:
+            if not isinstance(node, MappingNode):
+                continue
+            step += [(loc + (k.value,), k.start_mark.line + 1, v) for k, v in node.value
+                     if isinstance(k, ScalarNode) and (name == "*" or k.value == name)]
+        if each:
+            step = [(loc + (i,), item.start_mark.line + 1, item) for loc, _, seq in step
+                    if isinstance(seq, SequenceNode) for i, item in enumerate(seq.value)]
+        found = step
+    return found
+
+
+def replace_at(data: Any, loc: tuple, value: Any) -> None:
+    """Put `value` at `loc` in constructed data, where that place exists (else do nothing)."""
+    for part in loc[:-1]:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return
+    if isinstance(data, dict) and loc[-1] in data or \
+            isinstance(data, list) and isinstance(loc[-1], int) and loc[-1] < len(data):
+        data[loc[-1]] = value
 
 
 def coercion(node: Optional[Node]) -> Optional[str]:
