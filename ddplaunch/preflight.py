@@ -16,7 +16,7 @@ from ddplaunch.backends.contract import Backend
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
-CHECKS = ("ssh", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
+CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
 PROBE_SECONDS = 4.0
 
@@ -116,9 +116,10 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: float,
         if "error" in f:  # the backend's message starts with the host, which the row names already
             seen = f["error"].removeprefix(f"{h.label} ({h.addr}")
             seen = seen.split("): ", 1)[1] if seen.startswith((")", ":")) and "): " in seen else f["error"]
-            rep.checks["ssh"] = Check(False, seen, "check the host is up, sshd runs and ssh.* is right")
+            rep.checks["reach"] = Check(False, seen, "check the host is up and reachable (ssh: sshd runs and "
+                                                      "ssh.* is right; slurm: the node's slurmd answers)")
             continue
-        rep.checks["ssh"] = Check(True, "ok")
+        rep.checks["reach"] = Check(True, "ok")
         if "exit" in f:
             py = host_python(spec, h)
             missing = f["exit"] == 127 or "No such file" in f.get("output", "")
@@ -222,26 +223,17 @@ def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
 
 
 def render_table(report: PreflightReport) -> str:
-    """A row per host (failures first), a column per check, then one fix line per failure."""
-    from io import StringIO
-
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"pre-flight: {'ok' if report.ok else 'FAILED'} ({report.elapsed_s:.1f}s)")
-    table.add_column("host")
-    cols = [c for c in CHECKS if any(c in h.checks for h in report.hosts)]
-    for c in cols:
-        table.add_column(c)
-    mark = {True: "ok", False: "FAIL", None: "-"}
-    for h in sorted(report.hosts, key=lambda h: h.ok):
-        table.add_row(h.host, *[mark[h.checks[c].ok] if c in h.checks else "" for c in cols])
-    buf = StringIO()
-    Console(file=buf, width=200, no_color=True, force_terminal=False).print(table)
-    lines = [buf.getvalue().rstrip()]
-    for h in sorted(report.hosts, key=lambda h: h.ok):
+    """One screen for any number of hosts, within 80 columns: a verdict line naming every check,
+    then only the hosts that failed, each failing check spelled out with its fix."""
+    names = [c for c in CHECKS if any(c in h.checks for h in report.hosts)]
+    bad = [h for h in report.hosts if not h.ok]
+    verdict = "ok" if report.ok else f"FAILED on {len(bad)} of {len(report.hosts)} host(s)"
+    lines = [f"pre-flight: {verdict} ({len(report.hosts)} host(s), {report.elapsed_s:.1f}s): " + " ".join(names)]
+    for h in bad:
         for name, c in h.failures():
             lines.append(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}")
+    if bad and len(bad) < len(report.hosts):
+        lines.append(f"  every check ok on the other {len(report.hosts) - len(bad)} host(s)")
     if report.socket_ifname:
         lines.append(f"every host reaches the master through {report.socket_ifname}: "
                      f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={report.socket_ifname}")

@@ -59,7 +59,7 @@ def test_dead_host_named_by_preflight(sim_cluster, tmp_path, fault):
         sim_fault(sim_cluster, bad.name, clear=True)
     assert proc.returncode == 1 and summary["blocked"] == "pre-flight"
     assert summary["preflight"]["bad_hosts"] == [bad.name]
-    seen = failed_checks(summary, bad.name)["ssh"]["seen"]
+    seen = failed_checks(summary, bad.name)["reach"]["seen"]
     assert ("no answer within" if fault == "down" else "cannot connect") in seen
     assert summary["stages"] == []  # nothing was started
     assert took < 30

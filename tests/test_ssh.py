@@ -146,7 +146,7 @@ def test_dead_host_named_and_nothing_started(sim_cluster, tmp_path, fault, prefl
     assert proc.returncode == 1, out[-2000:]
     cause = "cannot connect" if fault == "sshd_stop" else "no answer within ssh.connect_timeout=5"
     if preflight:
-        assert f"{bad.name} ({bad.addr}): ssh: {cause}" in out
+        assert f"{bad.name} ({bad.addr}): reach: {cause}" in out
         assert "stopped by the pre-flight gate: no job was started" in out
     else:
         assert f"{bad.name} ({bad.addr}:22): {cause}" in out
@@ -167,12 +167,12 @@ def test_host_key_mismatch_refused_and_named(sim_cluster, tmp_path):
     spec = sim_spec(sim_cluster, tmp_path, ssh={**_ssh(sim_cluster), "known_hosts": str(known)}, **TOY)
     proc = ddplaunch(["up", str(spec)], tmp_path)
     assert proc.returncode == 1
-    assert f"{h2.name} ({h2.addr}): ssh: host key MISMATCH" in proc.stdout
+    assert f"{h2.name} ({h2.addr}): reach: host key MISMATCH" in proc.stdout
     assert "updated_weight" not in proc.stdout
     # strict: a host missing from known_hosts is refused too, and named
     known.write_text("".join(f"{a} {k}\n" for a, k in keys.items() if a != h1.addr))
     proc = ddplaunch(["up", str(spec)], tmp_path)
-    assert f"{h1.name} ({h1.addr}): ssh: host key unknown" in proc.stdout and proc.returncode == 1
+    assert f"{h1.name} ({h1.addr}): reach: host key unknown" in proc.stdout and proc.returncode == 1
 
 
 def test_env_value_arrives_literally(sim_cluster, tmp_path):

@@ -12,6 +12,7 @@ run to one batch script instead.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: How long a probe step may take beyond its command's own timeout (step launch).
 STEP_SLACK = 15.0
+#: A probe's code for "Slurm could not start anything on this node".
+UNREACHABLE_CODE = -1
 
 
 class SlurmBackend:
@@ -240,13 +243,17 @@ class SlurmBackend:
         try:
             proc = self.client.run(argv, timeout=timeout + STEP_SLACK, stdin=script)
         except BackendError as err:
-            return {h: (255, str(err)) for h in hosts}
+            return {h: (UNREACHABLE_CODE, str(err)) for h in hosts}
         out: dict[str, list[str]] = {h: [] for h in hosts}
         codes = {h: 0 for h in hosts}
         for line in proc.stdout.splitlines() + proc.stderr.splitlines():
             label = line.split(": ", 1)
+            unreachable = re.match(r"srun: error: Task launch for \S+ failed on node (\S+): (.*)", line)
             if len(label) == 2 and label[0].strip().isdigit() and int(label[0]) < len(hosts):
                 out[hosts[int(label[0])]].append(label[1])
+            elif unreachable and unreachable.group(1) in codes:
+                codes[unreachable.group(1)] = UNREACHABLE_CODE
+                out[unreachable.group(1)] = [f"Slurm cannot start a step there: {unreachable.group(2)}"]
             elif line.startswith("srun: error: ") and "Exited with exit code" in line:
                 host = line.split(": ")[2]
                 if host in codes:
@@ -272,8 +279,8 @@ class SlurmBackend:
         results: list[HostResult] = []
         for h in targets:
             code, out = answers[h.label]
-            if code == 255 and "gave no answer" in out:
-                results.append((h, None, BackendError(out)))
+            if code == UNREACHABLE_CODE:
+                results.append((h, None, BackendError(f"{h.label}: {out}")))
             else:
                 results.append((h, (code, out), None))
         return results

@@ -1,0 +1,195 @@
+"""One fault matrix, the same assertions on every backend that drives real hosts: each fault is
+named with its host (and rank), within its time bound, with the right exit code, and nothing of
+the run is left on any host. ssh runs on the sim's sshd hosts, slurm on the sim's Slurm cluster
+(every stage an srun step of one allocation)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddplaunch.sim.faults import sim_fault
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+BACKENDS = ["ssh", "slurm"]
+#: A run's launcher, its processes and its allocation are gone this long after it ends.
+CLEAN_S = 15
+
+
+@pytest.fixture(params=BACKENDS)
+def bed(request, tmp_path):
+    """(backend, cluster, spec writer): the sim cluster of that backend and a spec for its first hosts."""
+    cluster = request.getfixturevalue("sim_cluster" if request.param == "ssh" else "slurm_cluster")
+
+    def spec(n_hosts: int = 2, **overrides) -> Path:
+        src = cluster.spec_path if request.param == "ssh" else cluster.slurm.spec_path
+        data = yaml.safe_load(src.read_text())
+        data["hosts"] = [h["name"] if request.param == "slurm" else h for h in data["hosts"][:n_hosts]]
+        data["workdir"] = str(ROOT)
+        if request.param == "slurm":
+            data["slurm"].pop("nodes", None)
+            data["slurm"]["output_dir"] = str(tmp_path / "slurm-out")
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(data.get(key), dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
+        path = tmp_path / f"{request.param}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    yield request.param, cluster, spec
+    for h in cluster.hosts:  # a failed test must not leave a fault for the next one
+        if h.fault.down or h.fault.rate:
+            sim_fault(cluster, h.name, clear=True)
+
+
+def _clean(backend: str, cluster, tmp_path: Path, run_id: str) -> None:
+    """Nothing of the run is left: no tagged process on any host, no job of ours in the queue."""
+    wait_for(lambda: run_processes(run_id) == {}, timeout=CLEAN_S)
+    if backend == "slurm":
+        queue = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=30,
+                               env=cluster.slurm.env()).stdout.split()
+        assert run_id not in queue, queue
+
+
+def _train(tmp_path: Path, *args: str) -> dict:
+    return {"healthcheck": {"enabled": False}, "env": {"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")},
+            "job": {"script": "jobs/train.py", "args": ["--epochs", "50", "--step-sleep", "0.2", *args]}}
+
+
+def test_dead_host_named_before_anything_starts(bed, tmp_path):
+    backend, cluster, spec = bed
+    bad = cluster.hosts[1]
+    path = spec(2, healthcheck={"enabled": False}, job={"script": "jobs/toy_ddp.py"})
+    sim_fault(cluster, bad.name, down=True)
+    try:
+        t0 = time.time()
+        proc = ddplaunch(["up", str(path), "--run-id", f"fm-dead-{backend}"], tmp_path, timeout=180)
+        took = time.time() - t0
+    finally:
+        sim_fault(cluster, bad.name, clear=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert re.search(rf"^{bad.name} \(\S+\): reach: ", out, re.M), out[-3000:]
+    assert "stopped by the pre-flight gate: no job was started" in out
+    assert "updated_weight" not in out
+    assert took < 90, f"{took:.0f}s"
+    _clean(backend, cluster, tmp_path, f"fm-dead-{backend}")
+
+
+def test_hang_named_with_ranks_hosts_and_lines(bed, tmp_path):
+    backend, cluster, spec = bed
+    h1, h2 = (h.name for h in cluster.hosts[:2])
+    path = spec(2, healthcheck={"enabled": False},
+                job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 20})
+    run_id = f"fm-hang-{backend}"
+    t0 = time.time()
+    proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=240)
+    took = time.time() - t0
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    where = (rf"rank 0 \({h1}\): all_reduce at jobs/mismatch_demo.py:\d+ — "
+             rf"ranks 1-3 \({h1}, {h2}\): barrier at jobs/mismatch_demo.py:\d+")
+    assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=20\); stuck at: " + where, out, re.M), out[-3000:]
+    assert "stage job: FAILED" in out and "INTERRUPTED" not in out.split("stage job: FAILED")[1].split("\n")[0]
+    assert took < 120, f"{took:.0f}s"
+    _clean(backend, cluster, tmp_path, run_id)
+
+
+def test_killed_worker_ends_the_run_and_is_named(bed, tmp_path):
+    backend, cluster, spec = bed
+    h2 = cluster.hosts[1].name
+    run_id = f"fm-kill-{backend}"
+    proc = popen_ddplaunch(["up", str(spec(2, **_train(tmp_path))), "--run-id", run_id], tmp_path)
+    try:
+        read_until(proc, "step=", timeout=180)
+        victim = wait_for(lambda: [p for p, e in run_processes(run_id).items()
+                                   if e.get("DDPLAUNCH_HOST") == h2 and e.get("RANK") == "3"], 30)[0]
+        t0 = time.time()
+        os.kill(victim, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=120)
+        ended = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, rest[-3000:]
+    assert re.search(rf"first failure: {h2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
+                     r"killed by SIGKILL", rest), rest[-3000:]
+    assert ended < 30, f"run took {ended:.1f}s to end after the kill"
+    _clean(backend, cluster, tmp_path, run_id)
+
+
+def test_mismatched_collective_named(bed, tmp_path):
+    backend, cluster, spec = bed
+    h1, h2 = (h.name for h in cluster.hosts[:2])
+    path = spec(2, nproc_per_node=1, healthcheck={"enabled": False},
+                job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "error"], "debug_collectives": True,
+                     "hang_timeout": 30})
+    run_id = f"fm-mismatch-{backend}"
+    t0 = time.time()
+    proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=180)
+    took = time.time() - t0
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    summary = proc.stdout[proc.stdout.index("stage job: FAILED"):]
+    assert (f"{h1} rank 0: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
+            "rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float") in summary, summary
+    assert took < 90
+    _clean(backend, cluster, tmp_path, run_id)
+
+
+@pytest.mark.parametrize("on_fail", ["stop", "exclude"])
+def test_slow_host_found_by_the_pair_gate(bed, tmp_path, on_fail):
+    backend, cluster, spec = bed
+    slow = cluster.hosts[1]
+    path = spec(3, nproc_per_node=1,
+                healthcheck={"sizes": ["64K"], "iterations": 2, "pairwise": True, "pair_size": "16M",
+                             "on_fail": on_fail},
+                job={"script": "jobs/toy_ddp.py"})
+    run_id = f"fm-slow-{on_fail}-{backend}"
+    sim_fault(cluster, slow.name, rate="1gbit")
+    try:
+        t0 = time.time()
+        proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=300)
+        took = time.time() - t0
+    finally:
+        sim_fault(cluster, slow.name, clear=True)
+    out = proc.stdout
+    assert f"bad hosts: {slow.name} (slow with a known-good host" in out, out[-3000:]
+    if on_fail == "stop":
+        assert proc.returncode == 1 and "stopped by the health check gate" in out, out[-2000:]
+        assert "updated_weight" not in out
+    else:
+        assert proc.returncode == 0, out[-3000:]
+        assert f"failed on {slow.name}: EXCLUDED" in out
+        assert out.count("updated_weight=0.6") == 2 and f"[{slow.name}:" not in out.split("stage job")[-1]
+    assert took < 150, f"{took:.0f}s"
+    _clean(backend, cluster, tmp_path, run_id)
+
+
+def test_ctrl_c_ends_everything(bed, tmp_path):
+    backend, cluster, spec = bed
+    run_id = f"fm-int-{backend}"
+    proc = popen_ddplaunch(["up", str(spec(2, **_train(tmp_path))), "--run-id", run_id], tmp_path)
+    try:
+        read_until(proc, "step=", timeout=180)
+        assert run_processes(run_id)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest[-3000:]
+    assert "stage job: INTERRUPTED" in rest
+    assert took < 30, f"{took:.0f}s"
+    _clean(backend, cluster, tmp_path, run_id)
