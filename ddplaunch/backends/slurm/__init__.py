@@ -334,8 +334,20 @@ class SlurmBackend:
                         "`ddplaunch up` inside the batch script you submit (it then uses that allocation)")
 
     def close(self) -> None:
-        if self.job is not None and self.job.owned:
+        """End the allocation ddplaunch made (never one it runs inside): SIGTERM to the holding
+        script, which exits 0 (the job ends COMPLETED); scancel if it does not go."""
+        if self.job is None or not self.job.owned:
+            return
+        try:
+            self.client.run(["scancel", "--batch", "--signal=TERM", self.job.job_id])
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self.client.job_state(self.job.job_id) in (None, "COMPLETED", "CANCELLED", "FAILED"):
+                    return
+                time.sleep(POLL_INTERVAL)
             self.client.cancel(self.job.job_id, wait=60)
+        except BackendError:
+            pass
 
 
 def _run_dir(record: dict) -> str:

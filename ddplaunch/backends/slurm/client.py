@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ddplaunch.errors import BackendError
+from ddplaunch.hostlist import expand_hostlist  # noqa: F401  (re-exported)
 
 #: Timeout of each Slurm client command.
 COMMAND_TIMEOUT = 30.0
@@ -146,28 +147,3 @@ def first_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "error" in ln.lower() or "fatal" in ln.lower()]
     return (errors or lines or ["(no message)"])[0]
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm's hostlist syntax without asking Slurm: `gpu[01-04,07],cpu1` -> gpu01..gpu04, gpu07, cpu1
-    (zero padding kept). Used for `hosts:` on every backend."""
-    out: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", text):
-        out += _expand_one(part.strip())
-    return [h for h in out if h]
-
-
-def _expand_one(part: str) -> list[str]:
-    m = re.search(r"\[([^\]]*)\]", part)
-    if not m:
-        return [part]
-    head, tail = part[:m.start()], part[m.end():]
-    names = []
-    for rng in m.group(1).split(","):
-        lo, _, hi = rng.partition("-")
-        if hi:
-            width = len(lo) if lo.startswith("0") else 0
-            names += [f"{head}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
-        else:
-            names.append(f"{head}{lo}")
-    return [n + rest for n in names for rest in _expand_one(tail)]
