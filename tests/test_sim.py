@@ -9,7 +9,6 @@ import os
 import pwd
 import random
 import shutil
-import socket
 import stat
 import subprocess
 import sys
