@@ -12,11 +12,11 @@ With `SimConfig(slurm=True)` the hosts also form a real Slurm cluster (see slurm
 from ddplaunch.sim.cluster import (DEFAULT_PREFIX, DEFAULT_SUBNET, RC_NOISE_STDERR, RC_NOISE_STDOUT,
                                    DownResult, Fault, SimCluster, SimConfig, SimHost, check_requirements,
                                    check_state_dir, default_state_dir, host_exec_argv, load_cluster,
-                                   render_spec, secure_state_dir, sim_down, sim_up)
+                                   render_slurm_spec, render_spec, secure_state_dir, sim_down, sim_up)
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.netns import Naming
 from ddplaunch.sim.proc import SimError
-from ddplaunch.sim.slurm import SlurmState, render_slurm_spec
+from ddplaunch.sim.slurm import SlurmState
 from ddplaunch.sim.status import DaemonStatus, HostStatus, sim_status, slurm_status
 
 __all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "RC_NOISE_STDERR", "RC_NOISE_STDOUT", "DaemonStatus",

@@ -419,7 +419,7 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
         slurm.start_slurm(cluster, save=lambda: save_state(cluster))
         save_state(cluster)
         cluster.slurm.spec_path.parent.mkdir(parents=True, exist_ok=True)
-        cluster.slurm.spec_path.write_text(slurm.render_slurm_spec(
+        cluster.slurm.spec_path.write_text(render_slurm_spec(
             cluster, python=python, workdir=workdir, nproc_per_node=cfg.nproc_per_node,
             nodes=cfg.slurm_nodes))
     return cluster
@@ -547,15 +547,16 @@ def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_no
 
 
 def spec_text(cluster: SimCluster, what: str, name: str, backend: str, *, python: str, workdir: Path,
-              nproc_per_node: int, sections: list[str]) -> str:
+              nproc_per_node: int, sections: list[str], list_hosts: bool = True) -> str:
     """A sim cluster spec: the keys every sim spec shares, the backend's `sections`, the job (pure)."""
     q = _yaml_scalar
     command = "ddplaunch sim up" + (" --slurm" if backend == "slurm" else "")
     lines = [f"# written by `{command}` — {what}",
              f"name: {q(name)}",
-             f"backend: {backend}",
-             "hosts:"]
-    lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
+             f"backend: {backend}"]
+    if list_hosts:
+        lines.append("hosts:")
+        lines += [f"  - {{addr: {q(h.addr)}, name: {q(h.name)}}}" for h in cluster.hosts]
     lines += [f"nproc_per_node: {nproc_per_node}",
               f"python: {q(python)}",
               f"workdir: {q(str(workdir))}",
@@ -567,6 +568,25 @@ def spec_text(cluster: SimCluster, what: str, name: str, backend: str, *, python
               "  script: jobs/toy_ddp.py",
               ""]
     return "\n".join(lines)
+
+
+def render_slurm_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_node: int = 2,
+                      nodes: int | None = None) -> str:
+    """The cluster spec (YAML) for launching on this sim through Slurm (pure).
+
+    `nodes` defaults to min(2, number of hosts); Slurm picks which (no `hosts:` list, which would
+    be the exact node list).
+    """
+    q = _yaml_scalar
+    assert cluster.slurm is not None
+    n = len(cluster.hosts)
+    return spec_text(
+        cluster, f"a simulated Slurm cluster of {n} nodes", "sim-" + cluster.prefix + "-slurm", "slurm",
+        python=python, workdir=workdir, nproc_per_node=nproc_per_node, list_hosts=False,
+        sections=["slurm:",
+                  f"  conf: {q(str(cluster.slurm.conf))}",
+                  f"  partition: {q(cluster.slurm.partition)}",
+                  f"  nodes: {nodes or min(2, n)}"])
 
 
 def _yaml_scalar(value: str) -> str:

@@ -134,26 +134,6 @@ def slurm_conf_text(*, cluster_name: str, controller: tuple[str, str], nodes: Se
     return "\n".join(lines)
 
 
-def render_slurm_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_node: int = 2,
-                      nodes: int | None = None) -> str:
-    """The cluster spec (YAML) for launching on this sim through Slurm (pure).
-
-    `nodes` defaults to min(2, number of hosts).
-    """
-    from ddplaunch.sim.cluster import _yaml_scalar as q
-    from ddplaunch.sim.cluster import spec_text
-
-    assert cluster.slurm is not None
-    n = len(cluster.hosts)
-    return spec_text(
-        cluster, f"a simulated Slurm cluster of {n} nodes", "sim-" + cluster.prefix + "-slurm", "slurm",
-        python=python, workdir=workdir, nproc_per_node=nproc_per_node,
-        sections=["slurm:",
-                  f"  conf: {q(str(cluster.slurm.conf))}",
-                  f"  partition: {q(cluster.slurm.partition)}",
-                  f"  nodes: {nodes or min(2, n)}"])
-
-
 # ----------------------------------------------------------------------------- up
 
 def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> SlurmState:
