@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.backends.slurm import SlurmBackend
-from ddplaunch.backends.slurm.client import SlurmClient, describe_sbatch_error, expand_hostlist
+from ddplaunch.backends.slurm.client import SlurmClient, describe_sbatch_error
+from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.backends.slurm.render import allocation_request, sbatch_options, step_request
 from ddplaunch.backends.slurm.step import SrunStep
 from ddplaunch.console import LineSink

@@ -12,19 +12,18 @@ run to one batch script instead.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult
-from ddplaunch.backends.slurm.client import (POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error,
-                                             expand_hostlist)
+from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.render import (AT_LAUNCH, StepRequest, allocation_request, step_request)
 from ddplaunch.backends.slurm.step import SrunStep
 from ddplaunch.console import LineSink
 from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.outcomes import finish_outcome
 from ddplaunch.plan import LaunchPlan, host_python, host_run_dir, quote
 from ddplaunch.results import INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult, stop_cause
@@ -240,27 +239,19 @@ class SlurmBackend:
                 "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}", "--overlap", "--label",
                 "--input=all", f"--time={max(1, int(timeout // 60) + 1)}", "--job-name=ddplaunch-probe",
                 "bash", "-c", "exec bash -s"]
-        try:
-            proc = self.client.run(argv, timeout=timeout + STEP_SLACK, stdin=script)
-        except BackendError as err:
-            return {h: (UNREACHABLE_CODE, str(err)) for h in hosts}
-        out: dict[str, list[str]] = {h: [] for h in hosts}
-        codes = {h: 0 for h in hosts}
-        for line in proc.stdout.splitlines() + proc.stderr.splitlines():
-            label = line.split(": ", 1)
-            unreachable = re.match(r"srun: error: Task launch for \S+ failed on node (\S+): (.*)", line)
-            if len(label) == 2 and label[0].strip().isdigit() and int(label[0]) < len(hosts):
-                out[hosts[int(label[0])]].append(label[1])
-            elif unreachable and unreachable.group(1) in codes:
-                codes[unreachable.group(1)] = UNREACHABLE_CODE
-                out[unreachable.group(1)] = [f"Slurm cannot start a step there: {unreachable.group(2)}"]
-            elif line.startswith("srun: error: ") and "Exited with exit code" in line:
-                host = line.split(": ")[2]
-                if host in codes:
-                    codes[host] = int(line.rsplit(" ", 1)[1])
-        if proc.returncode != 0 and not any(codes.values()):
-            codes = {h: proc.returncode for h in hosts}
-        return {h: (codes[h], "\n".join(out[h])) for h in hosts}
+        step = SrunStep(self.client, argv, {}, hosts, None, "ddplaunch-probe", job, stdin=script)
+        rc = step.wait(timeout=timeout + STEP_SLACK)
+        if rc is None:
+            step.stop(grace=2)
+            return {h: (UNREACHABLE_CODE, f"no answer within {timeout:.0f}s") for h in hosts}
+        answers = {}
+        for i, h in enumerate(hosts):
+            if h in step.unreachable:
+                answers[h] = (UNREACHABLE_CODE, f"Slurm cannot start a step there: {step.unreachable[h]}")
+            else:
+                code = step.ends.get(i, (0, "", 0.0))[0]
+                answers[h] = (rc if code is None else code, "\n".join(step.output.get(i, [])))
+        return answers
 
     def _job_id(self) -> str:
         if self.job is None:

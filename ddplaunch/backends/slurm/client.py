@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ddplaunch.errors import BackendError
-from ddplaunch.hostlist import expand_hostlist  # noqa: F401  (re-exported)
 
 #: Timeout of each Slurm client command.
 COMMAND_TIMEOUT = 30.0

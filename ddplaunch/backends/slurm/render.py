@@ -116,14 +116,19 @@ class StepRequest:
                f"(port derived from the run id, checked free at launch)"]
         for src, argv in self.uploads:
             out.append(f"# upload {Path(src).name} to every node (on the stdin of:)")
-            out.append(shlex.join(argv))
+            out.append(shlex.join(_marked(argv)))
         out.append("# environment of every node (srun's process environment, never its command line):")
         out += [f"#   {k}={quote(SHOWN if k in plan.secrets else v)}" for k, v in self.env]
-        out.append(shlex.join(self.argv))
+        out.append(shlex.join(_marked(self.argv)))
         return "\n".join(out) + "\n"
 
 
 SHOWN = Raw("<secret>")
+
+
+def _marked(argv: tuple[str, ...]) -> list[str]:
+    """The argv as shown: the job id is only known at launch, so it is marked, never printed."""
+    return [f"--jobid={AT_LAUNCH}" if a.startswith("--jobid=") else a for a in argv]
 
 
 def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None) -> StepRequest:

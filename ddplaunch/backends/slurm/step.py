@@ -24,6 +24,7 @@ SRUN_PIECE = 1024
 #: Seconds torchrun gets to stop its workers after SIGTERM before srun is ended.
 SHUTDOWN_GRACE = 10.0
 _LABEL_RE = re.compile(r"^\s*(\d+): ?(.*)$")
+_LAUNCH_FAILED_RE = re.compile(r"^srun: error: Task launch for \S+ failed on node (\S+): (.*)$")
 _TASK_END_RE = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated|.*)$")
 
 
@@ -39,17 +40,29 @@ class SrunStep:
     """One srun process: its lines, and how each of its nodes ended."""
 
     def __init__(self, client: SlurmClient, argv: list[str], env: dict[str, str], hosts: list[str],
-                 sink: Optional[LineSink], name: str, job: str):
+                 sink: Optional[LineSink], name: str, job: str, stdin: Optional[str] = None):
         self.client, self.hosts, self.sink, self.name, self.job = client, hosts, sink, name, job
         self.ends: dict[int, tuple[Optional[int], str, float]] = {}  # node -> (exit code, how, when)
         self.output: dict[int, list[str]] = {}
+        #: Nodes Slurm could not start the step on: host -> srun's reason.
+        self.unreachable: dict[str, str] = {}
         self.first_failure: Optional[int] = None
         self._pieces: dict[int, str] = {}
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=client.env(env),
-                                     preexec_fn=_die_with_parent)
+                                     stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+                                     env=client.env(env), preexec_fn=_die_with_parent)
+        if stdin is not None:
+            threading.Thread(target=self._feed, args=(stdin,), daemon=True).start()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
+
+    def _feed(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(text.encode())
+            self.proc.stdin.close()
+        except OSError:
+            pass
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -77,6 +90,9 @@ class SrunStep:
             self.sink.emit(node, self.host(node), text)
 
     def _srun_message(self, text: str) -> None:
+        launch = _LAUNCH_FAILED_RE.match(text)
+        if launch:
+            self.unreachable[launch.group(1)] = launch.group(2)
         m = _TASK_END_RE.match(text)
         if m:
             code = int(m.group(4)) if m.group(4) else None
