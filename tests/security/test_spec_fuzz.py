@@ -102,7 +102,8 @@ WORDS = ["", "~", "null", "yes", "no", "on", "off", "true", "010", "0x1F", "0o17
          "`id`", "$(id)", "'", '"', "\\", "\u2028", "\x85", "\ufeff", "é", "日本"]
 HOSTILE_CHARS = st.characters(codec=None, exclude_categories=("Cs",)) | st.sampled_from(
     ["\x00", "\t", "\n", "\r", "\x1b", "\x7f", "\x85", "\u2028", "\ufffe", ":", "#", "&", "*", "!", "-", " "])
-TEXT = st.text(HOSTILE_CHARS, max_size=24)
+CLEAN_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=0x24F, exclude_categories=("Cc",)), max_size=24)
+TEXT = st.one_of(CLEAN_TEXT, CLEAN_TEXT, CLEAN_TEXT, CLEAN_TEXT, st.text(HOSTILE_CHARS, max_size=24))
 HUGE_INT = st.one_of(st.integers().map(str), st.builds(  # up to 5,000 digits (str(int) stops at 4,300)
     lambda sign, digit, n, tail: sign + digit * n + tail, st.sampled_from(["", "-", "+"]),
     st.sampled_from("123456789"), st.integers(1, 5000), st.sampled_from(["", "_0", ".5", "e9", ":30"])))
@@ -144,7 +145,7 @@ def anchored(draw: st.DrawFn) -> tuple[str, str]:
     if kind == "recursive":
         return "x0: &a0 [1, *a0]\n", "*a0"
     if kind == "plain":
-        return f"x0: &a0 {draw(VALUE)}\n", "*a0"
+        return f"setup: &a0 {draw(VALUE)}\n", "*a0"
     lines = ["x0: &a0 [" + ", ".join(["lol"] * width) + "]"]
     for i in range(1, depth):
         if kind == "seq":
