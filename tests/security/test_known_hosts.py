@@ -150,6 +150,68 @@ def test_same_new_host_with_different_keys_in_parallel_one_wins(tmp_path: Path) 
         assert len(path.read_text().splitlines()) == 1
 
 
+def test_record_waits_for_the_lock_then_rereads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic form of the race: another writer holds the flock and adds the host meanwhile."""
+    import fcntl
+
+    import ddplaunch.backends.known_hosts as kh
+
+    path = tmp_path / "known_hosts"
+    path.write_text("# hosts\n")
+    theirs, ours = _key(), _key()
+    at_lock = threading.Event()
+    real_lock = kh._lock
+
+    def spy_lock(fd: int, p: Path) -> None:
+        at_lock.set()
+        real_lock(fd, p)
+
+    monkeypatch.setattr(kh, "_lock", spy_lock)
+    outcome: list[object] = []
+    with open(path, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        worker = threading.Thread(target=lambda: outcome.append(_try(lambda: record_host_key(path, "gpu1", ours))))
+        worker.start()
+        assert at_lock.wait(timeout=10), "record_host_key never took the lock"
+        other.write(_line("gpu1", theirs) + "\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_UN)
+    worker.join(timeout=30)
+    assert len(outcome) == 1 and isinstance(outcome[0], paramiko.BadHostKeyException)
+    assert path.read_text() == "# hosts\n" + _line("gpu1", theirs) + "\n"
+
+
+def test_file_is_locked_while_reread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    import ddplaunch.backends.known_hosts as kh
+
+    path = tmp_path / "known_hosts"
+    path.write_text("")
+    real_read = kh._read_all
+    held: list[bool] = []
+
+    def spy_read(fd: int) -> bytes:
+        with open(path, "rb") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return real_read(fd)
+
+    monkeypatch.setattr(kh, "_read_all", spy_read)
+    assert record_host_key(path, "gpu1", _key())
+    assert held == [True]
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 — the test inspects it
+        return err
+
+
 def test_created_0600_with_its_directory(tmp_path: Path) -> None:
     path = tmp_path / "new" / ".ssh" / "known_hosts"
     key = _key()
@@ -252,6 +314,40 @@ def test_revoked_key_refused(tmp_path: Path, policy: str) -> None:
             client._policy.missing_host_key(client, host, bad)
     assert path.read_bytes() == before
     assert client.get_host_keys().lookup("gpu2")[good.get_name()] == good
+
+
+def test_revoked_patterns_follow_openssh(tmp_path: Path) -> None:
+    """`*`/`?` wildcards, `!` negation, hashed names; `[host]:port` is literal (not a glob class)."""
+    bad = _key()
+    text = "\n".join(f"@revoked {names} {bad.get_name()} {bad.get_base64()}" for names in (
+        "*.corp,!safe.corp", "[gpu3]:2222", "gpu?", paramiko.HostKeys.hash_host("secret-host")))
+    known = parse_known_hosts(text)
+    for host in ("a.corp", "[a.corp]:2200", "[gpu3]:2222", "gpu7", "secret-host"):
+        assert known.revoked_for(host, bad) is not None, host
+    for host in ("safe.corp", "g:2222", "[gpu30]:2222", "gpu10", "other"):
+        assert known.revoked_for(host, bad) is None, host
+    assert known.revoked_for("a.corp", _key()) is None
+
+
+def test_parsed_once_per_content(tmp_path: Path) -> None:
+    path = tmp_path / "known_hosts"
+    path.write_text(_line("gpu1", _key()) + "\n")
+    first = load_host_keys(path)
+    assert load_host_keys(path) is first
+    record_host_key(path, "gpu2", _key())
+    second = load_host_keys(path)
+    assert second is not first and [e.hostnames for e in second.entries] == [["gpu1"], ["gpu2"]]
+
+
+def test_unloadable_recorded_key_still_blocks_another(tmp_path: Path) -> None:
+    """A host recorded only with a key type paramiko cannot check is not re-added with another key."""
+    path = tmp_path / "known_hosts"
+    path.write_text(_sk_line("gpu1") + "\n")
+    before = path.read_bytes()
+    with pytest.raises(paramiko.BadHostKeyException) as err:
+        _accept(path, "gpu1", _key())
+    assert err.value.expected_key.get_name() == "sk-ssh-ed25519@openssh.com"
+    assert path.read_bytes() == before
 
 
 def test_cert_authority_and_unknown_types_tolerated(tmp_path: Path) -> None:
