@@ -55,6 +55,9 @@ class KnownHosts:
     entries: list[HostKeyEntry] = field(default_factory=list)
     revoked: list[RevokedKey] = field(default_factory=list)
     skipped: list[tuple[int, str]] = field(default_factory=list)
+    #: Lines whose host list has wildcards (`*.corp`) or negations (`!bastion`): paramiko's
+    #: lookup compares names literally, so the policies consult these themselves.
+    patterned: list[tuple[tuple[str, ...], paramiko.PKey]] = field(default_factory=list)
 
     def host_keys(self) -> paramiko.HostKeys:
         """A fresh paramiko.HostKeys holding `entries`."""
@@ -82,6 +85,10 @@ class KnownHosts:
         for entry in fresh:  # a non-empty or unfamiliar HostKeys: the public, slower way
             for name in entry.hostnames:
                 keys.add(name, entry.key.get_name(), entry.key)
+
+    def pattern_keys(self, hostname: str) -> list[paramiko.PKey]:
+        """Keys of the wildcard/negation lines that match `hostname`."""
+        return [key for patterns, key in self.patterned if _patterns_match(patterns, hostname)]
 
     def revoked_for(self, hostname: str, key: paramiko.PKey) -> Optional[RevokedKey]:
         """The `@revoked` line that revokes `key` for `hostname` (`addr` or `[addr]:port`), if any."""
@@ -159,11 +166,16 @@ def parse_known_hosts(text: str, path: Union[str, Path] = "known_hosts") -> Know
         except Exception as err:  # noqa: BLE001 — any undecodable key is skipped, never fatal
             known.skipped.append((line.lineno, f"key type {line.key_type!r} not usable: {type(err).__name__}"))
             continue
-        known.entries.append(HostKeyEntry(names, key))
+        if any(_is_pattern(n) for n in names):
+            known.patterned.append((tuple(names), key))
+        plain = [n for n in names if not _is_pattern(n)]
+        if plain:
+            known.entries.append(HostKeyEntry(plain, key))
     if known.revoked:
         revoked_blobs = {r.blob for r in known.revoked}
         # A revoked key is never trusted, whatever host line also lists it.
         known.entries = [e for e in known.entries if e.key.asbytes() not in revoked_blobs]
+        known.patterned = [(p, k) for p, k in known.patterned if k.asbytes() not in revoked_blobs]
     return known
 
 
@@ -211,6 +223,10 @@ def _usable_name(name: str) -> bool:
         return all(len(base64.b64decode(p, validate=True)) == 20 for p in parts[2:])
     except (binascii.Error, ValueError):
         return False
+
+
+def _is_pattern(name: str) -> bool:
+    return name.startswith("!") or "*" in name or "?" in name
 
 
 def _bare(hostname: str) -> str:
@@ -364,9 +380,8 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        rev = self.known.revoked_for(hostname, key)
-        if rev is not None:
-            raise RevokedHostKeyError(hostname, key, self.known.path, rev)
+        if _known_by_pattern(self.known, hostname, key):
+            return
         # The wording "not found in known_hosts" is paramiko's RejectPolicy's, which callers match.
         raise paramiko.SSHException(f"Server {hostname!r} not found in known_hosts ({self.known.path})")
 
@@ -382,11 +397,23 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
         self.known = known
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        rev = self.known.revoked_for(hostname, key)
-        if rev is not None:
-            raise RevokedHostKeyError(hostname, key, self.known.path, rev)
-        record_host_key(self.known.path, hostname, key)
+        if not _known_by_pattern(self.known, hostname, key):
+            record_host_key(self.known.path, hostname, key)
         client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+def _known_by_pattern(known: KnownHosts, hostname: str, key: paramiko.PKey) -> bool:
+    """For a host paramiko did not find: refuse a revoked key; True when a wildcard line has
+    this very key; a wildcard line with another key is a changed key (BadHostKeyException)."""
+    rev = known.revoked_for(hostname, key)
+    if rev is not None:
+        raise RevokedHostKeyError(hostname, key, known.path, rev)
+    keys = known.pattern_keys(hostname)
+    if key in keys:
+        return True
+    if keys:
+        raise paramiko.BadHostKeyException(hostname, key, keys[0])
+    return False
 
 
 def configure(client: paramiko.SSHClient, known_hosts: Union[str, Path], policy: str) -> KnownHosts:

@@ -329,6 +329,24 @@ def test_revoked_patterns_follow_openssh(tmp_path: Path) -> None:
     assert known.revoked_for("a.corp", _key()) is None
 
 
+@pytest.mark.parametrize("policy", ["strict", "accept-new"])
+def test_wildcard_host_lines_work(tmp_path: Path, policy: str) -> None:
+    """`*.corp,!bastion.corp key` trusts that key for a.corp (paramiko alone compares names literally)."""
+    path = tmp_path / "known_hosts"
+    fleet = _key()
+    path.write_text(_line("*.corp,!bastion.corp", fleet) + "\n")
+    before = path.read_bytes()
+    client = paramiko.SSHClient()
+    configure(client, path, policy)
+    client._policy.missing_host_key(client, "a.corp", fleet)          # trusted, nothing written
+    with pytest.raises(paramiko.BadHostKeyException):
+        client._policy.missing_host_key(client, "b.corp", _key())     # the pattern says another key
+    assert path.read_bytes() == before
+    if policy == "strict":
+        with pytest.raises(paramiko.SSHException, match="not found in known_hosts"):
+            client._policy.missing_host_key(client, "bastion.corp", fleet)
+
+
 def test_parsed_once_per_content(tmp_path: Path) -> None:
     path = tmp_path / "known_hosts"
     path.write_text(_line("gpu1", _key()) + "\n")
