@@ -1,3 +1,65 @@
-"""Shared fixtures: the simulated cluster (real namespaces + sshd) for integration tests."""
+"""Shared fixtures and the suite's rules: the simulated cluster (real namespaces, sshd, Slurm) for
+integration tests; with CI=true a real-system test that is skipped FAILS (a green CI run means the
+real-system tests ran); every test's launchers, tagged processes and Slurm jobs are ended after
+it, pass or fail, so one failure never cascades into the next test."""
 
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests import ssh_util
 from tests.simfixture import sim_cluster, slurm_cluster  # noqa: F401  (re-exported fixtures)
+
+#: Fixtures that stand for a real system (root, sshd, Slurm): a test using one is a real-system test.
+REAL_FIXTURES = {"sim_cluster", "slurm_cluster", "bed", "noisy_sim_cluster"}
+STRICT = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_ran: list[str] = []
+_skipped_real: list[tuple[str, str]] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.root)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if item.get_closest_marker("root") is None:
+        return
+    if report.skipped and STRICT:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped_real.append((item.nodeid, reason))
+        report.outcome = "failed"
+        report.longrepr = f"real-system test could not run in CI (CI=true): {reason}"
+    elif report.when == "call" and report.passed:
+        _ran.append(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(f"real-system tests that ran and passed: {len(_ran)}")
+    for nodeid, reason in _skipped_real:
+        terminalreporter.write_line(f"COULD NOT RUN (CI=true makes this a failure): {nodeid}: {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _end_what_the_test_started():
+    """After every test: launchers it started are interrupted (then killed), processes tagged with
+    its run ids are killed, and Slurm jobs named after them are cancelled."""
+    ssh_util.started.clear()
+    yield
+    for proc in ssh_util.started.launchers:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+                proc.wait(timeout=10)
+    for run_id in ssh_util.started.run_ids:
+        ssh_util.kill_run(run_id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,14 +30,60 @@ def launcher_env(tmp_path: Path) -> dict[str, str]:
     return dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state"), PYTHONUNBUFFERED="1")
 
 
+class Started:
+    """What the running test started: launchers and run ids (conftest ends them afterwards)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.launchers: list[subprocess.Popen] = []
+        self.run_ids: list[str] = []
+
+    def note(self, args: list[str]) -> None:
+        if "--run-id" in args and args.index("--run-id") + 1 < len(args):
+            self.run_ids.append(args[args.index("--run-id") + 1])
+
+
+started = Started()
+
+
 def ddplaunch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    started.note(args)
     return subprocess.run([sys.executable, "-m", "ddplaunch", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=launcher_env(tmp_path))
 
 
 def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ddplaunch", *args], stdout=subprocess.PIPE,
+    started.note(args)
+    proc = subprocess.Popen([sys.executable, "-m", "ddplaunch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=launcher_env(tmp_path))
+    started.launchers.append(proc)
+    return proc
+
+
+def kill_run(run_id: str) -> None:
+    """Leftovers of a test's run: SIGKILL its tagged processes, cancel Slurm jobs named after it."""
+    import signal
+
+    for pid in run_processes(run_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        from ddplaunch.sim.testing import _live
+    except ImportError:
+        return
+    for cluster, _ in list(_live.values()):
+        if cluster.slurm is None:
+            continue
+        out = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, timeout=30,
+                             env=cluster.slurm.env())
+        for line in out.stdout.splitlines():
+            job, _, name = line.partition(" ")
+            if name.strip() == run_id:
+                subprocess.run(["scancel", job], capture_output=True, timeout=30, env=cluster.slurm.env())
 
 
 def run_processes(run_id: str) -> dict[int, dict[str, str]]:
@@ -67,13 +112,32 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:
-    """Lines of proc's stdout up to and including the first one containing needle."""
+    """Lines of proc's stdout up to and including the first one containing needle. The deadline
+    holds even when the child prints nothing: at the deadline the child is interrupted (then
+    killed), which ends the read."""
+    import signal
+    import threading
+
     lines: list[str] = []
-    deadline = time.time() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if needle in line:
-            return lines
-        if time.time() > deadline:
-            break
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if needle in line and not expired.is_set():
+                return lines
+    finally:
+        timer.cancel()
     raise AssertionError(f"{needle!r} not seen within {timeout}s:\n" + "".join(lines[-40:]))

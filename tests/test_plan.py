@@ -56,55 +56,61 @@ def test_node_ranks_master_and_world(ssh_spec):
     plan = make_plan(ssh_spec, "r1", "job", 25000)
     assert plan.world_size == 6 and plan.master_addr == "10.9.0.11"
     for rank, node in enumerate(plan.nodes):
-        argv = list(node.argv)
-        assert argv[argv.index("--node-rank") + 1] == str(rank)
-        assert argv[argv.index("--nnodes") + 1] == "3"
-        assert argv[argv.index("--master-port") + 1] == "25000"
-        assert argv[argv.index("--max-restarts") + 1] == "1"
-        assert argv[-3:] == ["jobs/train.py", "--epochs", "2"]
+        t = node.torchrun
+        assert (t.node_rank, t.nnodes, t.master_port, t.max_restarts, t.nproc_per_node) == (rank, 3, 25000, 1, "2")
+        assert (node.script, node.args) == ("jobs/train.py", ("--epochs", "2"))
+        argv = node.argv()
+        assert argv[argv.index("--node-rank") + 1] == str(rank) and argv[-3:] == ["jobs/train.py", "--epochs", "2"]
         env = dict(node.env)
         assert env["GLOO_SOCKET_IFNAME"] == "eth1" and "PYTHONPATH" not in env
-        assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == f"[{node.host.label}:${{rank}}] "
+        assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == f"[{node.host_label}:${{rank}}] "
 
 
 def test_job_args_override(ssh_spec):
     plan = make_plan(ssh_spec, "r1", "job", 25000, job_args=["--epochs", "9"])
-    assert list(plan.nodes[0].argv[-3:]) == ["jobs/train.py", "--epochs", "9"]
+    assert plan.nodes[0].argv()[-3:] == ["jobs/train.py", "--epochs", "9"]
 
 
-def test_secrets_masked_in_dry_run_only(ssh_spec):
+def test_env_values_never_on_the_command_line_secrets_never_shown(ssh_spec):
     text = dry_run(ssh_spec, UpOptions(run_id="r"))
-    assert "s3cret" not in text and "WANDB_API_KEY=***" in text
-    assert "WANDB_API_KEY=s3cret" in make_plan(ssh_spec, "r", "job", 25000).nodes[0].shell_line()
-
-
-def test_shell_line_quotes_hostile_values(tmp_path, ssh_spec):
-    """bash parses the line back into exactly the values of the spec; nothing is executed."""
-    node = make_plan(ssh_spec, "r1", "job", 25000).nodes[1]
+    assert "s3cret" not in text and "export WANDB_API_KEY=<secret>" in text
+    node = make_plan(ssh_spec, "r", "job", 25000).nodes[0]
+    assert "WANDB_API_KEY='s3cret'" in node.env_text() or "WANDB_API_KEY=s3cret" in node.env_text()
     line = node.shell_line()
-    # replace `exec env ... python ...` by printing the env words bash would pass on
-    head, _, tail = line.partition("exec env ")
-    probe = "printf '%s\\n' " + tail
-    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=10,
-                         env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]})
-    words = out.stdout.splitlines()
-    assert out.returncode == 0, out.stderr
-    assert "NOTE=$(touch $HOME/pwned); echo" in words
-    assert not (tmp_path / "pwned").exists()
-    assert f"{tmp_path}/.ddplaunch/runs/r1/torchrun-job-node1" in words
-    assert head.startswith("mkdir -p \"$HOME\"/.ddplaunch/runs/r1 && cd '/srv/work dir' && "
+    assert "s3cret" not in line and "pwned" not in line and "WANDB_API_KEY" not in line
+
+
+def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
+    """bash reads back exactly the spec's values from the env file, and exactly the planned argv
+    from the line; nothing in them is executed."""
+    node = make_plan(ssh_spec, "r1", "job", 25000).nodes[1]
+    env_file = tmp_path / "env"
+    env_file.write_text(node.env_text())
+    out = subprocess.run(["bash", "-c", f'. {env_file} && printf "%s\\n" "$NOTE"'], capture_output=True,
+                         text=True, timeout=10, env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]})
+    assert out.stdout == "$(touch $HOME/pwned); echo\n" and not (tmp_path / "pwned").exists()
+    line = node.shell_line()
+    head, _, tail = line.partition(" && exec ")
+    words = subprocess.run(["bash", "-c", "printf '%s\\n' " + tail], capture_output=True, text=True, timeout=10,
+                           env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]}).stdout.splitlines()
+    want = [w.replace('"$HOME"', str(tmp_path)) for w in node.argv()]
+    assert words == want
+    assert head.startswith("cd '/srv/work dir' && . \"$HOME\"/.ddplaunch/runs/r1/job-node1.env && "
                            "source /opt/venv/bin/activate && echo $$ >")
-    assert shlex.split(tail)[0].startswith("DDPLAUNCH_DIST_BACKEND=")
 
 
 def test_ports_are_derived_from_run_id_and_differ_per_stage(ssh_spec):
     a, b = derive_port("run-a:job"), derive_port("run-b:job")
     assert PORT_RANGE[0] <= a < PORT_RANGE[1] and a == derive_port("run-a:job") and a != b
     text = dry_run(ssh_spec, UpOptions(run_id="x"))
-    ports = {line.split("master ")[1] for line in text.splitlines() if line.startswith("# run")}
+    ports = {line.split("master ")[1].split()[0] for line in text.splitlines() if line.startswith("# run")}
     assert len(ports) == 2
 
 
-def test_render_is_deterministic(ssh_spec):
-    plans = [make_plan(ssh_spec, "r", s, 25000) for s in ("healthcheck", "job")]
-    assert render_plan(plans) == render_plan(plans)
+def test_render_is_a_function_of_the_inputs(ssh_spec):
+    """Two plans built separately from the same inputs render the same text; a changed input shows."""
+    first = render_plan([make_plan(ssh_spec, "r", s, 25000) for s in ("healthcheck", "job")])
+    again = render_plan([make_plan(ssh_spec, "r", s, 25000) for s in ("healthcheck", "job")])
+    assert first == again
+    other = render_plan([make_plan(ssh_spec, "r", s, 25001) for s in ("healthcheck", "job")])
+    assert other != first and "--master-port 25001" in other
