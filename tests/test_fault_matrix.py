@@ -32,7 +32,8 @@ def bed(request, tmp_path):
     def spec(n_hosts: int = 2, **overrides) -> Path:
         src = cluster.spec_path if request.param == "ssh" else cluster.slurm.spec_path
         data = yaml.safe_load(src.read_text())
-        data["hosts"] = [h["name"] if request.param == "slurm" else h for h in data["hosts"][:n_hosts]]
+        data["hosts"] = ([h.name for h in cluster.hosts[:n_hosts]] if request.param == "slurm"
+                         else data["hosts"][:n_hosts])
         data["workdir"] = str(ROOT)
         if request.param == "slurm":
             data["slurm"].pop("nodes", None)
