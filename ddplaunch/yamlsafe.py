@@ -243,6 +243,10 @@ class _BoundedComposer(Composer):
         if self._depth >= MAX_DEPTH:
             raise _Problem(event.start_mark, f"values nested deeper than {MAX_DEPTH} levels")
         anchor = getattr(event, "anchor", None)
+        if anchor is not None and anchor in self.anchors:
+            first = self.anchors[anchor].start_mark.line + 1
+            raise _Problem(event.start_mark, f"anchor &{show(anchor, 40)} is defined twice (first at line "
+                                             f"{first}); rename one")
         self._depth += 1
         if anchor is not None:
             self._open_anchors.add(anchor)

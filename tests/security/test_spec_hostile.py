@@ -136,6 +136,11 @@ def test_explicit_tags_other_than_the_core_ones_are_refused(tmp_path):
     assert load_spec(spec_file(tmp_path, "name: !!str 010\n")).name == "010"
 
 
+def test_anchor_defined_twice(tmp_path):
+    path = spec_file(tmp_path, "setup: &x [a]\njob: {args: &x [b]}\n")
+    assert refused(path) == f"{path}:2:13: anchor &x is defined twice (first at line 1); rename one"
+
+
 def test_dates_stay_text_and_several_documents_are_refused(tmp_path):
     assert load_spec(spec_file(tmp_path, "name: 2024-01-01\n")).name == "2024-01-01"
     path = spec_file(tmp_path, "name: a\n---\nname: b\n")
