@@ -25,7 +25,9 @@ from yaml.resolver import Resolver
 
 from ddplaunch.errors import SpecError
 
-MAX_BYTES = 1 << 20  # a spec is a few kB; 1 MiB parses in well under a second
+LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
+# A spec is a few kB. libyaml scans 1 MiB in well under a second; pure Python, 128 KiB.
+MAX_BYTES = 1 << 20 if LIBYAML else 128 << 10
 MAX_DEPTH = 32  # nesting levels, aliases expanded (a real spec needs 4)
 MAX_NODES = 10_000  # values (scalars, lists, mappings), those reached through aliases counted as
 #                    if written out: a 1,000-host spec has 7,000; composing is ~20 us a value
@@ -263,8 +265,9 @@ class _BoundedComposer(Composer):
         return node
 
 
-def _loader_class() -> type:
-    if getattr(yaml, "__with_libyaml__", False):
+def _loader_class(libyaml: bool = LIBYAML) -> type:
+    """The loader: libyaml's C parser when PyYAML has it (every wheel does), else pure Python."""
+    if libyaml:
         from yaml._yaml import CParser  # libyaml scans and parses; composing stays in Python
 
         class _CLoader(_BoundedComposer, CParser, _Constructor, _Resolver):  # type: ignore[misc]

@@ -382,3 +382,23 @@ def test_backend_limits_ignore_defaults_and_the_table_is_data(tmp_path):
     assert spec.backend == "slurm"
     assert set(BACKEND_LIMITS) == {"local", "ssh", "slurm"}
     assert all(isinstance(r, str) and r for limits in BACKEND_LIMITS.values() for r in limits.values())
+
+
+# --------------------------------------------------------------------------- without libyaml
+
+
+@pytest.mark.parametrize("text, expected", [
+    (BOMB_333, ":7:8: aliases expand to more than"),
+    (b"job: {args: " + b"[" * 5000 + b"]" * 5000 + b"}\n", f":1:43: values nested deeper than {MAX_DEPTH} levels"),
+    (b"rdzv_timeout: " + b"9" * 4301 + b"\n", ":1:15: integer too large"),
+    (b'job: {args: ["a\\0b"]}\n', ":1:14: NUL character in a value"),
+    (b"name: a\nname: b\n", ":2: name: duplicate key 'name' (first at line 1)"),
+    (b"env:\n  X: 010\n", ':2: env.X: 010 would become 8; write X: "010"'),
+])
+def test_the_pure_python_loader_keeps_the_same_limits(tmp_path, monkeypatch, text, expected):
+    """PyYAML without libyaml (a source install) gets the same checks, under a smaller size limit."""
+    from ddplaunch import yamlsafe
+
+    monkeypatch.setattr(yamlsafe, "_Loader", yamlsafe._loader_class(libyaml=False))
+    path = spec_file(tmp_path, text)
+    assert refused(path).startswith(f"{path}{expected}")
