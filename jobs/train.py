@@ -17,12 +17,17 @@ import sys
 import time
 from datetime import timedelta
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+# find_unused_parameters=True (see main) makes DDP's C++ reducer warn once per rank that no parameter
+# was unused -- which is the point here. That warning comes from the autograd thread, past Python's
+# warnings filters, so it is quieted at its source: C++ warnings of this process, unless asked for.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.data import DistributedSampler  # noqa: E402
 
 IN_DIM, HIDDEN, OUT_DIM = 16, 64, 4
 DATA_SEED = 1234  # the task itself never changes; --seed varies init and data order
