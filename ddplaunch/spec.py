@@ -36,7 +36,7 @@ SECRET_SHOWN = "<secret>"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_SLURM_TIME = re.compile(r"(?:\d+-)?\d+(?::\d+){0,2}|UNLIMITED|INFINITE|unlimited|infinite")
+_SLURM_TIME = re.compile(r"(?:[0-9]+-)?[0-9]+(?::[0-9]+){0,2}|UNLIMITED|INFINITE|unlimited|infinite")
 
 
 def _printable(value: str) -> str:
@@ -474,10 +474,9 @@ def _load(path: Union[str, Path]) -> ClusterSpec:
     if spec is not None:
         spec = spec.model_copy(update={"base_dir": str(Path(path).resolve().parent)})
         problems += _backend_limit_problems(spec, root, shown)
-    if problems:
+    if problems or spec is None:  # a failed validation always brings at least one problem
         problems.sort(key=lambda p: p[0])
         raise SpecError(_summary([msg for _, msg in problems]))
-    assert spec is not None
     _check_paths(spec, root, shown)
     return spec
 
