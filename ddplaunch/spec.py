@@ -97,7 +97,7 @@ SlurmTime = Annotated[str, _shaped(_SLURM_TIME.pattern, "a Slurm time limit (MIN
 SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
 
 _SECRET_PARTS = ("SECRET", "PASSW", "CREDENTIAL", "APIKEY", "API_KEY", "PRIVATE")
-_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "AUTH", "AUTHN", "AUTHZ", "COOKIE"}
+_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "COOKIE"}
 
 
 def is_secret_name(name: str) -> bool:
@@ -105,8 +105,8 @@ def is_secret_name(name: str) -> bool:
 
     Matches (case-insensitively) SECRET, PASSW(ORD), CREDENTIAL, API_KEY/APIKEY and PRIVATE
     anywhere; and, as `_`-separated words: a word ending in TOKEN(S) (not TOKENIZERS), PASS,
-    PASSPHRASE, CREDS, AUTH, AUTHORIZATION, COOKIE, and KEY/KEYS as the last word (OPENAI_KEY,
-    not KEYBOARD_LAYOUT or MONKEY).
+    PASSPHRASE, CREDS, COOKIE, a word starting with AUTH (AUTHKEY, AUTHORIZATION; not AUTHOR),
+    and KEY/KEYS as the last word (OPENAI_KEY; not KEYBOARD_LAYOUT, MONKEY or AWS_ACCESS_KEY_ID).
     """
     upper = name.upper()
     if any(part in upper for part in _SECRET_PARTS):
@@ -114,7 +114,8 @@ def is_secret_name(name: str) -> bool:
     words = upper.split("_")
     if words[-1] in ("KEY", "KEYS"):
         return True
-    return any(w.endswith(("TOKEN", "TOKENS")) or w in _SECRET_WORDS or w.startswith("AUTHORIZ") for w in words)
+    return any(w.endswith(("TOKEN", "TOKENS")) or w in _SECRET_WORDS
+               or w.startswith("AUTH") and (not w.startswith("AUTHOR") or w.startswith("AUTHORIZ")) for w in words)
 
 
 # --------------------------------------------------------------------------- the model

@@ -294,14 +294,16 @@ def test_huge_values_are_shortened_in_messages(tmp_path):
 @pytest.mark.parametrize("name", ["HF_TOKEN", "GITHUB_TOKEN", "hf_token", "AWS_SECRET_ACCESS_KEY", "CLIENT_SECRET",
                                   "DB_PASSWORD", "PGPASSWORD", "DB_PASS", "PASS", "AWS_CREDENTIALS", "WANDB_API_KEY",
                                   "APIKEY", "OPENAI_KEY", "KEY", "SSH_PRIVATE_KEY_PATH", "AUTH", "GH_AUTH_HEADER",
-                                  "AUTHORIZATION", "MY_AUTHTOKEN", "SESSION_COOKIE", "HF_TOKENS"])
+                                  "AUTHORIZATION", "MY_AUTHTOKEN", "SESSION_COOKIE", "HF_TOKENS", "AUTHKEY",
+                                  "OAUTH_CLIENT_SECRET", "Db_Pass"])
 def test_secret_names(name):
     assert is_secret_name(name)
 
 
 @pytest.mark.parametrize("name", ["KEYBOARD_LAYOUT", "MONKEY", "PASSENGER", "TOKENIZERS_PARALLELISM", "PWD", "PATH",
                                   "GIT_AUTHOR_NAME", "NCCL_SOCKET_IFNAME", "AWS_ACCESS_KEY_ID", "KEY_FILE_DIR",
-                                  "BYPASS_PROXY", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "COMPASS"])
+                                  "BYPASS_PROXY", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "COMPASS", "GIT_AUTHORS",
+                                  "KEYS_DIR", "TOKENIZER_NAME", "NCCL_IB_HCA"])
 def test_ordinary_names_are_not_secret(name):
     assert not is_secret_name(name)
 
