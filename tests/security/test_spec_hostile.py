@@ -98,6 +98,24 @@ def test_too_many_values_and_too_many_bytes(tmp_path):
     assert refused(big) == f"{big}: {MAX_BYTES + 3} bytes; a spec may have at most {MAX_BYTES} bytes"
 
 
+@pytest.mark.parametrize("text", [
+    "env:\n" + "".join(f"  K{i}: {i}\n" for i in range((MAX_NODES - 3) // 2)),
+    "env:\n" + "".join(f"  K{i}: 0{i + 10}\n" for i in range((MAX_NODES - 3) // 2)),  # every one coerced
+    "backend: ssh\nhosts:\n" + "".join(f"  - {{addr: 10.0.{i // 250}.{i % 250}, name: h{i}, user: u}}\n"
+                                       for i in range((MAX_NODES - 4) // 7)),
+    "# " + "x" * (MAX_BYTES - 10) + "\n",
+    "name: " + "a" * (MAX_BYTES - 10) + "\n",
+], ids=["5k-env", "5k-coerced", "1.4k-hosts", "1MiB-comment", "1MiB-scalar"])
+def test_inputs_at_the_limits_load_within_a_second_of_cpu(tmp_path, text):
+    path = spec_file(tmp_path, text)
+    cpu = time.thread_time()
+    try:
+        load_spec(path)
+    except SpecError as err:
+        assert "\n" not in str(err) and len(str(err)) < 4096
+    assert time.thread_time() - cpu < 1.0
+
+
 def test_4301_digit_integer(tmp_path):
     path = spec_file(tmp_path, "rdzv_timeout: " + "9" * 4301 + "\n")
     assert refused(path) == (f"{path}:1:15: integer too large (4301 characters; at most 64 bits); "
