@@ -422,3 +422,16 @@ def test_the_pure_python_loader_keeps_the_same_limits(tmp_path, monkeypatch, tex
     monkeypatch.setattr(yamlsafe, "_Loader", yamlsafe._loader_class(libyaml=False))
     path = spec_file(tmp_path, text)
     assert refused(path).startswith(f"{path}{expected}")
+
+
+def test_validate_prints_no_secret(tmp_path):
+    """`ddplaunch validate` prints the redacted spec: names and from_env sources, never values."""
+    import subprocess
+    import sys
+
+    path = spec_file(tmp_path, SECRETS_SPEC)
+    proc = subprocess.run([sys.executable, "-m", "ddplaunch", "validate", str(path)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "hunter2" not in proc.stdout and "wk-123" not in proc.stdout
+    assert "DB_URL: <secret>" in proc.stdout and "from_env: HF_TOKEN" in proc.stdout
