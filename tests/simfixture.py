@@ -14,6 +14,7 @@ DDPLAUNCH_TEST_SLURM_PREFIX / DDPLAUNCH_TEST_SLURM_SUBNET), so it can be up next
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -55,4 +56,17 @@ def slurm_cluster() -> Iterator[SimCluster]:
         pytest.skip(reason)
     with shared_cluster(SLURM_HOSTS, prefix=SLURM_TEST_PREFIX, subnet=SLURM_TEST_SUBNET,
                         slurm=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def noisy_sim_cluster() -> Iterator[SimCluster]:
+    """A 2-host sim cluster whose root ~/.bashrc prints to stdout and stderr in every SSH session
+    (RC_NOISE_STDOUT / RC_NOISE_STDERR), like real hosts' conda, module or banner lines."""
+    reason = sim_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with shared_cluster(2, prefix=os.environ.get("DDPLAUNCH_TEST_NOISY_PREFIX", "dln"),
+                        subnet=os.environ.get("DDPLAUNCH_TEST_NOISY_SUBNET", "10.213.10.0/24"),
+                        rc_noise=True) as cluster:
         yield cluster

@@ -21,11 +21,12 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult
+from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
 from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellRequest, describe_reap, reaper_command
 from ddplaunch.console import LineSink
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.hostcmd import marked, parse_answer
-from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan, NodeCommand, host_python, host_run_dir, quote
+from ddplaunch.plan import LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.results import (FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult,
                                stop_cause)
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -70,17 +71,13 @@ class SshBackend:
                           connect_kwargs=kwargs)
         known = Path(self.spec.resolve(ssh.known_hosts) if ssh.known_hosts else "~/.ssh/known_hosts").expanduser()
         # Fabric installs AutoAddPolicy: replace it so unknown keys are refused (strict) or
-        # recorded (accept-new); a changed key is always refused by paramiko.
-        if known.exists():
-            conn.client.load_host_keys(str(known))
-        elif ssh.host_key_policy == "accept-new":
-            known.parent.mkdir(parents=True, exist_ok=True)
-            known.touch(mode=0o600)
-            conn.client.load_host_keys(str(known))
-        conn.client.set_missing_host_key_policy(
-            paramiko.RejectPolicy() if ssh.host_key_policy == "strict" else paramiko.AutoAddPolicy())
+        # appended under a lock (accept-new); changed and @revoked keys are always refused, and no
+        # line of the file is ever rewritten.
+        configure(conn.client, known, ssh.host_key_policy)
         try:
             conn.open()
+        except RevokedHostKeyError as err:
+            raise BackendError(f"{host.label} ({host.addr}): {err}") from None
         except paramiko.BadHostKeyException as err:
             raise BackendError(
                 f"{host.label} ({host.addr}): host key MISMATCH — {known} has a different key "
@@ -283,18 +280,23 @@ class SshBackend:
         if code != 0:
             raise BackendError(f"{host.label}: cannot prepare the run directory or enter workdir "
                                f"{plan.nodes[0].workdir}: {out.strip()}")
-        try:
-            sftp = conn.sftp()
-            for src, dst in plan.uploads:
-                remote = f"{HOST_RUN_ROOT}/{plan.run_id}/{dst}"
-                tmp = f"{remote}.{host.label}.tmp"
-                sftp.put(src, tmp)
-                sftp.posix_rename(tmp, remote)
-            if self.spec.sync and host.label not in self._synced:
-                _sync(sftp, self.spec, plan.nodes[0].workdir)
-                self._synced.add(host.label)
-        except (OSError, paramiko.SSHException) as err:
-            raise BackendError(f"{host.label}: upload failed: {err}") from None
+        for src, dst in plan.uploads:
+            # over an exec channel's stdin, not SFTP: a login shell that prints (rc files) breaks SFTP
+            remote = f"{host_run_dir(plan.run_id)}/{quote(dst)}"
+            code, out = self._exec(host, f"cat > {remote}.tmp && mv {remote}.tmp {remote}",
+                                   stdin=Path(src).read_text())
+            if code != 0:
+                raise BackendError(f"{host.label}: upload of {Path(src).name} failed: {out.strip()[-300:]}")
+        if self.spec.sync and host.label not in self._synced:
+            try:
+                _sync(conn.sftp(), self.spec, node.workdir)
+            except paramiko.SFTPError as err:
+                raise BackendError(f"{host.label}: sync over SFTP failed ({err}): the remote login shell "
+                                   "prints to stdout (~/.bashrc); make it quiet for non-interactive shells, "
+                                   "e.g. `[[ $- == *i* ]] || return` at its top") from None
+            except (OSError, paramiko.SSHException) as err:
+                raise BackendError(f"{host.label}: sync failed: {err}") from None
+            self._synced.add(host.label)
 
     def _start(self, node: NodeCommand) -> paramiko.Channel:
         channel = self.connect(node.host).transport.open_session()
