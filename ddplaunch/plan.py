@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from ddplaunch.errors import PlanError
+from ddplaunch.examples import example_path
 from ddplaunch.spec import ClusterSpec, HostSpec, parse_size
 
 #: Master ports are derived from the run id inside this range (below Linux's ephemeral range).
@@ -214,6 +216,12 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     else:
         script, args, uploads = spec.job.script, list(spec.job.args if job_args is None else job_args), ()
         max_restarts = spec.job.max_restarts
+        try:
+            example = example_path(spec.job.script)
+        except ValueError as err:
+            raise PlanError(f"job.script: {err}") from None
+        if example is not None:  # a job shipped with ddplaunch: staged on each host like the health check
+            script, uploads = Raw(f"{run_dir}/{example.name}"), ((str(example), example.name),)
     addr = master_addr(spec)
     user_env = spec.env_values(environ if environ is not None else _os_environ())
     nodes = []
