@@ -30,7 +30,7 @@ def render_init_spec(kind: str = "local", hosts: Sequence[str] = (), *, name: Op
         kind: `local` (this machine, 2 Gloo processes), `ssh` (the given hosts over SSH,
             host keys checked strictly) or `slurm` (one batch job through sbatch).
         hosts: ssh: the hosts, each `addr`, `user@addr` or `user@addr:port` (at least one).
-            slurm: optional node names; only their number matters (default `slurm.nodes`).
+            slurm: optional, the exact nodes (`--nodelist`); none = Slurm picks `nodes` nodes.
         name: the spec name (run ids start with it); default `<kind>-demo`.
         nodes: slurm: nodes to allocate (default: len(hosts), else 2).
         partition: slurm: the partition (default: the cluster's default partition).
@@ -146,14 +146,20 @@ def _slurm(name: str, hosts: list[str], nodes: Optional[int], partition: Optiona
         raise ValueError(f"time {time!r}: use Slurm's format, e.g. 00:30:00 or 1-00:00:00")
     if nodes is not None and nodes < 1:
         raise ValueError(f"nodes {nodes}: must be at least 1")
-    names = [_host_entry(h) for h in hosts] or [f"node{i + 1}" for i in range(nodes or 2)]
-    nodes = nodes or len(names)
+    names = [_host_entry(h) for h in hosts]
+    if names and nodes is not None and nodes != len(names):
+        raise ValueError(f"nodes {nodes} but {len(names)} node name(s): give one or the other")
+    nodes = len(names) or nodes or 2
     gpus = gpus_per_node is not None and gpus_per_node > 0
     lines = _header(name, f"one Slurm batch job on {nodes} node(s)")
+    lines.append("backend: slurm              # sbatch: one job runs the health check step, then the job step")
+    if names:
+        lines += ["hosts:                      # exactly these nodes (sbatch --nodelist)",
+                  *(f"  - {h}" for h in names)]
+    else:
+        lines += ["# hosts: [gpu01, gpu02]     # optional: exactly these nodes (sbatch --nodelist);",
+                  "                            # without it Slurm picks slurm.nodes nodes"]
     lines += [
-        "backend: slurm              # sbatch: one job runs the health check step, then the job step",
-        "hosts:                      # Slurm picks the nodes: only the number of names matters",
-        *(f"  - {h}" for h in names),
         f"nproc_per_node: {'auto' if gpus else 1}{_pad('auto' if gpus else '1', 'nproc_per_node: ')}"
         "# workers per node: auto = slurm.gpus_per_node, else a number",
         f"dist_backend: {'auto' if gpus else 'gloo'}{_pad('auto' if gpus else 'gloo', 'dist_backend: ')}"

@@ -92,9 +92,14 @@ def test_slurm_spec_loads(tmp_path: Path) -> None:
     spec = load_spec(_write(tmp_path, render_init_spec("slurm", nodes=4, partition="gpu", gpus_per_node=8)))
     assert (spec.backend, spec.slurm.nodes, spec.slurm.partition, spec.slurm.time, spec.slurm.gpus_per_node) \
         == ("slurm", 4, "gpu", "00:30:00", 8)
-    assert (spec.nproc_per_node, len(spec.hosts)) == ("auto", 4)
+    assert spec.nproc_per_node == "auto"
+    assert "hosts" not in spec.model_fields_set  # listed hosts would pin the nodes (--nodelist)
     cpu = load_spec(_write(tmp_path, render_init_spec("slurm"), "cpu.yaml"))
     assert (cpu.slurm.nodes, cpu.slurm.gpus_per_node, cpu.nproc_per_node, cpu.dist_backend) == (2, None, 1, "gloo")
+    pinned = load_spec(_write(tmp_path, render_init_spec("slurm", ["gpu01", "gpu02", "gpu03"]), "pinned.yaml"))
+    assert ([h.addr for h in pinned.hosts], pinned.slurm.nodes) == (["gpu01", "gpu02", "gpu03"], 3)
+    with pytest.raises(ValueError, match="one or the other"):
+        render_init_spec("slurm", ["gpu01"], nodes=2)
 
 
 @pytest.mark.parametrize("kind,hosts", [("local", []), ("ssh", ["a", "b"]), ("slurm", [])])
