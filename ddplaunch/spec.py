@@ -27,6 +27,8 @@ from pydantic import (
 from yaml.nodes import MappingNode, Node
 
 from ddplaunch.errors import SpecError
+from ddplaunch.examples import example_path, is_example
+from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.yamlsafe import char_name, coercion, load_yaml, node_at, nodes_along, one_line, replace_at, show
 
 SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -167,6 +169,12 @@ class HealthcheckSpec(_Strict):
     pair_parallelism: int = Field(default=0, ge=0)
     min_busbw_fraction: float = Field(default=0.5, gt=0, le=1)
     on_fail: Literal["stop", "exclude"] = "stop"
+    #: Checked exactly and timed (FSDP's traffic is all_gather and reduce_scatter).
+    collectives: list[Literal["all_reduce", "all_gather", "reduce_scatter"]] = \
+        Field(default_factory=lambda: ["all_reduce"], min_length=1)
+    #: inline: every worker runs the health check, then the job, in one torchrun launch;
+    #: separate: the health check is a launch of its own before the job's.
+    launch: Literal["inline", "separate"] = "inline"
 
     @field_validator("sizes")
     @classmethod
@@ -200,6 +208,9 @@ class JobSpec(_Strict):
     max_restarts: int = Field(default=0, ge=0)
     hang_timeout: Optional[float] = Field(default=None, gt=0)
     debug_collectives: bool = False
+    #: After the script returned: leave without interpreter finalization (torch's Gloo threads
+    #: sometimes abort there, turning a finished job into a failed one). false: exit normally.
+    fast_exit: bool = True
 
     @field_validator("args", mode="before")
     @classmethod
@@ -273,6 +284,17 @@ class ClusterSpec(_Strict):
     name: str = Field(default="ddp", pattern=r"^[A-Za-z0-9._-]{1,100}$")
     backend: Literal["local", "ssh", "slurm"] = "local"
     hosts: list[HostSpec] = Field(default_factory=lambda: [HostSpec(addr="localhost")])
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _hostlists(cls, hosts: Any) -> Any:
+        """`gpu[01-04,07]` stands for gpu01..gpu04 and gpu07, as in Slurm, on every backend."""
+        if not isinstance(hosts, list):
+            return hosts
+        out: list[Any] = []
+        for h in hosts:
+            out += expand_hostlist(h) if isinstance(h, str) and "[" in h else [h]
+        return out
     nproc_per_node: Union[int, Literal["auto"]] = 1
     master: MasterSpec = Field(default_factory=MasterSpec)
     python: Optional[Line] = None
@@ -530,7 +552,11 @@ def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
     try:
         workdir = spec.workdir_path
         script = Path(workdir) / spec.job.script
-        found = spec.backend != "local" or script.is_file()
+        if is_example(spec.job.script):
+            example_path(spec.job.script)  # ValueError naming the shipped examples when unknown
+            found = True
+        else:
+            found = spec.backend != "local" or script.is_file()
     except (OSError, ValueError, RuntimeError) as err:
         loc = ("job", "script") if spec.workdir is None else ("workdir",)
         raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: cannot use this path: "
