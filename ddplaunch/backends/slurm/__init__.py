@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
-from ddplaunch.backends.slurm.render import (AT_LAUNCH, StepRequest, allocation_request, step_request)
+from ddplaunch.backends.slurm.render import (AT_LAUNCH, StepRequest, allocation_request, in_step_order,
+                                             step_request)
 from ddplaunch.backends.slurm.step import SrunStep
 from ddplaunch.console import LineSink
 from ddplaunch.errors import BackendError, PlanError
@@ -48,6 +49,8 @@ class SlurmBackend:
         self.run_dir: Optional[Path] = None
         self.stop_event: Optional[threading.Event] = None
         self.restarts = 0
+        #: The allocation's nodes in Slurm's order: a step numbers its nodes ($SLURM_NODEID) this way.
+        self.order: dict[str, int] = {}
         self.inside = os.environ.get("SLURM_JOB_ID")
         explicit = "hosts" in spec.model_fields_set
         self.nodelist = [n for h in spec.hosts for n in expand_hostlist(h.label)] if explicit else None
@@ -87,11 +90,13 @@ class SlurmBackend:
             self.job = self.job or SlurmJob(job_id=self.inside, owned=False, slurm_conf=self.client.conf)
             if self.run_dir is not None:
                 self.job.save(self.run_dir)
+            self.order = {n: i for i, n in enumerate(names)}
             return [HostSpec(addr=n, name=n) for n in names]
         if self.job is None:
             self._submit()
         info = self._wait_running()
         names = self.client.hostnames(info.get("NodeList", ""))
+        self.order = {n: i for i, n in enumerate(names)}
         return [HostSpec(addr=n, name=n) for n in names]
 
     def _submit(self) -> None:
@@ -156,7 +161,7 @@ class SlurmBackend:
 
     def render(self, plan: LaunchPlan) -> StepRequest:
         job = self.job.job_id if self.job else (self.inside or AT_LAUNCH)
-        return step_request(plan, job, self.spec.slurm.cpus_per_task)
+        return step_request(in_step_order(plan, self.order), job, self.spec.slurm.cpus_per_task)
 
     def launch(self, request: StepRequest, sink: LineSink, stop: threading.Event) -> StageResult:
         plan = request.plan
@@ -235,6 +240,7 @@ class SlurmBackend:
     def _step_run(self, script: str, hosts: list[str], timeout: float) -> dict[str, tuple[int, str]]:
         """Run `script` (bash, on stdin) as one step on `hosts`; {host: (exit code, output)}."""
         job = self._job_id()
+        hosts = sorted(hosts, key=lambda h: self.order.get(h, len(self.order)))  # the step's node order
         argv = ["srun", f"--jobid={job}", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}",
                 "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}", "--overlap", "--label",
                 "--input=all", f"--time={max(1, int(timeout // 60) + 1)}", "--job-name=ddplaunch-probe",

@@ -79,6 +79,25 @@ def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
                                                   *sbatch_options(spec, run_id, output_path, nodelist)))
 
 
+def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:
+    """The plan with its nodes in the order a Slurm step numbers them (the allocation's order, not
+    the order of the list): node 0 — the master — is the step's $SLURM_NODEID 0."""
+    if not order:
+        return plan
+    nodes = sorted(plan.nodes, key=lambda n: order.get(n.host_label, len(order)))
+    if [n.host_label for n in nodes] == plan.hosts:
+        return plan
+    master = nodes[0].host_label
+    renumbered = []
+    for rank, node in enumerate(nodes):
+        env = dict(node.env)
+        if "MASTER_ADDR" in env:  # started directly: the env contract names the master
+            env.update(MASTER_ADDR=master, RANK=str(rank), GROUP_RANK=str(rank))
+        torchrun = node.torchrun and replace(node.torchrun, node_rank=rank, master_addr=master)
+        renumbered.append(replace(node, node_rank=rank, env=tuple(sorted(env.items())), torchrun=torchrun))
+    return replace(plan, nodes=tuple(renumbered), master_addr=master)
+
+
 def step_template(plan: LaunchPlan) -> NodeCommand:
     """The one command an srun step runs on every node of `plan`: node 0's command with the node
     rank and host taken from the step."""
