@@ -154,6 +154,21 @@ class TinyLM(nn.Module):
         return self.head(self.ln_f(x).reshape(-1, x.shape[-1]))
 
 
+def settle_ddp_buckets(ddp: DDP, device: torch.device) -> None:
+    """Runs one throwaway forward and backward (gradients discarded, no optimizer step).
+
+    DDP regroups its gradient buckets by the order gradients became ready in the first backward
+    of every start, which moves gradients within the all-reduced buffers and so (beyond 2 ranks)
+    changes the order the ranks' values are summed in: a resumed run's first step would differ
+    from the uninterrupted run's in the last bits. After this pass every real step of every start
+    uses the regrouped buckets. (train.py gets the same with find_unused_parameters=True, which
+    prints a warning on every rank when no parameter is unused.)
+    """
+    ddp(torch.zeros(1, SEQ_LEN, dtype=torch.long, device=device)).sum().backward()
+    for param in ddp.parameters():
+        param.grad = None
+
+
 def build(strategy: str, dim: int, layers: int, heads: int, seed: int, device: torch.device,
           lr: float = 1e-2):
     """The model (same initial weights on every rank and for either strategy) and its optimizer.
@@ -172,13 +187,8 @@ def build(strategy: str, dim: int, layers: int, heads: int, seed: int, device: t
         fully_shard(model, mesh=mesh)
         wrapped = model
     else:
-        # One bucket per parameter: DDP regroups its buckets after the first step of every start,
-        # which changes where a gradient sits in the all-reduced buffer and so (beyond 2 ranks)
-        # the order its ranks' values are summed in; a resumed run would then differ from an
-        # uninterrupted one in the last bits. With one parameter per bucket the regrouping changes
-        # nothing. (train.py uses find_unused_parameters=True, which warns on every rank here.)
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=1e-6)
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        settle_ddp_buckets(wrapped, device)
     optimizer = torch.optim.Adam(wrapped.parameters(), lr=lr)
     return model, wrapped, optimizer
 

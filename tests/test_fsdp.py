@@ -158,7 +158,7 @@ def test_sigusr2_checkpoints_exits_75_and_resumes(tmp_path, baseline):
     """Slurm's USR2 warning to torchrun, forwarded to the workers: every rank stops at the same
     step after a checkpoint and exits 75; the next run resumes to the uninterrupted result."""
     proc = start_torchrun(FSDP_TRAIN, "--ckpt-dir", tmp_path, "--steps", STEPS, "--ckpt-every", "0",
-                          "--step-sleep", "0.1", torchrun_args=SIGNALS)
+                          "--step-sleep", "0.2", torchrun_args=SIGNALS)
     try:
         lines = []
         for line in proc.stdout:  # training is under way once rank 0 logs a step
