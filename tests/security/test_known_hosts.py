@@ -27,6 +27,8 @@ from ddplaunch.backends.known_hosts import (
 from ddplaunch.errors import BackendError
 
 N_HOSTS = 6
+#: One sshd answers on all of these: six "hosts" whose keys known_hosts records separately.
+LOOPBACK_HOSTS = ["127.0.0.1"] + [f"127.0.0.{i}" for i in range(2, 2 + N_HOSTS)]
 
 
 def _key() -> paramiko.PKey:
@@ -421,9 +423,9 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    listen = "".join(f"ListenAddress {a}\n" for a in LOOPBACK_HOSTS)
     (d / "sshd_config").write_text(f"""Port {port}
-ListenAddress 127.0.0.1
-HostKey {d}/host_key
+{listen}HostKey {d}/host_key
 PidFile {d}/sshd.pid
 AuthorizedKeysFile {d}/authorized_keys
 StrictModes no
@@ -433,6 +435,7 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 UsePAM no
 UseDNS no
+MaxStartups 100:30:200
 """)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
     proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
@@ -448,7 +451,7 @@ UseDNS no
                     raise RuntimeError("sshd did not start: " + (d / "sshd.log").read_text())
                 time.sleep(0.05)
         host_pub = (d / "host_key.pub").read_text().split()
-        yield {"port": port, "client_key": str(d / "client_key"),
+        yield {"port": port, "client_key": str(d / "client_key"), "dir": d,
                "host_key": paramiko.PKey.from_type_string(host_pub[0], base64.b64decode(host_pub[1]))}
     finally:
         proc.terminate()
@@ -522,3 +525,31 @@ def test_sshd_strict_with_a_messy_file(sshd: dict, tmp_path: Path) -> None:
     before = known.read_bytes()
     _connect(sshd, known, "strict")
     assert known.read_bytes() == before
+
+
+@pytest.mark.root
+def test_ssh_backend_accept_new_keeps_all_six_hosts_across_runs(sshd: dict, tmp_path: Path) -> None:
+    """The reported bug, through SshBackend.connect: 6 new hosts at once, 3 runs, nothing lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddplaunch.backends.ssh import SshBackend
+    from ddplaunch.spec import ClusterSpec
+
+    known = tmp_path / "known_hosts"
+    header = "# team file\n" + _line("bastion,10.9.9.9", _key()) + "\n" + _sk_line("yubi-host") + "\n"
+    known.write_text(header)
+    addrs = LOOPBACK_HOSTS[1:]
+    spec = ClusterSpec.model_validate({
+        "backend": "ssh", "hosts": [{"addr": a, "port": sshd["port"], "user": "root"} for a in addrs],
+        "ssh": {"key": sshd["client_key"], "known_hosts": str(known), "host_key_policy": "accept-new"}})
+    host_line = f"{sshd['host_key'].get_name()} {sshd['host_key'].get_base64()}"
+    for _ in range(3):
+        backend = SshBackend(spec)
+        try:
+            with ThreadPoolExecutor(max_workers=len(addrs)) as pool:
+                list(pool.map(backend.connect, spec.hosts))
+        finally:
+            backend.close()
+        text = known.read_text()
+        assert text.startswith(header)
+        assert sorted(text[len(header):].splitlines()) == sorted(f"[{a}]:{sshd['port']} {host_line}" for a in addrs)
