@@ -62,25 +62,30 @@ def preflight_gate(spec: ClusterSpec, backend: Backend, run_id: str, port: Optio
 
 
 def healthcheck_gate(spec: ClusterSpec, backend: Backend, run_id: str, result: StageResult,
-                     stop: threading.Event, sink: LineSink, run_dir: Path, pairwise: bool = False
+                     payload: Optional[dict], stop: threading.Event, sink: LineSink, run_dir: Path
                      ) -> tuple[Optional[ClusterSpec], Optional[Localization]]:
-    """After the all-rank health check: localize bad hosts when it failed (or always with
-    `healthcheck.pairwise`, or `pairwise` — `check` is the full diagnostic), then stop, exclude
-    them, or go on."""
-    wanted = (not result.ok or spec.healthcheck.pairwise or pairwise) and len(spec.hosts) > 1
-    if result.interrupted or stop.is_set() or not wanted:
+    """After a health check: the spec to go on with (unchanged, without the bad hosts, or None).
+
+    The pair gate runs inside the health check's own processes (its verdict is in `payload`);
+    only a health check that failed without naming hosts is localized by launches of its own:
+    each host alone, then pairs, then suspects with known-good hosts.
+    """
+    pairs = (payload or {}).get("pairs")
+    if pairs and (pairs.get("pairs") or pairs.get("bad_hosts")):
+        loc = Localization.from_dict(pairs)
+    elif result.ok or result.interrupted or stop.is_set() or len(spec.hosts) < 2:
         return (spec if result.ok else None), None
-    sink.note("localizing: each host alone, then host pairs, then suspects with known-good hosts"
-              if not result.ok else "pairwise gate: host pairs, then suspects with known-good hosts")
-    loc = localize(spec, backend, run_id, stop, singles=not result.ok)
+    else:
+        sink.note("localizing: each host alone, then host pairs, then suspects with known-good hosts")
+        loc = localize(spec, backend, run_id, stop, singles=True)
     sink.block(loc.summary())
     write_private(run_dir / "localize.json", json.dumps(loc.to_dict(), indent=2, sort_keys=True))
     write_private(run_dir / "localize.html", render_html(loc))
-    sink.note(f"localization chart: {run_dir / 'localize.html'}")
     if not loc.bad_hosts:
         if not result.ok:
             sink.note("no single host explains the failure: stopping")
         return (spec if result.ok else None), loc
+    sink.note(f"localization chart: {run_dir / 'localize.html'}")
     return _exclude_or_stop(spec, loc.bad_hosts, "the health check", sink), loc
 
 

@@ -67,17 +67,28 @@ class RunReport:
         return exit_code(self.stages, self.final_stage, self.blocked)
 
 
+def healthcheck_wanted(spec: ClusterSpec, opts: UpOptions) -> bool:
+    return spec.healthcheck.enabled and not opts.skip_healthcheck
+
+
 def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
-    """The stages `up` runs, in order."""
-    stages = []
-    if spec.healthcheck.enabled and not opts.skip_healthcheck:
-        stages.append("healthcheck")
-    if not opts.healthcheck_only:
-        stages.append("job")
-    if not stages:
-        raise PlanError("nothing to run: the health check is disabled (healthcheck.enabled: false "
-                        "or --skip-healthcheck) and `check` runs no job")
-    return stages
+    """The launches `up` makes, in order: one ("job", the health check inline) unless the spec
+    asks for the health check as a launch of its own (`healthcheck.launch: separate`)."""
+    if opts.healthcheck_only:
+        if not healthcheck_wanted(spec, opts):
+            raise PlanError("nothing to run: the health check is disabled (healthcheck.enabled: false) "
+                            "and `check` runs no job")
+        return ["healthcheck"]
+    if healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "separate":
+        return ["healthcheck", "job"]
+    return ["job"]
+
+
+def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions) -> LaunchPlan:
+    """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`."""
+    inline = stage == "job" and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
+    return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline,
+                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise)
 
 
 def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
@@ -93,7 +104,7 @@ def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     text = backend.allocation_text()
     for stage in stages_of(spec, opts):
         port = spec.master.port or derive_port(f"{run_id}:{stage}")
-        text += backend.render(make_plan(spec, run_id, stage, port, opts.job_args)).text()
+        text += backend.render(plan_stage(spec, run_id, stage, port, opts)).text()
     return text
 
 
@@ -107,8 +118,7 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     record.state = "submitted"
     record.save()
     stages = stages_of(spec, opts)
-    plans = [make_plan(spec, run_id, s, spec.master.port or derive_port(f"{run_id}:{s}"), opts.job_args)
-             for s in stages]
+    plans = [plan_stage(spec, run_id, s, spec.master.port or derive_port(f"{run_id}:{s}"), opts) for s in stages]
     text, where = backend.detach(plans, record.dir)
     record.plan_text = text
     record.extra["detached"] = where
@@ -194,9 +204,13 @@ class _Run:
             self.report.stages = []
 
     def _stages(self, spec: ClusterSpec) -> bool:
-        """Every stage in order; True when the allocation was requeued under one (start over)."""
-        for stage in stages_of(spec, self.opts):
-            plan = make_plan(spec, self.run_id, stage, self._free_port(spec, stage), self.opts.job_args)
+        """Every launch in order; True when the allocation was requeued under one (start over).
+        A launch that ran the health check is gated: stop, go on, or launch again without the
+        hosts it found bad (`healthcheck.on_fail: exclude`)."""
+        stages = stages_of(spec, self.opts)
+        while stages:
+            stage = stages[0]
+            plan = plan_stage(spec, self.run_id, stage, self._free_port(spec, stage), self.opts)
             request = self.backend.render(plan)
             self.record.plan_text += request.text()
             self.record.save()
@@ -206,20 +220,24 @@ class _Run:
             self.record.save()
             if result.requeued:
                 return True
-            if stage == "healthcheck":
-                self.report.healthcheck = self._healthcheck_payload()
-                gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.sink,
-                                              self.record.dir, pairwise=self.opts.healthcheck_only)
-                self.report.localization = loc.to_dict() if loc else None
+            ran_healthcheck = stage == "healthcheck" or "--no-healthcheck" not in plan.nodes[0].args
+            payload = self._healthcheck_payload() if ran_healthcheck else None
+            if ran_healthcheck and not (stage == "job" and payload and payload.get("ok")):
+                gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, payload, self.stop,
+                                              self.sink, self.record.dir)
+                self.report.localization = loc.to_dict() if loc else self.report.localization
                 if gated is None:
-                    self.report.blocked = self.report.blocked or ("health check" if result.ok else None)
+                    self.report.blocked = self.report.blocked or "health check"
                     return False
                 if gated is not spec:
-                    self.report.excluded = [h.label for h in spec.hosts if h not in gated.hosts]
+                    self.report.excluded += [h.label for h in spec.hosts if h not in gated.hosts]
                     self.record.plan_text += "# re-planned without excluded hosts\n"
-                spec = gated
+                    spec = gated
+                    if stage == "job":  # the job never started: launch it again on the hosts left
+                        continue
             elif not result.ok:
                 return False
+            stages = stages[1:]
         return False
 
     def _launch(self, spec: ClusterSpec, request: Any) -> StageResult:

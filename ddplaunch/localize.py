@@ -48,6 +48,16 @@ class Localization:
 
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Localization":
+        """From the health check's in-process pair gate (the same shape as `to_dict`)."""
+        def probes(key: str) -> list[Probe]:
+            return [Probe(tuple(p["hosts"]), bool(p["ok"]), p.get("busbw_gbps"), p.get("detail", ""))
+                    for p in data.get(key) or []]
+        return cls(singles=probes("singles"), pairs=probes("pairs"), repairs=probes("repairs"),
+                   median_busbw_gbps=data.get("median_busbw_gbps"), bad_hosts=list(data.get("bad_hosts") or []),
+                   reasons=dict(data.get("reasons") or {}))
+
     def summary(self) -> str:
         lines = ["localization (busbw of one rank per host, large all_reduce):"]
         for p in self.singles:

@@ -29,6 +29,7 @@ PORT_RANGE = (20000, 32000)
 HOST_RUN_ROOT = ".ddplaunch/runs"
 HOSTSIDE = Path(__file__).with_name("hostside")
 HEALTHCHECK_SOURCE = HOSTSIDE / "healthcheck.py"
+ENTRY_SOURCE = HOSTSIDE / "entry.py"
 STAGES = ("healthcheck", "job")
 #: How a secret value appears in anything shown or stored.
 SECRET_SHOWN = "<secret>"
@@ -190,7 +191,8 @@ def host_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:
 
 def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
               job_args: Optional[list[str]] = None, direct: bool = False,
-              environ: Optional[Mapping[str, str]] = None) -> LaunchPlan:
+              environ: Optional[Mapping[str, str]] = None, inline_healthcheck: bool = False,
+              pairwise: bool = False) -> LaunchPlan:
     """Build the launch plan of one stage.
 
     Args:
@@ -202,16 +204,19 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         direct: one rank per host started without torchrun, the torchrun env contract set by
             the plan itself (half the processes: used for the localization's pair probes).
         environ: the launcher's environment, for `env: {X: {from_env: Y}}` (None: os.environ).
+        inline_healthcheck: the job's workers run the health check first, in the same launch.
+        pairwise: the health check also tests host pairs in-process (and names slow hosts).
     Returns:
         The plan; `render_plan([plan])` is its dry-run text.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
     run_dir = host_run_dir(run_id)
+    hc_upload = (str(HEALTHCHECK_SOURCE), "healthcheck.py")
     if stage == "healthcheck":
         script: str = Raw(f"{run_dir}/healthcheck.py")
-        args = healthcheck_args(spec, run_dir)
-        uploads: tuple[tuple[str, str], ...] = ((str(HEALTHCHECK_SOURCE), "healthcheck.py"),)
+        args = healthcheck_args(spec, run_dir, pairwise and not direct)
+        uploads: tuple[tuple[str, str], ...] = (hc_upload,)
         max_restarts = 0
     else:
         script, args, uploads = spec.job.script, list(spec.job.args if job_args is None else job_args), ()
@@ -222,6 +227,13 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
             raise PlanError(f"job.script: {err}") from None
         if example is not None:  # a job shipped with ddplaunch: staged on each host like the health check
             script, uploads = Raw(f"{run_dir}/{example.name}"), ((str(example), example.name),)
+        # every rank runs the user's script through the entry script: the health check first when
+        # inline, then the script as __main__, then (job.fast_exit) no interpreter finalization
+        head = healthcheck_args(spec, run_dir, pairwise) if inline_healthcheck else ["--no-healthcheck"]
+        head += [] if spec.job.fast_exit else ["--finalize"]
+        args = [*head, "--", script, *args]
+        script = Raw(f"{run_dir}/entry.py")
+        uploads = ((str(ENTRY_SOURCE), "entry.py"), hc_upload, *uploads)
     addr = master_addr(spec)
     user_env = spec.env_values(environ if environ is not None else _os_environ())
     nodes = []
@@ -261,15 +273,19 @@ def _nproc_word(spec: ClusterSpec, python: str) -> str:
     return Raw(f'"$({quote(python)} -c {quote(probe)})"')
 
 
-def healthcheck_args(spec: ClusterSpec, run_dir: str) -> list[str]:
+def healthcheck_args(spec: ClusterSpec, run_dir: str, pairwise: bool = False) -> list[str]:
     """The health check's options from the spec's `healthcheck:` section."""
     hc = spec.healthcheck
     args = ["--backend", spec.dist_backend,
             "--sizes", ",".join(str(parse_size(s)) for s in hc.sizes),
             "--iters", str(hc.iterations), "--timeout", str(hc.timeout),
+            "--collectives", ",".join(hc.collectives),
             "--json", Raw(f"{run_dir}/healthcheck.json")]
     if hc.min_busbw_gbps is not None:
         args += ["--min-busbw-gbps", str(hc.min_busbw_gbps)]
+    if pairwise and len(spec.hosts) > 1:
+        args += ["--pairwise", "--pair-size", str(parse_size(hc.pair_size)),
+                 "--pair-parallelism", str(hc.pair_parallelism), "--min-busbw-fraction", str(hc.min_busbw_fraction)]
     return args
 
 
