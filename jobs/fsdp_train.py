@@ -19,6 +19,7 @@ the same model on the same data with DistributedDataParallel, for the cross-chec
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -441,7 +442,10 @@ def main(argv=None) -> int:
             return PREEMPTED_EXIT
     checkpoint()
     if rank == 0:
-        say(f"final loss={mean:.6f} (start {start_loss:.6f}) steps={step}")
+        if math.isnan(mean):
+            say(f"nothing to train: the checkpoint is at step {step} of --steps {args.steps}")
+        else:
+            say(f"final loss={mean:.6f} (start {start_loss:.6f}) steps={step}")
         if save_times:
             say(f"checkpoint times: saves={len(save_times)} save_s median="
                 f"{statistics.median(save_times):.4f} max={max(save_times):.4f}"
