@@ -128,6 +128,28 @@ def test_odd_host_names_are_quoted(tmp_path: Path) -> None:
     assert [(h.addr, h.port) for h in spec.hosts] == [("yes", None), ("::1", 2200), ("null", None)]
 
 
+def _preflight_knows_examples() -> bool:
+    import ddplaunch.preflight
+
+    return re.search(r"ddplaunch\.examples|from ddplaunch import [\w, ]*\bexamples\b",
+                     inspect.getsource(ddplaunch.preflight)) is not None
+
+
+@pytest.mark.xfail(not _preflight_knows_examples(), strict=True,
+                   reason="pre-flight looks for example:toy_ddp.py in workdir (preflight.py, hostside/probe.py)")
+def test_ssh_init_spec_passes_the_workdir_probe(tmp_path: Path) -> None:
+    """`init --ssh` in an empty directory, then `check`: the example job is staged, not required in workdir."""
+    from ddplaunch.hostcmd import parse_answer
+    from ddplaunch.preflight import probe_command
+
+    spec = load_spec(_write(tmp_path, render_init_spec("ssh", ["localhost"])))
+    command, nonce = probe_command(spec, spec.hosts[0], "init-probe", None)
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    answer = parse_answer(out.stdout, nonce)
+    assert answer is not None, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (answer["workdir_ok"], answer["script_ok"]) == (True, True)
+
+
 # --------------------------------------------------------------------------- the command
 
 
