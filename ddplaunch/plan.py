@@ -322,7 +322,7 @@ def render_plan(plans: list[LaunchPlan]) -> str:
                    f"{plan.nnodes} node(s) x {plan.nproc_per_node} proc = world {world}, "
                    f"master {plan.master_addr}:{plan.master_port}{port_note}")
         for src, dst in plan.uploads:
-            out.append(f"# upload {Path(src).name} -> <host run dir>/{dst}")
+            out.append(f"# upload {src} -> <host run dir>/{dst}")
         for node in plan.nodes:
             out.append(f"# node {node.node_rank} on {node.host_label}: {node.env_file} (mode 0600) holds")
             out += [f"#   {line}" for line in node.env_text(plan.secrets, mask=True).splitlines()]

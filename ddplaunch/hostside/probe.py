@@ -158,7 +158,9 @@ def main():
     out.update(network_facts(args["master"], args.get("port")))
     workdir = args["workdir"]
     out["workdir_ok"] = os.path.isdir(workdir)
-    out["script_ok"] = os.path.isfile(os.path.join(workdir, args["script"])) if out["workdir_ok"] else False
+    # script None: a shipped example, staged with the run (not looked for in workdir)
+    out["script_ok"] = out["workdir_ok"] and (args["script"] is None
+                                              or os.path.isfile(os.path.join(workdir, args["script"])))
     out["disk_free_gb"] = shutil.disk_usage(workdir if out["workdir_ok"] else "/").free / 1e9
     if args.get("port"):
         deadline = time.time() + args.get("probe_s", 4)
