@@ -43,6 +43,8 @@ class LineSink:
         self._tails: dict[int, deque[str]] = {}
         self._rank_tails: dict[int, deque[str]] = {}
         self._muted: set[int] = set()
+        #: Nodes whose torchrun agent began its own error report (the summary has the cause).
+        self._agent_failing: set[int] = set()
         self._banner_shown = False
         self.verbose = verbose
         #: Payloads of `DDPLAUNCH_<NAME>_JSON {...}` lines, by NAME: the last one, and all of them.
@@ -83,6 +85,12 @@ class LineSink:
             return False
         if line.endswith("] ") and line.count("[") == 1 and ":" not in line:  # a blank line of torchrun's
             return False
+        if rank_of(line) is None:  # torchrun's own lines (the agent): its failure report stays in the log
+            if node_rank in self._agent_failing:
+                return False
+            if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
+                self._agent_failing.add(node_rank)
+                return False
         if NOISE_RE.search(line):
             if "OMP_NUM_THREADS" in line and not self._banner_shown:
                 self._banner_shown = True

@@ -12,7 +12,7 @@ from typing import Optional
 
 from ddplaunch.console import LineSink
 from ddplaunch.results import FAILED, INTERRUPTED, LOST, OK, UNREACHABLE, NodeOutcome
-from ddplaunch.torchrun_logs import parse_torchrun_failure, rank_cause
+from ddplaunch.torchrun_logs import culprit, parse_torchrun_failures, rank_cause
 
 
 def finish_outcome(outcome: NodeOutcome, sink: LineSink, exit_code: Optional[int]) -> NodeOutcome:
@@ -24,7 +24,7 @@ def finish_outcome(outcome: NodeOutcome, sink: LineSink, exit_code: Optional[int
         return outcome
     outcome.state = OK if exit_code == 0 else FAILED
     if exit_code != 0:
-        found = parse_torchrun_failure(outcome.tail)
+        found = culprit(parse_torchrun_failures(outcome.tail), sink.rank_tail)
         if found:
             outcome.failed_rank, outcome.failed_local_rank, outcome.rank_exit_code = found
             outcome.cause = rank_cause(sink.rank_tail(outcome.failed_rank))

@@ -25,16 +25,44 @@ NOISE_RE = re.compile(r"Setting OMP_NUM_THREADS environment variable for each pr
                       r"\*{20,}|The hostname of the client socket cannot be retrieved")
 
 
+#: A rank's own words when it failed only because another rank died first.
+VICTIM_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|"
+                       r"Broken pipe|DistBackendError|failed to recv|Socket Timeout")
+
+
 def parse_torchrun_failure(lines: list[str]) -> Optional[tuple[int, int, Optional[int]]]:
     """(global rank, local rank, exit code) of torchrun's "Root Cause" report, if present."""
-    for i, line in enumerate(lines):
-        if "Root Cause" in line:
-            rest = lines[i:]
-            rank = next((m for m in map(_RANK_RE.search, rest) if m), None)
-            code = next((m for m in map(_EXIT_RE.search, rest) if m), None)
-            if rank:
-                return int(rank.group(1)), int(rank.group(2)), int(code.group(1)) if code else None
-    return None
+    failures = parse_torchrun_failures(lines)
+    return failures[0] if failures else None
+
+
+def parse_torchrun_failures(lines: list[str]) -> list[tuple[int, int, Optional[int]]]:
+    """Every failed rank torchrun reports, its "Root Cause" first: (global rank, local rank, exit code)."""
+    start = next((i for i, line in enumerate(lines) if "Root Cause" in line), None)
+    if start is None:
+        return []
+    block_start = max((i for i, line in enumerate(lines[:start]) if "Failures:" in line), default=start)
+    out: list[tuple[int, int, Optional[int]]] = []
+    rank = None
+    for line in lines[start:] + lines[block_start:start]:
+        if (m := _RANK_RE.search(line)):
+            rank = (int(m.group(1)), int(m.group(2)))
+        elif (m := _EXIT_RE.search(line)) and rank is not None:
+            entry = (*rank, int(m.group(1)))
+            if entry[0] not in [e[0] for e in out]:
+                out.append(entry)
+            rank = None
+    return out
+
+
+def culprit(failures: list[tuple[int, int, Optional[int]]], own_lines) -> Optional[tuple[int, int, Optional[int]]]:
+    """The failed rank that failed first in fact: torchrun's root cause has one-second resolution
+    and often names a rank that only saw its peer die; prefer a rank whose own last lines do not
+    say so (`own_lines(rank)` gives them)."""
+    for entry in failures:
+        if not any(VICTIM_RE.search(line) for line in own_lines(entry[0])):
+            return entry
+    return failures[0] if failures else None
 
 
 def rank_of(line: str) -> Optional[tuple[str, int]]:

@@ -47,7 +47,9 @@ def test_readme_default_runs_healthcheck_then_toy_job(env, tmp_path):
     assert out.index("HEALTHCHECK OK") < out.index("updated_weight=0.6")
     (run_dir,) = (tmp_path / "state" / "runs").iterdir()
     record = json.loads((run_dir / "record.json").read_text())
-    assert record["state"] == "ok" and [s["stage"] for s in record["stages"]] == ["healthcheck", "job"]
+    # one launch: every worker ran the health check, then the job
+    assert record["state"] == "ok" and [s["stage"] for s in record["stages"]] == ["job"]
+    assert len(out.splitlines()) <= 40, out  # one screen, health-check table and both ranks included
     hc = json.loads((run_dir / "healthcheck.json").read_text())
     assert hc["ok"] and hc["world_size"] == 2
     for row in hc["bandwidth"]:
@@ -58,16 +60,26 @@ def test_dry_run_prints_plan_and_runs_nothing(env, tmp_path):
     proc = ddplaunch(["up", "cluster.yaml", "--dry-run", "--run-id", "dry"], env)
     assert proc.returncode == 0
     lines = proc.stdout.splitlines()
-    cmds = [line for line in lines if not line.startswith("#")]
-    assert len(cmds) == 2 and all("-m torch.distributed.run --nnodes 1 --node-rank 0" in c for c in cmds)
-    assert "--master-addr 127.0.0.1" in cmds[0] and "jobs/toy_ddp.py" in cmds[1]
+    (cmd,) = [line for line in lines if not line.startswith("#")]  # one launch: health check inline
+    assert "-m torch.distributed.run --nnodes 1 --node-rank 0" in cmd and "--master-addr 127.0.0.1" in cmd
+    assert cmd.endswith('"$HOME"/.ddplaunch/runs/dry/healthcheck.json -- jobs/toy_ddp.py')
+    assert "/entry.py --backend auto" in cmd
     assert not (tmp_path / "state").exists() and not (tmp_path / ".ddplaunch").exists()
 
 
 def write_env_files(dry_text: str, home: Path) -> None:
-    """Write each node's environment file the way the dry run describes it (path and lines)."""
+    """Stage what the dry run says the backend stages: the uploaded files and each node's
+    environment file (path and lines)."""
+    import shutil
+    import re as _re
+
     path = None
     for line in dry_text.splitlines():
+        upload = _re.match(r"# upload (\S+) -> <host run dir>/(\S+)", line)
+        if upload:
+            run_dir = _re.search(r'"\$HOME"/(\S+?)/(healthcheck|job)-node', dry_text).group(1)
+            (home / run_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(upload.group(1), home / run_dir / upload.group(2))
         if line.startswith("# node ") and "(mode 0600) holds" in line:
             path = Path(line.split(": ", 1)[1].split(" (mode")[0].replace('"$HOME"', str(home)))
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -88,13 +100,17 @@ def test_dry_run_line_is_what_runs(env, tmp_path):
     assert "[localhost:1] rank=1 mean_grad=4.0 updated_weight=0.6" in by_hand.stdout
 
 
-def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path):
-    path = spec_file(tmp_path, "env: {DDPLAUNCH_HC_FAULT_RANK: '1'}\nhealthcheck: {sizes: [4K]}\n")
+@pytest.mark.parametrize("launch", ["inline", "separate"])
+def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path, launch):
+    path = spec_file(tmp_path, "env: {DDPLAUNCH_HC_FAULT_RANK: '1'}\n"
+                               f"healthcheck: {{sizes: [4K], launch: {launch}}}\n")
     proc = ddplaunch(["up", str(path)], env)
     assert proc.returncode == 1
     assert "HEALTHCHECK FAIL" in proc.stdout and "rank 1" in proc.stdout
-    assert "stage healthcheck: FAILED on 1 of 1 node(s)" in proc.stdout
-    assert "updated_weight" not in proc.stdout and "stage job" not in proc.stdout
+    assert "stopped by the health check gate: no job was started" in proc.stdout
+    assert "updated_weight" not in proc.stdout and "rank=0 host=" not in proc.stdout  # no user code ran
+    if launch == "separate":
+        assert "stage healthcheck: FAILED on 1 of 1 node(s)" in proc.stdout and "stage job" not in proc.stdout
 
 
 def test_job_failure_names_rank_and_exit_code(env, tmp_path):
