@@ -141,3 +141,25 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]
     finally:
         timer.cancel()
     raise AssertionError(f"{needle!r} not seen within {timeout}s:\n" + "".join(lines[-40:]))
+
+
+def write_env_files(dry_text: str, home: Path) -> None:
+    """Stage what the dry run says the backend stages: the uploaded files and each node's
+    environment file (path and lines)."""
+    import re as _re
+    import shutil
+
+    path = None
+    for line in dry_text.splitlines():
+        upload = _re.match(r"# upload (\S+) -> <host run dir>/(\S+)", line)
+        if upload:
+            run_dir = _re.search(r'"\$HOME"/(\S+?)/(healthcheck|job)-node', dry_text).group(1)
+            (home / run_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(upload.group(1), home / run_dir / upload.group(2))
+        if line.startswith("# node ") and "(mode 0600) holds" in line:
+            path = Path(line.split(": ", 1)[1].split(" (mode")[0].replace('"$HOME"', str(home)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+        elif line.startswith("#   export ") and path is not None:
+            with open(path, "a") as f:
+                f.write(line[4:] + "\n")

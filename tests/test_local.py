@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.hostside.procs import run_processes
+from tests.ssh_util import write_env_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,28 +66,6 @@ def test_dry_run_prints_plan_and_runs_nothing(env, tmp_path):
     assert cmd.endswith('"$HOME"/.ddplaunch/runs/dry/healthcheck.json -- jobs/toy_ddp.py')
     assert "/entry.py --backend auto" in cmd
     assert not (tmp_path / "state").exists() and not (tmp_path / ".ddplaunch").exists()
-
-
-def write_env_files(dry_text: str, home: Path) -> None:
-    """Stage what the dry run says the backend stages: the uploaded files and each node's
-    environment file (path and lines)."""
-    import shutil
-    import re as _re
-
-    path = None
-    for line in dry_text.splitlines():
-        upload = _re.match(r"# upload (\S+) -> <host run dir>/(\S+)", line)
-        if upload:
-            run_dir = _re.search(r'"\$HOME"/(\S+?)/(healthcheck|job)-node', dry_text).group(1)
-            (home / run_dir).mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(upload.group(1), home / run_dir / upload.group(2))
-        if line.startswith("# node ") and "(mode 0600) holds" in line:
-            path = Path(line.split(": ", 1)[1].split(" (mode")[0].replace('"$HOME"', str(home)))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
-        elif line.startswith("#   export ") and path is not None:
-            with open(path, "a") as f:
-                f.write(line[4:] + "\n")
 
 
 def test_dry_run_line_is_what_runs(env, tmp_path):

@@ -1,6 +1,7 @@
-"""Resilience and diagnosis on the sim cluster: elastic restarts that lose nothing, hangs named by
-py-spy stacks, PyTorch's collective mismatch check in the summary, and a host that never starts
-torchrun named within the rendezvous timeout. Pure parts of ddplaunch.watchdog are tested first."""
+"""Resilience on the sim cluster: elastic restarts that lose nothing (bitwise, at world size 4) and a
+host that never starts torchrun named within the rendezvous timeout. Hangs and mismatched
+collectives are in the fault matrix (tests/test_fault_matrix.py, every backend); their pure parts
+(stack summaries, PyTorch's mismatch lines) are tested here first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import signal
 import time
 from pathlib import Path
 
-from ddplaunch.watchdog import RankStack, mismatch_lines, store_errors, stuck_at, summarize_stacks
+from ddplaunch.torchrun_logs import mismatch_lines, store_errors
+from ddplaunch.watchdog import RankStack, stuck_at, summarize_stacks
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
 
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
@@ -53,9 +55,9 @@ def test_mismatch_and_store_errors_condensed():
 def _train_spec(cluster, tmp_path: Path, name: str, *args: str, **job) -> Path:
     run_dir = tmp_path / name
     run_dir.mkdir()
-    # One rank per host: with 2 ranks a sum is order-free. With more, DDP's bucket rebuild after the
-    # first step of each (re)start changes gloo's summation order, and the last bits differ.
-    return sim_spec(cluster, run_dir, n_hosts=2, nproc_per_node=1, healthcheck={"enabled": False},
+    # World size 4 (2 hosts x 2): train.py keeps DDP's buckets fixed (find_unused_parameters), so a
+    # resumed run sums gradients in the same order as an uninterrupted one, bit for bit.
+    return sim_spec(cluster, run_dir, n_hosts=2, nproc_per_node=2, healthcheck={"enabled": False},
                     env={"DDPLAUNCH_CKPT_DIR": str(run_dir / "ckpt")},
                     job={"script": "jobs/train.py", "args": ["--epochs", "2", "--ckpt-every", "4",
                                                              "--log-every", "2", "--seed", "7", *args], **job})
@@ -71,7 +73,7 @@ def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, 
     host2 = sim_cluster.hosts[1].name
     read_until(proc, "step=10 ", timeout=120)  # past the checkpoint at step 8
     victim = wait_for(lambda: [p for p, e in run_processes("res-restart").items()
-                               if e.get("DDPLAUNCH_HOST") == host2 and e.get("RANK") == "1"], 30)[0]
+                               if e.get("DDPLAUNCH_HOST") == host2 and e.get("RANK") == "3"], 30)[0]
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
@@ -80,47 +82,6 @@ def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, 
     (got,) = SHA_RE.findall(out)
     assert got == want
     assert run_processes("res-restart") == {}
-
-
-def test_hang_named_with_ranks_hosts_and_lines_within_60s(sim_cluster, tmp_path):
-    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False},
-                    job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 20})
-    h1, h2 = (h.name for h in sim_cluster.hosts[:2])
-    t0 = time.time()
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", "res-hang"], tmp_path)
-    named = read_until(proc, "[ddplaunch] hang:", timeout=60)[-1]
-    took = time.time() - t0
-    out, _ = proc.communicate(timeout=60)
-    ended = time.time() - t0
-    print(f"hang named after {took:.1f}s, run ended after {ended:.1f}s")
-    assert took < 60
-    where = (rf"rank 0 \({h1}\): all_reduce at jobs/mismatch_demo.py:\d+ — "
-             rf"ranks 1-3 \({h1}, {h2}\): barrier at jobs/mismatch_demo.py:\d+")
-    assert re.search(where, named), named
-    assert proc.returncode == 1, out[-3000:]
-    assert "stage job: FAILED on 2 of 2" in out and "INTERRUPTED" not in out
-    assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=20\); stuck at: " + where, out, re.M), out[-3000:]
-    assert "stopped by ddplaunch: hang: no output from any rank" in out
-    stacks = tmp_path / "state/runs/res-hang/stacks"
-    assert {p.name for p in stacks.glob("*-rank*.txt")} == {f"{h1}-rank0.txt", f"{h1}-rank1.txt",
-                                                            f"{h2}-rank2.txt", f"{h2}-rank3.txt"}
-    assert "all_reduce" in (stacks / f"{h1}-rank0.txt").read_text()
-    assert run_processes("res-hang") == {}
-
-
-def test_debug_collectives_mismatch_attributed_to_host_and_rank(sim_cluster, tmp_path):
-    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, nproc_per_node=1, healthcheck={"enabled": False},
-                    job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "error"],
-                         "debug_collectives": True, "hang_timeout": 20})
-    h1, h2 = (h.name for h in sim_cluster.hosts[:2])
-    proc = ddplaunch(["up", str(spec), "--run-id", "res-mismatch"], tmp_path, timeout=120)
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    summary = proc.stdout[proc.stdout.index("stage job: FAILED"):]
-    assert (f"  {h1} rank 0: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
-            "rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float") in summary, summary
-    assert (f"  {h2} rank 1: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
-            "rank 1 ALLREDUCE [4] Float vs rank 0 ALLREDUCE [8] Double") in summary, summary
-    assert run_processes("res-mismatch") == {}
 
 
 def _sleepers(seconds: str) -> list[int]:

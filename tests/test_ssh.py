@@ -11,12 +11,13 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from ddplaunch.sim.faults import sim_fault
 from tests.ssh_util import (ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec,
-                            wait_for)
+                            wait_for, write_env_files)
 
 TOY = {"healthcheck": {"enabled": False}, "job": {"script": "jobs/toy_ddp.py"}}
 
@@ -59,6 +60,7 @@ def test_dry_run_lines_are_what_runs(sim_cluster, tmp_path):
     assert dry.returncode == 0
     lines = [x for x in dry.stdout.splitlines() if not x.startswith("#")]
     assert len(lines) == 3 and "--node-rank 2" in lines[2]
+    write_env_files(dry.stdout, Path.home())  # the sim's hosts share this file system and $HOME
     ssh = ["ssh", "-i", str(sim_cluster.key), "-o", f"UserKnownHostsFile={sim_cluster.known_hosts}",
            "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"]
     def by_hand(i):
