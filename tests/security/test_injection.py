@@ -1,0 +1,78 @@
+"""Every value a spec can put into a rendered command arrives byte for byte, and nothing in it runs:
+the shell line of the local/ssh backends and the body of the Slurm step are run under bash with a
+stub interpreter that reports what it received; a canary file must never appear."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddplaunch.backends.slurm.render import step_request
+from ddplaunch.plan import make_plan
+from ddplaunch.spec import ClusterSpec
+
+CANARY = "/tmp/ddplaunch-injection-canary"
+HOSTILE = st.sampled_from([
+    "$(touch {c})", "`touch {c}`", "'; touch {c}; '", '"; touch {c}; "', "a b\tc", "x\ntouch {c}",
+    "$HOME", "${{IFS}}", "\\", "-", "--", "*", "~", "!!", "a;b|c&d", "%s %n", "{c}<>|&",
+])
+TEXT = st.one_of(HOSTILE.map(lambda s: s.format(c=CANARY)),
+                 st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=20))
+
+
+def stub_python(tmp: Path) -> Path:
+    """An 'interpreter' that writes its argv and the spec's env values as JSON, then exits."""
+    stub = tmp / "py stub"
+    stub.write_text("#!/bin/bash\n/usr/bin/env python3 -c 'import json,os,sys; "
+                    "json.dump({\"argv\": sys.argv[1:], \"env\": dict(os.environ)}, open(os.environ[\"STUB_OUT\"], \"w\"))' \"$@\"\n")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    return stub
+
+
+def build(tmp: Path, arg: str, env_value: str, workdir_name: str) -> ClusterSpec:
+    workdir = tmp / workdir_name
+    workdir.mkdir(exist_ok=True)
+    return ClusterSpec.model_validate({
+        "backend": "ssh", "hosts": ["h1", "h2"], "python": str(stub_python(tmp)), "workdir": str(workdir),
+        "job": {"script": "job.py", "args": [arg, "--x", arg]}, "env": {"NOTE": env_value}})
+
+
+def run_bash(script: str, home: Path, extra: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20,
+                          env={"HOME": str(home), "PATH": os.environ["PATH"], **extra})
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(arg=TEXT, env_value=TEXT, workdir_name=st.sampled_from(["w d", "w$(x)", "w'q", "plain"]))
+def test_values_round_trip_through_every_renderer(tmp_path_factory, arg, env_value, workdir_name):
+    tmp = tmp_path_factory.mktemp("inj")
+    spec = build(tmp, arg, env_value, workdir_name)
+    plan = make_plan(spec, "r1", "job", 25000, environ={})
+    node = plan.nodes[1]
+    run_dir = tmp / ".ddplaunch" / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "job-node1.env").write_text(node.env_text())
+    out = tmp / "out.json"
+    # local and ssh: the one shell line the backend runs
+    shell = run_bash(node.shell_line(), tmp, {"STUB_OUT": str(out)})
+    assert shell.returncode == 0, shell.stderr
+    got = json.loads(out.read_text())
+    assert got["argv"][-4:] == ["job.py", arg, "--x", arg] or got["argv"][-3:] == [arg, "--x", arg]
+    assert got["env"]["NOTE"] == env_value
+    # slurm: the step's body (per-node values from the step), its env from srun's environment
+    out.unlink()
+    step = step_request(plan, "7")
+    env = {k: v for k, v in step.env}
+    body = run_bash(step.argv[-1], tmp, {"STUB_OUT": str(out), "SLURM_NODEID": "1", "SLURMD_NODENAME": "h2",
+                                         **env})
+    assert body.returncode == 0, body.stderr
+    got = json.loads(out.read_text())
+    assert got["argv"][-3:] == [arg, "--x", arg] and got["env"]["NOTE"] == env_value
+    assert "--node-rank" in got["argv"] and got["argv"][got["argv"].index("--node-rank") + 1] == "1"
+    assert not Path(CANARY).exists()
