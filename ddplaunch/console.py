@@ -98,6 +98,12 @@ class LineSink:
             return False
         return True
 
+    def new_launch(self) -> None:
+        """A new launch begins: node numbers name other hosts now, so nothing stays muted."""
+        with self._lock:
+            self._muted.clear()
+            self._agent_failing.clear()
+
     def mute(self, node_ranks: set[int]) -> None:
         """Keep these nodes' further lines off the terminal (ddplaunch is stopping them on
         purpose: their SignalException tracebacks belong in the log, not on screen)."""

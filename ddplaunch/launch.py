@@ -243,6 +243,7 @@ class _Run:
     def _launch(self, spec: ClusterSpec, request: Any) -> StageResult:
         """One stage; the job under the hang watchdog, then with restarts and found errors attached."""
         plan = request.plan
+        self.sink.new_launch()
         self.sink.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
         first_finding = len(self.sink.findings)
         watchdog = None
