@@ -13,7 +13,7 @@ Once the script has returned, non-daemon threads are joined and atexit handlers 
 Python's own order), stdout and stderr are flushed, one ``DDPLAUNCH_RANKEXIT_JSON {"rank": R,
 "code": C}`` line is printed, and the process leaves with ``os._exit(C)``: without interpreter
 finalization, where torch's C++ threads (Gloo, DDP) sometimes abort a finished process
-("terminate called without an active exception"). ``--finalize`` (``job.finalize: true``)
+("terminate called without an active exception"). ``--finalize`` (``job.fast_exit: false``)
 finalizes normally instead. A rank that dies after that line had finished its script.
 """
 
