@@ -228,16 +228,19 @@ def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
 def render_table(report: PreflightReport) -> str:
     """One screen for any number of hosts, within 80 columns: a verdict line naming every check,
     then only the hosts that failed, each failing check spelled out with its fix."""
+    import textwrap
+
     names = [c for c in CHECKS if any(c in h.checks for h in report.hosts)]
     bad = [h for h in report.hosts if not h.ok]
-    verdict = "ok" if report.ok else f"FAILED on {len(bad)} of {len(report.hosts)} host(s)"
-    lines = [f"pre-flight: {verdict} ({len(report.hosts)} host(s), {report.elapsed_s:.1f}s): " + " ".join(names)]
+    verdict = f"ok on {len(report.hosts)} host(s)" if report.ok else f"FAILED on {len(bad)} of {len(report.hosts)} host(s)"
+    lines = textwrap.wrap(f"pre-flight: {verdict} in {report.elapsed_s:.1f}s; checks: " + " ".join(names), 80,
+                          subsequent_indent="  ")
     for h in bad:
         for name, c in h.failures():
-            lines.append(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}")
+            lines += textwrap.wrap(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}", 80,
+                                   subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     if bad and len(bad) < len(report.hosts):
         lines.append(f"  every check ok on the other {len(report.hosts) - len(bad)} host(s)")
     if report.socket_ifname:
-        lines.append(f"every host reaches the master through {report.socket_ifname}: "
-                     f"GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME={report.socket_ifname}")
+        lines.append(f"every host reaches the master through {report.socket_ifname}: using it for Gloo/NCCL")
     return "\n".join(lines)

@@ -177,3 +177,22 @@ def test_evaluate_version_mismatch_loopback_and_clock(tmp_path):
     assert report.bad_hosts == ["b", "c"]
     assert report.socket_ifname == "eth1"
     assert report.hosts[0].checks["port"] == Check(True, "reached a:25000")
+
+
+def test_evaluate_gpus_disk_workdir_and_unreachable_port(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nhosts: [a, b, c, d]\nnproc_per_node: 2\ndist_backend: nccl\n")
+    spec = load_spec(path)
+    raw = {"a": facts(gpus=1),                                        # fewer GPUs than nproc_per_node
+           "b": facts(gpus=2, gpu_procs=["4242, python"]),            # GPUs held by another process
+           "c": facts(gpus=2, disk_free_gb=0.2, workdir_ok=False, script_ok=False),
+           "d": facts(gpus=2, port_error="cannot reach a:25000 over TCP: Connection refused")}
+    report = evaluate(spec, raw, launcher_time=1000.0, port=25000)
+    bad = {h.host: {name: c for name, c in h.failures()} for h in report.hosts}
+    assert "1 GPU(s)" in bad["a"]["gpus"].seen and "nproc_per_node is 2" in bad["a"]["gpus"].fix
+    assert "busy: 4242, python" in bad["b"]["gpus"].seen
+    assert "0.20 GB free" in bad["c"]["disk"].seen and "missing" in bad["c"]["workdir"].seen
+    assert "Connection refused" in bad["d"]["port"].seen and "firewall" in bad["d"]["port"].fix
+    assert report.bad_hosts == ["a", "b", "c", "d"]
+    table = __import__("ddplaunch.preflight", fromlist=["render_table"]).render_table(report)
+    assert all(len(line) <= 80 for line in table.splitlines()) and "FAILED on 4 of 4" in table
