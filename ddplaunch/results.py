@@ -77,12 +77,19 @@ class StageResult:
 
     @property
     def first_failure(self) -> Optional[NodeOutcome]:
-        """The node that failed first (by end time), if any did."""
+        """The node that failed first, if any did: by end time, but a node whose failing rank only
+        saw a peer die (its own words say so) comes after one that failed by itself."""
         bad = [o for o in self.outcomes if o.state in (FAILED, LOST, UNREACHABLE)]
-        return min(bad, key=lambda o: o.ended_at or float("inf")) if bad else None
+        return min(bad, key=lambda o: (_victim(o), o.ended_at or float("inf"))) if bad else None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _victim(outcome: NodeOutcome) -> bool:
+    from ddplaunch.torchrun_logs import VICTIM_RE
+
+    return any(VICTIM_RE.search(line) for line in outcome.cause)
 
 
 def describe_exit(code: Optional[int]) -> str:

@@ -57,7 +57,8 @@ def test_up_two_nodes_two_procs(slurm_cluster, tmp_path):
     out = ddplaunch(["up", str(spec), "--run-id", "sl-ok"], tmp_path, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
-    assert "stage healthcheck: ok on all 2 node(s)" in text and "stage job: ok on all 2 node(s)" in text
+    # one launch: the health check ran in the job's workers, then the job
+    assert "HEALTHCHECK OK world=4" in text and "stage job: ok on all 2 node(s)" in text
     hosts = [h.name for h in slurm_cluster.hosts]
     # which node ran which ranks: ranks 0,1 on the first node, 2,3 on the second
     for rank in range(4):
