@@ -1,17 +1,19 @@
 """An ordinary DDP script, written like the public tutorials, that sometimes aborts at exit.
 
 init_process_group, a small DDP model, a few SGD steps, destroy_process_group, return: no
-os._exit, nothing unusual. Under bare torchrun with torch 2.13 and Gloo (3 ranks on one host),
-a measurable fraction of runs lose a rank AFTER the script has finished: "terminate called
-without an active exception" and SIGABRT (exit -6) during interpreter finalization, and
-torchrun reports the whole run failed. ``bench/teardown.py`` counts how often; through
-``ddplaunch/hostside/entry.py`` (os._exit once the script has returned) it does not happen.
+os._exit, nothing unusual. With torch 2.13 and Gloo a rank sometimes dies AFTER the script has
+finished: "terminate called without an active exception", SIGABRT (exit -6) during interpreter
+teardown, and torchrun reports the whole run failed. ``bench/teardown.py`` counts how often, bare
+torchrun against ``ddplaunch/hostside/entry.py`` (os._exit once the script has returned).
 
-What makes it frequent here: the DDP model is still alive when destroy_process_group() runs
-(the tutorials' ``cleanup()`` at the end of the training function), so the Gloo group and its
-threads live on into interpreter teardown; all ranks reach that teardown at about the same
-moment (a small model, no uneven work at the end), and peers closing their connections wake
-Gloo's threads while the interpreter is being torn down.
+What is known (2026-11-29, 3 ranks, 2 shared cores): the DDP model still holds the Gloo group
+when destroy_process_group() runs (the tutorials' ``cleanup()``), so the group and its threads
+(gloo_tcp_loop, 2x pt_gloo_runloop) are still running when the interpreter tears down -- they
+are alive even after ``del ddp; gc.collect()``. Variants of this script (20 steps, DDP alive at
+destroy, or no destroy at all) aborted in 4 of 18 runs while other torch jobs ran on the machine;
+this script then aborted in 0 of about 40 bare runs (quiet or loaded machine, staggered exits,
+two runs at once), so the trigger is a timing window not yet pinned down. A frequent reproducer
+is still open.
 """
 
 import argparse
