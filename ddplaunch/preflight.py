@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ddplaunch.backends.contract import Backend
 from ddplaunch.examples import is_example
@@ -19,7 +19,7 @@ from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
 CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
-PROBE_SECONDS = 4.0
+PROBE_SECONDS = 15.0  # the port test ends as soon as every host got through
 
 
 @dataclass
@@ -103,14 +103,17 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
         answer = parse_answer(out, nonces.get(host.label, ""))
         raw[host.label] = (answer if isinstance(answer, dict)
                            else {"exit": code, "output": out.strip()[-300:], "python": None})
-    report = evaluate(spec, raw, launcher_time=(t0 + t1) / 2, port=port)
+    report = evaluate(spec, raw, launcher_time=(t0, t1), port=port)
     report.elapsed_s = time.time() - t0
     return report
 
 
-def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: float,
+def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float, tuple[float, float]],
              port: Optional[int]) -> PreflightReport:
-    """Pure: per-host facts -> checks. `raw[label]` is the probe's JSON, or {"error"} / {"exit"}."""
+    """Pure: per-host facts -> checks. `raw[label]` is the probe's JSON, or {"error"} / {"exit"}.
+    `launcher_time` is when the launcher sent the probes and got the answers: a host clock within
+    that window is not skewed, however long the probe took."""
+    lo, hi = launcher_time if isinstance(launcher_time, tuple) else (launcher_time, launcher_time)
     hosts = []
     for h in spec.hosts:
         rep = HostReport(host=h.label, addr=h.addr, facts=raw.get(h.label, {}))
@@ -140,7 +143,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: float,
             False, "; ".join(f"run {r}: pids {' '.join(map(str, p[:5]))}" for r, p in sorted(left.items())),
             "end them: " + "; ".join(f"ddplaunch down {r}" for r in sorted(left))))
         _network(spec, rep, port)
-        skew = f["time"] - launcher_time
+        skew = f["time"] - lo if f["time"] < lo else max(0.0, f["time"] - hi)
         rep.checks["clock"] = (Check(True, f"{skew:+.2f}s") if abs(skew) <= spec.preflight.max_clock_skew
                                else Check(False, f"{skew:+.1f}s off the launcher",
                                           "run chrony/ntpd on the host (ranks' timeouts and logs rely on clocks)"))

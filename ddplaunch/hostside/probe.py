@@ -152,6 +152,19 @@ def connect(master, port, deadline, me):
 def main():
     nonce, args = sys.argv[1], json.loads(sys.argv[2])
     out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable}
+    out["time"] = time.time()  # first: what the launcher compares its own clock with
+    threads = []
+    if args.get("port"):
+        # the port test first, beside the other facts: a loaded master must not miss the others
+        deadline = time.time() + args.get("probe_s", 4)
+        if args.get("listen"):
+            threads.append(threading.Thread(target=listen, args=(args["port"], args["expect"], deadline, out)))
+
+        def reach():
+            out["port_error"] = connect(args["master"], args["port"], deadline, args["label"])
+        threads.append(threading.Thread(target=reach))
+        for t in threads:
+            t.start()
     out.update(torch_facts())
     out.update(gpu_facts(args.get("need_gpus")))
     out["leftovers"] = leftovers(args["run_id"])
@@ -162,16 +175,8 @@ def main():
     out["script_ok"] = out["workdir_ok"] and (args["script"] is None
                                               or os.path.isfile(os.path.join(workdir, args["script"])))
     out["disk_free_gb"] = shutil.disk_usage(workdir if out["workdir_ok"] else "/").free / 1e9
-    if args.get("port"):
-        deadline = time.time() + args.get("probe_s", 4)
-        listener = None
-        if args.get("listen"):
-            listener = threading.Thread(target=listen, args=(args["port"], args["expect"], deadline, out))
-            listener.start()
-        out["port_error"] = connect(args["master"], args["port"], deadline, args["label"])
-        if listener is not None:
-            listener.join()
-    out["time"] = time.time()
+    for t in threads:
+        t.join()
     print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps(out, sort_keys=True), flush=True)
 
 
