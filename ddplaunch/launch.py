@@ -26,7 +26,7 @@ from ddplaunch.gate import exclude_hosts, healthcheck_gate, preflight_gate, pref
 from ddplaunch.hostcmd import marked, parse_answer
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr
 from ddplaunch.report import exit_code, summarize
-from ddplaunch.results import StageResult, StopEvent
+from ddplaunch.results import StageResult, StopEvent, describe_exit
 from ddplaunch.runs import RunRecord, check_run_id, home, new_run_id, open_private, write_private
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.torchrun_logs import mismatch_lines, store_errors
@@ -222,6 +222,7 @@ class _Run:
                 return True
             ran_healthcheck = stage == "healthcheck" or "--no-healthcheck" not in plan.nodes[0].args
             payload = self._healthcheck_payload() if ran_healthcheck else None
+            self.report.healthcheck = payload if ran_healthcheck else self.report.healthcheck
             if ran_healthcheck and not (stage == "job" and payload and payload.get("ok")):
                 gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, payload, self.stop,
                                               self.sink, self.record.dir)
@@ -246,6 +247,7 @@ class _Run:
         self.sink.new_launch()
         self.sink.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
         first_finding = len(self.sink.findings)
+        first_exit = len(self.sink.payload_list("RANKEXIT"))
         watchdog = None
         if plan.stage == "job" and spec.job.hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, self.sink, self.stop, self.record.dir / "stacks",
@@ -254,6 +256,7 @@ class _Run:
             result = self.backend.launch(request, self.sink, self.stop)
         found = self.sink.findings[first_finding:]
         result.diagnosis += watchdog.diagnosis if watchdog else []
+        result.diagnosis += _aborted_after_return(self.sink.payload_list("RANKEXIT")[first_exit:], result)
         result.diagnosis += mismatch_lines(found) + store_errors(found)
         if plan.stage == "job" and spec.job.max_restarts and not result.interrupted:
             _count_restarts(self.backend, plan, result)
@@ -277,6 +280,19 @@ class _Run:
             if self.backend.port_free(addr, port):
                 return port
         raise PlanError(f"no free master port on {addr} after {PORT_ATTEMPTS} tries; set master.port")
+
+
+def _aborted_after_return(exits: list[dict[str, Any]], result: StageResult) -> list[str]:
+    """Ranks whose script had returned (the entry script said so) yet died by a signal: the job
+    finished, the process did not (torch's threads at interpreter exit)."""
+    finished = {e.get("rank"): e.get("code") for e in exits}
+    out = []
+    for o in result.outcomes:
+        if o.failed_rank is not None and o.rank_exit_code is not None and o.rank_exit_code < 0 \
+                and finished.get(o.failed_rank) == 0:
+            out.append(f"rank {o.failed_rank} on {o.host} finished its script (exit 0), then died at "
+                       f"interpreter exit ({describe_exit(o.rank_exit_code)}): the job's work is done")
+    return out
 
 
 def _count_restarts(backend: Backend, plan: LaunchPlan, result: StageResult) -> None:
