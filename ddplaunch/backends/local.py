@@ -17,36 +17,21 @@ from pathlib import Path
 from typing import Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult
-from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellRequest, describe_reap
+from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellBackend, ShellRequest, describe_reap
 from ddplaunch.console import LineSink
-from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
 from ddplaunch.hostside.procs import run_processes
 from ddplaunch.outcomes import finish_outcome
-from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
+from ddplaunch.plan import HOST_RUN_ROOT
 from ddplaunch.results import INTERRUPTED, RUNNING, NodeOutcome, StageResult, stop_cause
-from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.spec import HostSpec
 
 
-class LocalBackend:
+class LocalBackend(ShellBackend):
     """Runs a one-node plan here."""
 
     name = "local"
-
-    def __init__(self, spec: ClusterSpec):
-        self.spec = spec
-
-    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
-        pass
-
-    def hosts(self, allocate: bool = True) -> list[HostSpec]:
-        return list(self.spec.hosts)
-
-    def allocation_text(self) -> str:
-        return ""
-
-    def render(self, plan: LaunchPlan) -> ShellRequest:
-        return ShellRequest(plan)
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
@@ -108,16 +93,6 @@ class LocalBackend:
             except subprocess.TimeoutExpired:
                 results.append((host, None, BackendError(f"{host.label}: command did not finish within {timeout}s")))
         return results
-
-    def status(self, record: dict) -> list[str]:
-        return []
-
-    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
-        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
-                        "under nohup, tmux or screen instead (or use backend: slurm)")
-
-    def logs(self, record: dict, follow: bool) -> None:
-        return None
 
     def down(self, record: dict) -> list[str]:
         run_id = record["run_id"]

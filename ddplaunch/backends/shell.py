@@ -8,10 +8,15 @@ the run's processes are reaped by their tag — never by name.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
+from ddplaunch.errors import PlanError
 from ddplaunch.hostcmd import host_program
 from ddplaunch.plan import LaunchPlan, Raw, host_run_dir, render_plan
+from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
 SHUTDOWN_GRACE = 10.0
@@ -25,6 +30,38 @@ class ShellRequest:
 
     def text(self) -> str:
         return render_plan([self.plan])
+
+
+class ShellBackend:
+    """The part of the contract the shell backends fill alike: the spec's hosts as they are, no
+    allocation, no scheduler; the run record holds everything `status` and `logs` show."""
+
+    name = "shell"
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+
+    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
+        pass
+
+    def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        return list(self.spec.hosts)
+
+    def allocation_text(self) -> str:
+        return ""
+
+    def render(self, plan: LaunchPlan) -> ShellRequest:
+        return ShellRequest(plan)
+
+    def status(self, record: dict) -> list[str]:
+        return []
+
+    def logs(self, record: dict, follow: bool) -> Optional[list[str]]:
+        return None
+
+    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
+        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
+                        "under nohup, tmux or screen instead (or use backend: slurm)")
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False) -> tuple[str, str]:

@@ -22,9 +22,9 @@ from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult
 from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
-from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellRequest, describe_reap, reaper_command
+from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellBackend, ShellRequest, describe_reap, reaper_command
 from ddplaunch.console import LineSink
-from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.results import (FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult,
@@ -37,13 +37,13 @@ MAX_PARALLEL = 64
 T = TypeVar("T")
 
 
-class SshBackend:
+class SshBackend(ShellBackend):
     """Runs a plan on every host of an `ssh` spec."""
 
     name = "ssh"
 
     def __init__(self, spec: ClusterSpec):
-        self.spec = spec
+        super().__init__(spec)
         self._conns: dict[str, Connection] = {}
         self._synced: set[str] = set()
         self._lock = threading.Lock()
@@ -119,32 +119,10 @@ class SshBackend:
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(hosts)))) as pool:
             return list(pool.map(one, hosts))
 
-    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
-        pass
-
-    def hosts(self, allocate: bool = True) -> list[HostSpec]:
-        return list(self.spec.hosts)
-
-    def allocation_text(self) -> str:
-        return ""
-
-    def render(self, plan: LaunchPlan) -> ShellRequest:
-        return ShellRequest(plan)
-
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         """Run a short command (built per host) on every host in parallel."""
         return self._each(lambda h: self._exec(h, command(h), timeout), hosts)
-
-    def status(self, record: dict) -> list[str]:
-        return []
-
-    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
-        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
-                        "under nohup, tmux or screen instead (or use backend: slurm)")
-
-    def logs(self, record: dict, follow: bool) -> None:
-        return None
 
     def _exec(self, host: HostSpec, command: str, timeout: float = 30, stdin: str = "") -> tuple[int, str]:
         """Run a short command (no pty); (exit status, stdout+stderr).
