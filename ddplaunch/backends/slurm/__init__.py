@@ -250,6 +250,13 @@ class SlurmBackend:
         if rc is None:
             step.stop(grace=2)
             return {h: (UNREACHABLE_CODE, f"no answer within {timeout:.0f}s") for h in hosts}
+        if step.unreachable and len(step.unreachable) < len(hosts):
+            # srun aborts the whole step when it cannot start on one node: ask the others again
+            rest = [h for h in hosts if h not in step.unreachable]
+            answers = self._step_run(script, rest, timeout)
+            answers.update({h: (UNREACHABLE_CODE, f"Slurm cannot start a step there: {why}")
+                            for h, why in step.unreachable.items()})
+            return answers
         answers = {}
         for i, h in enumerate(hosts):
             if h in step.unreachable:
