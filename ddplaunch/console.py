@@ -50,8 +50,9 @@ class LineSink:
         #: Payloads of `DDPLAUNCH_<NAME>_JSON {...}` lines, by NAME: the last one, and all of them.
         self.payloads: dict[str, str] = {}
         self.all_payloads: dict[str, list[str]] = {}
-        #: When the last line from any node arrived (the hang watchdog's clock).
+        #: When the last line from any node arrived (the hang watchdog's clock), and from any rank.
         self.last_line_at = time.time()
+        self.last_rank_line_at: Optional[float] = None
         #: Lines matching FINDING_RE, in arrival order (at most MAX_FINDINGS).
         self.findings: list[str] = []
 
@@ -71,6 +72,7 @@ class LineSink:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
                 ranked = rank_of(line)
                 if ranked is not None:
+                    self.last_rank_line_at = self.last_line_at
                     self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
                 if self._shown(node_rank, line):
                     self._write(line)

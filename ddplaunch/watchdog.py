@@ -192,8 +192,12 @@ class HangWatchdog:
         while not self._done.wait(self.poll):
             if self.stop.is_set():
                 return
+            ranks_spoke = (self.sink.last_rank_line_at or 0) >= self._started
             idle = time.time() - max(self._started, self.sink.last_line_at)
-            if idle >= self.timeout:
+            # Until a rank has said anything, the ranks are still starting (importing torch on a
+            # loaded host can take longer than the hang timeout): they get the rendezvous timeout
+            # on top before silence counts as a hang.
+            if idle >= self.timeout + (0 if ranks_spoke else self.spec.rdzv_timeout):
                 self._fire(idle)
                 return
 
