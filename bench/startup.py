@@ -33,21 +33,25 @@ def main():
     args = ap.parse_args()
     env = dict(os.environ, DDPLAUNCH_HOME=tempfile.mkdtemp(prefix="ddplaunch-bench-"))
     py = sys.executable
+    two = Path(env["DDPLAUNCH_HOME"]) / "two-launches.yaml"
+    two.write_text((ROOT / "cluster.yaml").read_text().replace("  launch: inline", "  launch: separate")
+                   .replace("workdir: null", f"workdir: {ROOT}"))
     cases = {
         "torchrun --standalone": [py, "-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node", "2", "jobs/toy_ddp.py"],
         "ddplaunch up --skip-healthcheck": [py, "-m", "ddplaunch", "up", "cluster.yaml", "--skip-healthcheck"],
         "ddplaunch up (with health check)": [py, "-m", "ddplaunch", "up", "cluster.yaml"],
+        "ddplaunch up (health check launched apart)": [py, "-m", "ddplaunch", "up", str(two)],
     }
     times = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, argv in cases.items():
             times[name].append(timed(argv, env))
     base = statistics.median(times["torchrun --standalone"])
-    print(f"{'launch':<34} {'median s':>9} {'min s':>7} {'max s':>7} {'vs torchrun':>12}")
+    print(f"{'launch':<44} {'median s':>9} {'min s':>7} {'max s':>7} {'vs torchrun':>12}")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"{name:<34} {med:>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {med - base:>+11.2f}s")
+        print(f"{name:<44} {med:>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {med - base:>+11.2f}s")
     print(f"health check adds {statistics.median(times['ddplaunch up (with health check)']) - statistics.median(times['ddplaunch up --skip-healthcheck']):.2f}s "
           f"({args.repeats} interleaved runs each, 2 ranks, Gloo, {os.cpu_count()} cores)")
 
