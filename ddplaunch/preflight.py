@@ -229,8 +229,8 @@ def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
 
 
 def render_table(report: PreflightReport) -> str:
-    """One screen for any number of hosts, within 80 columns: a verdict line naming every check,
-    then only the hosts that failed, each failing check spelled out with its fix."""
+    """One screen for any number of hosts: a verdict naming every check (within 80 columns), then
+    only the hosts that failed, one line per failing check with its fix."""
     import textwrap
 
     names = [c for c in CHECKS if any(c in h.checks for h in report.hosts)]
@@ -238,10 +238,9 @@ def render_table(report: PreflightReport) -> str:
     verdict = f"ok on {len(report.hosts)} host(s)" if report.ok else f"FAILED on {len(bad)} of {len(report.hosts)} host(s)"
     lines = textwrap.wrap(f"pre-flight: {verdict} in {report.elapsed_s:.1f}s; checks: " + " ".join(names), 80,
                           subsequent_indent="  ")
-    for h in bad:
+    for h in bad:  # one line each, whatever its length: it is the line people grep for
         for name, c in h.failures():
-            lines += textwrap.wrap(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}", 80,
-                                   subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+            lines.append(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}")
     if bad and len(bad) < len(report.hosts):
         lines.append(f"  every check ok on the other {len(report.hosts) - len(bad)} host(s)")
     if report.socket_ifname:

@@ -115,7 +115,7 @@ def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
 
 def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
     """A run whose launcher vanished (SIGKILL) and whose hosts did not hang up: `down` ends it."""
-    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, **train_job(tmp_path, "--epochs", "500", "--step-sleep", "0.2"))
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-down"], tmp_path)
     read_until(proc, f"[{sim_cluster.hosts[1].name}:3]", timeout=120)
     proc.send_signal(signal.SIGSTOP)  # launcher frozen: connections stay open, nothing hangs up
