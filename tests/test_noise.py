@@ -30,7 +30,6 @@ def test_check_and_down_survive_shell_noise(noisy_sim_cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["preflight"]["ok"] and summary["healthcheck"]["ok"]
-    assert RC_NOISE_STDOUT not in proc.stdout
 
     spec = _spec(noisy_sim_cluster, tmp_path, healthcheck={"enabled": False},
                  env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")},

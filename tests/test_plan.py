@@ -58,7 +58,8 @@ def test_node_ranks_master_and_world(ssh_spec):
     for rank, node in enumerate(plan.nodes):
         t = node.torchrun
         assert (t.node_rank, t.nnodes, t.master_port, t.max_restarts, t.nproc_per_node) == (rank, 3, 25000, 1, "2")
-        assert (node.script, node.args) == ("jobs/train.py", ("--epochs", "2"))
+        # the job runs through the entry script: health check inline, then the script as __main__
+        assert node.script.endswith("/entry.py") and node.args[-4:] == ("--", "jobs/train.py", "--epochs", "2")
         argv = node.argv()
         assert argv[argv.index("--node-rank") + 1] == str(rank) and argv[-3:] == ["jobs/train.py", "--epochs", "2"]
         env = dict(node.env)
@@ -102,9 +103,10 @@ def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
 def test_ports_are_derived_from_run_id_and_differ_per_stage(ssh_spec):
     a, b = derive_port("run-a:job"), derive_port("run-b:job")
     assert PORT_RANGE[0] <= a < PORT_RANGE[1] and a == derive_port("run-a:job") and a != b
-    text = dry_run(ssh_spec, UpOptions(run_id="x"))
+    two = ssh_spec.model_copy(update={"healthcheck": ssh_spec.healthcheck.model_copy(update={"launch": "separate"})})
+    text = dry_run(two, UpOptions(run_id="x"))
     ports = {line.split("master ")[1].split()[0] for line in text.splitlines() if line.startswith("# run")}
-    assert len(ports) == 2
+    assert len(ports) == 2  # the health check launched apart gets a port of its own
 
 
 def test_render_is_a_function_of_the_inputs(ssh_spec):
