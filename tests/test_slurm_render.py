@@ -107,7 +107,7 @@ def test_hosts_are_the_node_list_and_hostlists_expand(tmp_path):
     assert "--nodelist=gpu01,gpu02,gpu03,gpu07" in backend.allocation_text()
     bad = spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"nodes": 2})})
     with pytest.raises(Exception, match="slurm.nodes is 2 but hosts lists 4"):
-        SlurmBackend(bad)
+        SlurmBackend(bad).hosts(allocate=False)
 
 
 def test_step_carries_the_env_outside_the_command_line(tmp_path):

@@ -34,6 +34,8 @@ from ddplaunch.spec import ClusterSpec, HostSpec
 STEP_SLACK = 15.0
 #: A probe's code for "Slurm could not start anything on this node".
 UNREACHABLE_CODE = -1
+#: After a node failed, how long the others may report their own failure before they are stopped.
+REPORT_GRACE = 2.0
 
 
 class SlurmBackend:
@@ -54,9 +56,6 @@ class SlurmBackend:
         self.inside = os.environ.get("SLURM_JOB_ID")
         explicit = "hosts" in spec.model_fields_set
         self.nodelist = [n for h in spec.hosts for n in expand_hostlist(h.label)] if explicit else None
-        if self.nodelist and spec.slurm.nodes and spec.slurm.nodes != len(self.nodelist):
-            raise PlanError(f"slurm.nodes is {spec.slurm.nodes} but hosts lists {len(self.nodelist)} node(s): "
-                            "hosts are the node list of the allocation; drop one of the two")
 
     # ------------------------------------------------------------------ allocation
 
@@ -73,6 +72,9 @@ class SlurmBackend:
         return allocation_request(self.spec, self.run_id or "RUN", self.output_path(), self.nodelist).text()
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        if self.nodelist and self.spec.slurm.nodes and self.spec.slurm.nodes != len(self.nodelist):
+            raise PlanError(f"slurm.nodes is {self.spec.slurm.nodes} but hosts lists {len(self.nodelist)} node(s): "
+                            "hosts are the node list of the allocation; drop one of the two")
         if not allocate and not self.inside:
             if self.nodelist:
                 return [HostSpec(addr=n, name=n) for n in self.nodelist]
@@ -181,12 +183,20 @@ class SlurmBackend:
         for h in hosts:
             sink.state(h, f"running {plan.stage}")
         step = SrunStep(self.client, list(request.argv), env, hosts, sink, f"ddplaunch-{plan.stage}", request.job)
-        cause = None
+        cause, failed_at = None, None
         while step.poll() is None:
             if step.first_failure is not None and cause is None:
-                cause = f"{step.host(step.first_failure)} (node {step.first_failure}) failed"
-                sink.note(f"{cause}: Slurm ends the step on every other node (srun --kill-on-bad-exit)")
+                cause, failed_at = f"{step.host(step.first_failure)} (node {step.first_failure}) failed", time.time()
+                sink.note(f"{cause}: stopping every other node")
+            if failed_at is not None and time.time() - failed_at > REPORT_GRACE:
+                # the others had a moment to report their own failures (a rank that failed at the
+                # same time is then told apart from one that only saw its peer die); now stop them
                 sink.mute(set(range(len(hosts))) - {step.first_failure})
+                for o in outcomes:
+                    if o.node_rank not in step.ends:
+                        o.state, o.detail = INTERRUPTED, f"stopped by ddplaunch: {cause}"
+                step.stop()
+                break
             if stop.is_set():
                 result.interrupted = stop_cause(stop) is None
                 cause = stop_cause(stop) or "interrupted by the user"
@@ -218,8 +228,7 @@ class SlurmBackend:
                 continue
             elif failed is not None:
                 o.state = INTERRUPTED
-                o.detail = (f"ended by Slurm (srun --kill-on-bad-exit) after {step.host(failed)} "
-                            f"(node {failed}) failed" + (f": {how}" if how else ""))
+                o.detail = f"stopped by ddplaunch after {step.host(failed)} (node {failed}) failed"
             else:
                 o.state, o.detail = LOST, f"srun ended with {rc}: {how or 'no exit status for this node'}"
             finish_outcome(o, sink, code)

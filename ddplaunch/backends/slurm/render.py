@@ -161,7 +161,7 @@ def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None
     body.append(node.shell_line(env_source=False))
     nodes = ",".join(plan.hosts)
     srun = ["srun", f"--jobid={job}", f"--nodes={plan.nnodes}", f"--ntasks={plan.nnodes}",
-            "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=1", "--label", "--overlap",
+            "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=0", "--label", "--overlap",
             f"--job-name=ddplaunch-{plan.stage}", "--export=ALL"]
     if cpus_per_task:
         srun.append(f"--cpus-per-task={cpus_per_task}")

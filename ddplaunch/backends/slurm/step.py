@@ -2,8 +2,7 @@
 
 srun labels each line with the task (= node) index and cuts lines into 1024-byte pieces (joined
 again here). Its own messages say how each failing node ended (`srun: error: HOST: task N: Exited
-with exit code C`); `--kill-on-bad-exit` ends the other nodes. A stop (Ctrl-C, a hang) is
-graceful: SIGTERM to the step's tasks (torchrun stops its workers), then srun is ended. srun dies
+with exit code C`). A stop (a failed node, Ctrl-C, a hang) is graceful: SIGTERM to the step's tasks (torchrun stops its workers), then srun is ended. srun dies
 with the launcher (PR_SET_PDEATHSIG), so even a SIGKILLed ddplaunch cancels its steps.
 """
 
