@@ -35,7 +35,7 @@ def busy_cpu_seconds():
 def via_ddplaunch(spec, cpu):
     backend = SshBackend(spec)
     c0, t0 = busy_cpu_seconds(), time.perf_counter()
-    results = backend.run_short(lambda host: "true", timeout=30)
+    results = backend.probe(lambda host: "true", timeout=30)
     took = time.perf_counter() - t0
     cpu.append(busy_cpu_seconds() - c0)
     backend.close()

@@ -3,7 +3,7 @@
 Nothing here touches the network, the file system or the clock. `make_plan` returns a frozen
 `LaunchPlan`: per node, the working directory, setup lines, environment and ONE structured
 torchrun invocation (`TorchrunArgs`, script and its arguments as fields). Every backend renders
-these same objects (`NodeCommand.shell_line()` for a shell on a host, `slurm_template` for one
+these same objects (`NodeCommand.shell_line()` for a shell on a host, `backends.slurm.render.step_template` for one
 srun step over many nodes); nothing parses an argv back.
 
 Environment values never go on a command line: `NodeCommand.env_text()` is the 0600 file the
