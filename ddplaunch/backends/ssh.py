@@ -34,6 +34,8 @@ from ddplaunch.outcomes import finish_outcome
 
 #: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
 MAX_PARALLEL = 64
+#: After a node failed, how long the others may report their own failure before they are stopped.
+REPORT_GRACE = 2.0
 T = TypeVar("T")
 
 
@@ -185,7 +187,7 @@ class SshBackend(ShellBackend):
         for r in readers:
             r.start()
         done: dict[int, Optional[int]] = {}
-        stopping = False
+        stopping, failed_at = False, None
         while len(done) < len(channels):
             for node, ch in zip(plan.nodes, channels):
                 if node.node_rank not in done and (ch.exit_status_ready() or ch.closed
@@ -194,12 +196,17 @@ class SshBackend(ShellBackend):
                     outcome = outcomes[node.node_rank]
                     if done[node.node_rank] is None and not stopping:
                         outcome.state, outcome.detail = LOST, "SSH connection lost"
-                    if done[node.node_rank] != 0 and not stopping:
-                        stopping = True
+                    if done[node.node_rank] != 0 and failed_at is None:
+                        failed_at = time.time()
                         cause = f"{node.host.label} (node {node.node_rank}) " + (
                             "lost its connection" if done[node.node_rank] is None
                             else f"exited with {done[node.node_rank]}")
                         sink.note(f"{cause}: stopping every other host")
+            # the others get a moment to report a failure of their own (a rank that failed at the
+            # same time is then told apart from one that only saw its peer die); then they stop
+            if failed_at is not None and not stopping and (time.time() - failed_at >= REPORT_GRACE
+                                                            or len(done) == len(channels)):
+                stopping = True
             if not stopping and stop.is_set():
                 stopping = True
                 result.interrupted = stop_cause(stop) is None
