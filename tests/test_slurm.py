@@ -67,7 +67,7 @@ def test_up_two_nodes_two_procs(slurm_cluster, tmp_path):
     assert "DDPLAUNCH_NODE" not in text and "DDPLAUNCH_HEALTHCHECK_JSON" not in text
     assert (tmp_path / "state" / "runs" / "sl-ok" / "healthcheck.json").is_file()
     status = ddplaunch(["status", "sl-ok"], tmp_path)
-    assert f"slurm job {job_of(tmp_path, 'sl-ok')}: COMPLETED" in status.stdout, status.stdout
+    assert f"slurm job {job_of(tmp_path, 'sl-ok')} (submitted by this run): COMPLETED" in status.stdout, status.stdout
 
 
 def test_plain_sbatch_without_ddplaunch(slurm_cluster, tmp_path):
