@@ -550,6 +550,9 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
                                        f"host {host} is bad: {result['pairs']['reasons'][host]}"})
 
 
+_KEEP: list = []
+
+
 def _init_group(backend: str, timeout: timedelta, rank: int, world: int) -> None:
     """Our own default group on a key prefix of the launcher's store.
 
@@ -562,6 +565,12 @@ def _init_group(backend: str, timeout: timedelta, rank: int, world: int) -> None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           world_size=world, is_master=not agent_store and rank == 0,
                           timeout=timeout, wait_for_workers=False)
+    if not agent_store:
+        # Started directly: rank 0's store stays up for the job that follows in this process (as
+        # torchrun's agent store would), and the job's own init_process_group() becomes a client
+        # of it; tearing it down and binding the port again raced with the other ranks.
+        _KEEP.append(store)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     prefix = f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
                             world_size=world, timeout=timeout)
