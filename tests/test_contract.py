@@ -21,13 +21,24 @@ def _executed(tmp_path: Path, run_id: str) -> str:
     return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())["plan_text"]
 
 
+def _ports_marked(text: str) -> str:
+    """The master ports are the values probed at launch (a derived port that is busy is replaced):
+    the dry run marks them as such; compare everything else byte for byte."""
+    import re
+
+    for port in set(re.findall(r"^# run .* master \S+:(\d+) \(port derived from the run id, checked free", text, re.M)):
+        text = re.sub(rf"\b{port}\b", "<PORT>", text)
+    return text
+
+
 def _same_request(spec: Path, tmp_path: Path, run_id: str, *extra: str) -> None:
     dry = ddplaunch(["up", str(spec), "--dry-run", "--run-id", run_id, *extra], tmp_path)
     assert dry.returncode == 0, dry.stderr
     assert not (tmp_path / "state" / "runs" / run_id).exists()  # a dry run writes nothing
     run = ddplaunch(["up", str(spec), "--run-id", run_id, *extra], tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr
-    assert _executed(tmp_path, run_id) == dry.stdout
+    assert _ports_marked(_executed(tmp_path, run_id)) == _ports_marked(dry.stdout)
+    assert "<PORT>" in _ports_marked(dry.stdout)
 
 
 def test_local_executes_its_dry_run(tmp_path):
