@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ssh_util import ROOT, ddplaunch, launcher_env, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, launcher_env, read_until, run_processes, wait_for
 
 
 def _executed(tmp_path: Path, run_id: str) -> str:
