@@ -62,17 +62,19 @@ class SlurmClient:
     def __init__(self, conf: Optional[str]):
         self.conf = conf
 
-    def env(self, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-        env = dict(os.environ)
+    def env(self, extra: Optional[Mapping[str, str]] = None, inherit: bool = True) -> dict[str, str]:
+        """The command's environment: this process's (unless not `inherit`), SLURM_CONF, `extra`."""
+        env = dict(os.environ) if inherit else {}
         if self.conf:
             env["SLURM_CONF"] = self.conf
         env.update(extra or {})
         return env
 
     def run(self, argv: list[str], timeout: float = COMMAND_TIMEOUT,
-            env: Optional[Mapping[str, str]] = None, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+            env: Optional[Mapping[str, str]] = None, stdin: Optional[str] = None,
+            inherit: bool = True) -> subprocess.CompletedProcess:
         try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(env),
+            return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(env, inherit),
                                   input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL)
         except FileNotFoundError:
             raise BackendError(f"{argv[0]} not found on PATH: the Slurm client commands (sbatch, srun, squeue, "

@@ -35,6 +35,32 @@ def _die_with_parent() -> None:
         pass
 
 
+class LabelledLines:
+    """srun's `--label` output as whole lines: (task index, text), or (None, text) for srun's own
+    messages; a piece of exactly SRUN_PIECE bytes is held until the rest of its line arrives."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[int, str] = {}
+
+    def feed(self, raw: bytes) -> Optional[tuple[Optional[int], str]]:
+        """One raw line (without its newline); None while a cut line is incomplete."""
+        text = raw.decode("utf-8", "replace").rstrip("\r")
+        label = _LABEL_RE.match(text)
+        if label is None:
+            return None, text
+        node, rest = int(label.group(1)), label.group(2)
+        joined = self._pieces.pop(node, "") + rest
+        if b": " in raw and len(raw) - raw.index(b": ") - 2 == SRUN_PIECE:  # srun cut a longer line here
+            self._pieces[node] = joined
+            return None
+        return node, joined
+
+    def rest(self) -> list[tuple[int, str]]:
+        """The pieces still held (the output ended in the middle of a line)."""
+        out, self._pieces = list(self._pieces.items()), {}
+        return out
+
+
 class SrunStep:
     """One srun process: its lines, and how each of its nodes ended."""
 
@@ -46,7 +72,7 @@ class SrunStep:
         #: Nodes Slurm could not start the step on: host -> srun's reason.
         self.unreachable: dict[str, str] = {}
         self.first_failure: Optional[int] = None
-        self._pieces: dict[int, str] = {}
+        self._lines = LabelledLines()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
                                      env=client.env(env), preexec_fn=_die_with_parent)
@@ -66,22 +92,13 @@ class SrunStep:
     def _pump(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            self._line(raw.rstrip(b"\n"))
-        for node, text in self._pieces.items():
+            line = self._lines.feed(raw.rstrip(b"\n"))
+            if line is not None and line[0] is None:
+                self._srun_message(line[1])
+            elif line is not None:
+                self._emit(line[0], line[1])
+        for node, text in self._lines.rest():
             self._emit(node, text)
-
-    def _line(self, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip("\r")
-        label = _LABEL_RE.match(text)
-        if label is None:
-            self._srun_message(text)
-            return
-        node, rest = int(label.group(1)), label.group(2)
-        joined = self._pieces.pop(node, "") + rest
-        if len(raw) - raw.index(b": ") - 2 == SRUN_PIECE:  # srun cut a longer line here
-            self._pieces[node] = joined
-        else:
-            self._emit(node, joined)
 
     def _emit(self, node: int, text: str) -> None:
         self.output.setdefault(node, []).append(text)
