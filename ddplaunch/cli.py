@@ -55,7 +55,9 @@ def cli() -> None:
 @click.option("--skip-healthcheck", is_flag=True, help="Start the job without the all_reduce check.")
 @click.option("--run-id", help="Use this run id instead of a fresh one (letters, digits, . _ -).")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
-@click.option("--detach", is_flag=True, help="Slurm: submit the batch job and return (see status/logs/down).")
+@click.option("--detach", is_flag=True,
+              help="Slurm: submit one batch job that runs every stage itself and return (follow it with "
+                   "logs -f/status, end it with down); no pre-flight, watchdog or gates.")
 @EXCLUDE_OPT
 @VERBOSE_OPT
 @click.argument("job_args", nargs=-1, metavar="[-- JOB_ARGS...]")

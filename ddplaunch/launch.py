@@ -94,11 +94,13 @@ def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOp
 def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     """The text `up --dry-run` prints: every request `up` would execute; nothing runs, nothing
     is written. Values only known at launch (a port checked free, Slurm's allocated nodes) are
-    marked."""
+    marked. With `--detach`, the one request that hands the run to the scheduler."""
     if opts.exclude:
         spec = exclude_hosts(spec, opts.exclude)
     backend = get_backend(spec)
     run_id = check_run_id(opts.run_id) if opts.run_id else new_run_id(spec.name)
+    if opts.detach:
+        return _detached_request(spec, backend, run_id, opts).text()
     backend.start_run(run_id, home() / "runs" / run_id, StopEvent())
     spec = spec.model_copy(update={"hosts": backend.hosts(allocate=False)})
     text = backend.allocation_text()
@@ -108,19 +110,43 @@ def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     return text
 
 
+def _detached_request(spec: ClusterSpec, backend: Backend, run_id: str, opts: UpOptions) -> Any:
+    """Every stage's plan (ports derived from the run id: no launcher probes them), handed to the
+    backend as one detached request."""
+    backend.start_run(run_id, home() / "runs" / run_id, StopEvent())
+    spec = spec.model_copy(update={"hosts": backend.hosts(allocate=False)})
+    plans = [plan_stage(spec, run_id, s, spec.master.port or derive_port(f"{run_id}:{s}"), opts)
+             for s in stages_of(spec, opts)]
+    return backend.render_detached(plans)
+
+
 def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
-    """`up --detach`: hand the whole run to a scheduler that owns it, record it, return at once."""
+    """`up --detach`: hand the whole run to a scheduler that owns it, record it, return at once.
+
+    Raises:
+        PlanError: the backend has no scheduler (nothing is recorded), bad --run-id or --exclude.
+        BackendError: the scheduler refused the job (the record ends "failed").
+    """
+    if opts.exclude:
+        spec = exclude_hosts(spec, opts.exclude)
     run_id = check_run_id(opts.run_id, "--run-id") if opts.run_id else new_run_id(spec.name)
+    if (home() / "runs" / run_id).exists():
+        raise PlanError(f"--run-id {run_id}: a run with this id exists ({home() / 'runs' / run_id}); "
+                        "pick another id or leave --run-id out")
     backend = get_backend(spec)
+    request = _detached_request(spec, backend, run_id, opts)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
+                       hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(),
+                       plan_text=request.text())
     record.extra["base_dir"] = spec.base_dir
     record.state = "submitted"
     record.save()
-    stages = stages_of(spec, opts)
-    plans = [plan_stage(spec, run_id, s, spec.master.port or derive_port(f"{run_id}:{s}"), opts) for s in stages]
-    text, where = backend.detach(plans, record.dir)
-    record.plan_text = text
+    try:
+        where = backend.detach(request, record.dir)
+    except BaseException:
+        record.state, record.ended_at = "failed", time.time()
+        record.save()
+        raise
     record.extra["detached"] = where
     record.save()
     (stream or sys.stdout).write(f"run {run_id}: {where}\n")

@@ -12,6 +12,7 @@ from typing import Iterator, Optional
 
 from ddplaunch.backends import get_backend
 from ddplaunch.backends.contract import Backend
+from ddplaunch.errors import DdplaunchError
 from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
 from ddplaunch.spec import ClusterSpec
 
@@ -25,9 +26,25 @@ def record_backend(record: RunRecord) -> Backend:
     return get_backend(spec)
 
 
+def settle(record: RunRecord, backend: Backend) -> RunRecord:
+    """A detached run (state "submitted") takes its final state from the scheduler once it has
+    ended, and keeps it in the record."""
+    if record.state != "submitted":
+        return record
+    try:
+        state = backend.final_state(asdict(record))
+    except DdplaunchError:  # the scheduler does not answer: the record stays as it is
+        return record
+    if state is not None:
+        record.state, record.ended_at = state, time.time()
+        record.save()
+    return record
+
+
 def status(record: RunRecord) -> list[str]:
     """The record's state and outcomes, then the backend's live view (Slurm: the job)."""
-    return status_lines(record) + record_backend(record).status(asdict(record))
+    backend = record_backend(record)
+    return status_lines(settle(record, backend)) + backend.status(asdict(record))
 
 
 def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
@@ -36,9 +53,11 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) ->
     def mine(line: str) -> bool:
         return host is None or line.startswith((f"[{host}:", f"[{host}]"))
 
-    from_backend = record_backend(record).logs(asdict(record), follow)
+    backend = record_backend(record)
+    from_backend = backend.logs(asdict(record), follow)
     if from_backend is not None:
         yield from filter(mine, from_backend)
+        settle(record, backend)
         return
     if not record.log_path.exists():
         return
@@ -62,4 +81,7 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) ->
 
 def down(record: RunRecord) -> list[str]:
     """End every process left of the run, on every host, by the run's tag."""
-    return record_backend(record).down(asdict(record))
+    backend = record_backend(record)
+    lines = backend.down(asdict(record))
+    settle(record, backend)
+    return lines

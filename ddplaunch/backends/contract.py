@@ -64,9 +64,17 @@ class Backend(Protocol):
     def port_free(self, addr: str, port: int) -> bool:
         """Whether `port` can be bound on the master host."""
 
-    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
-        """Hand every stage to a scheduler that runs them without the launcher; (executed request
-        text, where it went). Backends without one raise PlanError saying so."""
+    def render_detached(self, plans: list[LaunchPlan]) -> Request:
+        """The request that hands every stage, in order, to a scheduler that runs them without
+        the launcher (pure: `up --dry-run --detach` prints its text). Backends without a
+        scheduler raise PlanError saying so."""
+
+    def detach(self, request: Request, run_dir: Path) -> str:
+        """Submit a `render_detached` request (the job is recorded in `run_dir`); where it went."""
+
+    def final_state(self, record: dict) -> Optional[str]:
+        """A detached run's final state ("ok", "failed", "cancelled") once its scheduler has
+        finished it; None while it runs, or when the backend detaches nothing."""
 
     def status(self, record: dict) -> list[str]:
         """Lines on the live state of a recorded run beyond its record (Slurm: the job)."""

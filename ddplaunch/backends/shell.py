@@ -59,9 +59,18 @@ class ShellBackend:
     def logs(self, record: dict, follow: bool) -> Optional[list[str]]:
         return None
 
-    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
-        raise PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
-                        "under nohup, tmux or screen instead (or use backend: slurm)")
+    def render_detached(self, plans: list[LaunchPlan]) -> ShellRequest:
+        raise self._no_scheduler()
+
+    def detach(self, request: ShellRequest, run_dir: Path) -> str:
+        raise self._no_scheduler()
+
+    def _no_scheduler(self) -> PlanError:
+        return PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
+                         "under nohup, tmux or screen instead (or use backend: slurm)")
+
+    def final_state(self, record: dict) -> Optional[str]:
+        return None
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False) -> tuple[str, str]:

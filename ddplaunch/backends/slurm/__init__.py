@@ -6,7 +6,7 @@ runs and cancels it when the run is over. Inside an allocation (SLURM_JOB_ID set
 an sbatch script) it uses that one: no second job, and ending the run ends its steps only. Every
 stage, pre-flight probe, stack dump and pair probe is a step on exactly the nodes of its plan, so
 the gate, the watchdog, exclusion and restart counts work as on SSH. `--detach` hands the whole
-run to one batch script instead.
+run to one batch script instead (detached.py): no launcher stays, so none of those run.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
+from ddplaunch.backends.slurm.detached import DetachedRequest, final_state, follow_output, render_detached
 from ddplaunch.backends.slurm.render import (AT_LAUNCH, StepRequest, allocation_request, in_step_order,
                                              step_request)
 from ddplaunch.backends.slurm.step import SrunStep
@@ -317,13 +318,20 @@ class SlurmBackend:
         client = SlurmClient(job.slurm_conf or self.client.conf)
         info = client.job_info(job.job_id)
         state = client.job_state(job.job_id) or info.get("JobState") or "ended (no longer known to slurmctld)"
-        line = f"  slurm job {job.job_id} ({'submitted by this run' if job.owned else 'its allocation'}): {state}"
+        whose = "detached: its batch script runs every stage" if record.get("extra", {}).get("detached") else \
+            "submitted by this run" if job.owned else "its allocation"
+        line = f"  slurm job {job.job_id} ({whose}): {state}"
         if info.get("NodeList") not in (None, "", "(null)"):
             line += f" on {info['NodeList']}"
         return [line] + ([f"  output: {job.output_path}"] if job.output_path else [])
 
     def logs(self, record: dict, follow: bool) -> Optional[Iterator[str]]:
-        return None
+        """A detached run's lines come from its job's output (the record has none)."""
+        job = SlurmJob.load(Path(_run_dir(record)))
+        if job is None or not job.output_path or not record.get("extra", {}).get("detached"):
+            return None
+        client = SlurmClient(job.slurm_conf or self.client.conf)
+        return follow_output(Path(job.output_path), lambda: client.job_state(job.job_id) is not None, follow)
 
     def down(self, record: dict) -> list[str]:
         job = SlurmJob.load(Path(_run_dir(record)))
@@ -342,9 +350,29 @@ class SlurmBackend:
         client.cancel(job.job_id)
         return [f"job {job.job_id}: was {state}, cancelled"]
 
-    def detach(self, plans: list[LaunchPlan], run_dir: Path) -> tuple[str, str]:
-        raise PlanError("--detach: not available with the step-by-step Slurm launcher yet; run "
-                        "`ddplaunch up` inside the batch script you submit (it then uses that allocation)")
+    def render_detached(self, plans: list[LaunchPlan]) -> DetachedRequest:
+        return render_detached(self.spec, plans, self.output_path(), self.nodelist)
+
+    def detach(self, request: DetachedRequest, run_dir: Path) -> str:
+        """Submit the detached job: sbatch with the script on stdin and only the job's environment."""
+        Path(self.output_path().replace("%j", "x")).parent.mkdir(parents=True, exist_ok=True)
+        proc = self.client.run(list(request.argv), stdin=request.script, inherit=False,
+                               env=request.process_env(os.environ))
+        job_id = proc.stdout.strip().split(";")[0]
+        if proc.returncode != 0 or not job_id.isdigit():
+            raise BackendError(describe_sbatch_error(proc.stderr or proc.stdout))
+        SlurmJob(job_id=job_id, owned=True, slurm_conf=self.client.conf,
+                 output_path=self.output_path().replace("%j", job_id)).save(run_dir)
+        run = run_dir.name
+        return (f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {run} -f`, "
+                f"`ddplaunch status {run}`; stop it with `ddplaunch down {run}`")
+
+    def final_state(self, record: dict) -> Optional[str]:
+        job = SlurmJob.load(Path(_run_dir(record)))
+        if job is None or not record.get("extra", {}).get("detached"):
+            return None
+        client = SlurmClient(job.slurm_conf or self.client.conf)
+        return final_state(job.output_path, client.job_state(job.job_id), client.job_info(job.job_id))
 
     def close(self) -> None:
         """End the allocation ddplaunch made (never one it runs inside): SIGTERM to the holding
