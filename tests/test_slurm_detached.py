@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.backends.slurm import SlurmBackend
-from ddplaunch.backends.slurm.detached import MASTER, OutputReader, final_state, render_detached
+from ddplaunch.backends.slurm.detached import (MASTER, OutputReader, final_state, follow_output, job_active,
+                                               render_detached)
 from ddplaunch.backends.slurm.render import step_request
 from ddplaunch.errors import PlanError
 from ddplaunch.launch import UpOptions, dry_run, plan_stage, stages_of
@@ -208,3 +209,22 @@ def test_the_time_limit_warning_reaches_the_steps_then_the_job_requeues(tmp_path
     assert rc == 0, out
     assert log == ["healthcheck n7", "scancel --signal=USR2 41", "scontrol requeue 41"], out
     assert "DDPLAUNCH_PREEMPTED requeueing job 41" in out and "DDPLAUNCH_DETACHED_END" not in out
+
+
+def test_follow_reads_until_the_job_has_ended(tmp_path):
+    """`logs -f`: lines written while the job runs, and those written just before it ended."""
+    out = tmp_path / "job.out"
+    out.write_text("DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7\n")
+    states = iter(["PENDING", "RUNNING", "COMPLETING", "COMPLETED"])
+
+    def running() -> bool:
+        state = next(states)
+        with open(out, "a") as f:
+            f.write(f"0: [n7:0] while {state}\n")
+        return job_active(state)
+    lines = list(follow_output(out, running, follow=True, poll=0))
+    assert lines == ["[ddplaunch] job 41 on n7; master n7"] + \
+        [f"[n7:0] while {s}" for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED")]
+    assert list(follow_output(tmp_path / "none.out", lambda: False, follow=True)) == \
+        [f"[ddplaunch] no job output at {tmp_path / 'none.out'} (not written yet, or not on a file system "
+         "this machine sees)"]

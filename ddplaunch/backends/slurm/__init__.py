@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
-from ddplaunch.backends.slurm.detached import DetachedRequest, final_state, follow_output, render_detached
+from ddplaunch.backends.slurm.detached import (DetachedRequest, final_state, follow_output, job_active,
+                                               render_detached)
 from ddplaunch.backends.slurm.render import (AT_LAUNCH, StepRequest, allocation_request, in_step_order,
                                              step_request)
 from ddplaunch.backends.slurm.step import SrunStep
@@ -331,7 +332,7 @@ class SlurmBackend:
         if job is None or not job.output_path or not record.get("extra", {}).get("detached"):
             return None
         client = SlurmClient(job.slurm_conf or self.client.conf)
-        return follow_output(Path(job.output_path), lambda: client.job_state(job.job_id) is not None, follow)
+        return follow_output(Path(job.output_path), lambda: job_active(client.job_state(job.job_id)), follow)
 
     def down(self, record: dict) -> list[str]:
         job = SlurmJob.load(Path(_run_dir(record)))

@@ -34,6 +34,9 @@ INHERITED = ("PATH", "HOME", "USER", "LANG", "SLURM_CONF")
 #: Options of an attached step that name the allocation from outside; inside the batch job srun
 #: takes the job from SLURM_JOB_ID and uses every node of it.
 _OUTSIDE = ("--jobid=", "--nodelist=")
+#: Final job states (a preempted job that requeues becomes PENDING again).
+ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED")
 _START_RE = re.compile(r"^DDPLAUNCH_DETACHED job=(\d+) restarts=(\d+) nodes=(\S*)$")
 _STAGE_RE = re.compile(r"^DDPLAUNCH_STAGE (\S+) (begin|end rc=(\d+))$")
 _END_RE = re.compile(r"^DDPLAUNCH_DETACHED_END rc=(\d+)(?: (.*))?$")
@@ -203,6 +206,12 @@ class OutputReader:
         return [f"[{'srun' if text.startswith('srun:') else 'batch'}] {text}"] if text.strip() else []
 
 
+def job_active(state: Optional[str]) -> bool:
+    """Whether a job in this squeue state may still write output (squeue may list a finished job
+    for a while, in its final state; requeued, it is PENDING again)."""
+    return state is not None and state not in ENDED
+
+
 def follow_output(path: Path, running: Callable[[], bool], follow: bool, poll: float = 0.3) -> Iterator[str]:
     """The job's output lines; with `follow`, until `running()` says the job has left the queue."""
     reader = OutputReader(path)
@@ -219,8 +228,7 @@ def follow_output(path: Path, running: Callable[[], bool], follow: bool, poll: f
 def final_state(path: Optional[str], job_state: Optional[str], info: Mapping[str, str]) -> Optional[str]:
     """The run's final state once the job has left the queue: ok/failed from the script's own end
     marker, else from Slurm (cancelled, timeout, ...); None while it is queued or running."""
-    if job_state is not None and job_state not in ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT",
-                                                   "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE"):
+    if job_active(job_state):
         return None
     slurm = info.get("JobState") or job_state
     if slurm == "CANCELLED":
