@@ -228,3 +228,9 @@ def test_follow_reads_until_the_job_has_ended(tmp_path):
     assert list(follow_output(tmp_path / "none.out", lambda: False, follow=True)) == \
         [f"[ddplaunch] no job output at {tmp_path / 'none.out'} (not written yet, or not on a file system "
          "this machine sees)"]
+
+
+def test_detach_inside_an_allocation_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "99")
+    with pytest.raises(PlanError, match=r"--detach inside an allocation \(SLURM_JOB_ID=99\)"):
+        SlurmBackend(load(tmp_path)).render_detached([])

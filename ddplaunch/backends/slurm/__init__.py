@@ -352,6 +352,9 @@ class SlurmBackend:
         return [f"job {job.job_id}: was {state}, cancelled"]
 
     def render_detached(self, plans: list[LaunchPlan]) -> DetachedRequest:
+        if self.inside:
+            raise PlanError(f"--detach inside an allocation (SLURM_JOB_ID={self.inside}): drop --detach to run "
+                            "the stages as steps of this allocation, or submit from outside it")
         return render_detached(self.spec, plans, self.output_path(), self.nodelist)
 
     def detach(self, request: DetachedRequest, run_dir: Path) -> str:
@@ -364,9 +367,8 @@ class SlurmBackend:
             raise BackendError(describe_sbatch_error(proc.stderr or proc.stdout))
         SlurmJob(job_id=job_id, owned=True, slurm_conf=self.client.conf,
                  output_path=self.output_path().replace("%j", job_id)).save(run_dir)
-        run = run_dir.name
-        return (f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {run} -f`, "
-                f"`ddplaunch status {run}`; stop it with `ddplaunch down {run}`")
+        return (f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {run_dir.name} -f`, "
+                f"`ddplaunch status {run_dir.name}`; stop it with `ddplaunch down {run_dir.name}`")
 
     def final_state(self, record: dict) -> Optional[str]:
         job = SlurmJob.load(Path(_run_dir(record)))
