@@ -553,8 +553,9 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
 _KEEP: list = []
 
 
-def _init_group(backend: str, timeout: timedelta, rank: int, world: int) -> None:
-    """Our own default group on a key prefix of the launcher's store.
+def _init_group(backend: str, timeout: timedelta, rank: int, world: int, device: torch.device) -> None:
+    """Our own default group on a key prefix of the launcher's store, bound to this rank's GPU
+    on NCCL (``device_id``: collectives and barriers use it, not whatever device is current).
 
     Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True) and every
     worker is a client; started directly (the torchrun env contract set by hand), rank 0 hosts
@@ -572,8 +573,8 @@ def _init_group(backend: str, timeout: timedelta, rank: int, world: int) -> None
         _KEEP.append(store)
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     prefix = f"{STORE_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
 
 
 def run(argv: list) -> int:
@@ -604,7 +605,7 @@ def run(argv: list) -> int:
              "process; the health check runs before the job's init_process_group()")
         return 1
     try:
-        _init_group(backend, timedelta(seconds=args.timeout), rank, world)
+        _init_group(backend, timedelta(seconds=args.timeout), rank, world, device)
     except Exception as exc:
         emit(f"HEALTHCHECK FAIL: rank {rank} (host {host}): init_process_group failed: {exc}")
         return 1
