@@ -106,6 +106,11 @@ class Naming:
     def addr(self, i: int) -> ipaddress.IPv4Address:
         return self.subnet.network_address + FIRST_HOST_OFFSET + i
 
+    @staticmethod
+    def mac(addr: ipaddress.IPv4Address) -> str:
+        """A fixed, locally administered MAC for an address of the sim network (02:00 + the IP)."""
+        return "02:00:" + ":".join(f"{b:02x}" for b in addr.packed)
+
     # The Slurm controller is "host 0": namespace <prefix>0 at network+10, hostname <prefix>ctl.
     @property
     def controller_ns(self) -> str:
@@ -187,30 +192,46 @@ def foreign_addr_in_subnet(naming: Naming) -> str | None:
 
 def create_network(naming: Naming, n_hosts: int, controller: bool = False) -> None:
     """Create the bridge and hosts 1..n (and host 0, the controller, when asked):
-    namespace, veth pair, address, links up.
+    namespace, veth pair with a fixed MAC, address, links up, and a permanent neighbour entry
+    for every other address of the network in every namespace (the root one too).
 
-    The root namespace's part is one `ip -batch`; each host's part (address, links up) is one
-    `ip -n NS -batch`, and those run concurrently (128 hosts: about a second).
+    Static neighbours: every host resolving every other with ARP broadcasts at once (a 32-rank
+    Gloo mesh: ~1,000 broadcasts, each copied to every port of the bridge on one CPU) overflows
+    the kernel's backlog (netdev_max_backlog, 1,000 packets) and dropped ARP requests surface
+    as "No route to host" — a flood no real cluster funnels through two cores.
+
+    The root namespace's part is one `ip -batch`; each host's part is one `ip -n NS -batch`,
+    and those run concurrently (128 hosts: about a second).
     Assumes nothing of this prefix exists (call `destroy_network` first).
     Raises:
         SimError: an `ip` command failed (its message names the command).
     """
     plen = naming.subnet.prefixlen
-    root = [f"link add {naming.bridge} type bridge",
+    indices = range(0 if controller else 1, n_hosts + 1)
+    macs = {naming.addr(i): naming.mac(naming.addr(i)) for i in indices}
+    macs[naming.bridge_addr] = naming.mac(naming.bridge_addr)
+    root = [f"link add {naming.bridge} address {macs[naming.bridge_addr]} type bridge",
             f"addr add {naming.bridge_addr}/{plen} dev {naming.bridge}",
             f"link set {naming.bridge} up"]
-    indices = range(0 if controller else 1, n_hosts + 1)
     for i in indices:
         # the in-host leg is created in its namespace under its final name: no rename step
         root += [f"netns add {naming.ns(i)}",
-                 f"link add {naming.veth(i)} type veth peer name {naming.ifname} netns {naming.ns(i)}",
+                 f"link add {naming.veth(i)} type veth peer name {naming.ifname} "
+                 f"address {macs[naming.addr(i)]} netns {naming.ns(i)}",
                  f"link set {naming.veth(i)} master {naming.bridge} up"]
+    root += _neighbours(macs, naming.bridge_addr, naming.bridge)
     _ip_batch(root)
     run_concurrently([(["ip", "-n", naming.ns(i), "-batch", "-"],
                        "\n".join([f"addr add {naming.addr(i)}/{plen} dev {naming.ifname}",
                                    f"link set {naming.ifname} up",
-                                   "link set lo up"]) + "\n")
+                                   "link set lo up",
+                                   *_neighbours(macs, naming.addr(i), naming.ifname)]) + "\n")
                       for i in indices])
+
+
+def _neighbours(macs: dict, own: ipaddress.IPv4Address, dev: str) -> list[str]:
+    return [f"neigh replace {addr} lladdr {mac} dev {dev} nud permanent"
+            for addr, mac in macs.items() if addr != own]
 
 
 def destroy_network(naming: Naming) -> list[int]:
