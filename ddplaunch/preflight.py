@@ -122,8 +122,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
         if "error" in f:  # the backend's message starts with the host, which the row names already
             seen = f["error"].removeprefix(f"{h.label} ({h.addr}")
             seen = seen.split("): ", 1)[1] if seen.startswith((")", ":")) and "): " in seen else f["error"]
-            rep.checks["reach"] = Check(False, seen, "check the host is up and reachable (ssh: sshd runs and "
-                                                      "ssh.* is right; slurm: the node's slurmd answers)")
+            rep.checks["reach"] = Check(False, seen, _reach_fix(seen))
             continue
         rep.checks["reach"] = Check(True, "ok")
         if "exit" in f:
@@ -159,6 +158,13 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
     for rep in hosts:
         rep.checks = {name: rep.checks[name] for name in CHECKS if name in rep.checks}
     return PreflightReport(hosts=hosts, socket_ifname=ifname)
+
+
+def _reach_fix(seen: str) -> str:
+    if "host key" in seen:  # the message says which file and what to run; never "check the host is up"
+        return ("verify the host's key out of band, then fix ssh.known_hosts as the message says "
+                "(ssh.host_key_policy: accept-new only adds keys of hosts not yet known)")
+    return "check the host is up and reachable (ssh: sshd runs and ssh.* is right; slurm: the node's slurmd answers)"
 
 
 def _gpus(spec: ClusterSpec, rep: HostReport) -> None:
