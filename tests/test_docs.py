@@ -37,3 +37,27 @@ def test_cluster_yaml_mentions_every_key_of_the_spec():
 def test_key_walk_sees_nested_sections():
     keys = _keys(ClusterSpec)
     assert "healthcheck.pair_size" in keys and "slurm.signal_seconds" in keys and "hosts.python" in keys
+
+
+def test_every_troubleshooting_example_is_checked_by_the_test_it_names():
+    from tests.doc_examples import blocks
+
+    found = blocks()
+    assert len(found) >= 9, sorted(found)  # one per section of docs/troubleshooting.md
+    for name, mark in found.items():
+        path, func = mark["test"].split("::")
+        source = (ROOT / path).read_text()
+        start = source.index(f"def {func.split('[')[0]}(")
+        end = source.find("\ndef ", start + 1)
+        assert f'check_doc_example("{name}"' in source[start:end if end > 0 else None], (name, mark["test"])
+
+
+def test_doc_example_lines_compare_shape_not_values():
+    from tests.doc_examples import normalize
+
+    same = ("dlw2 (10.213.21.12): reach: no answer within ssh.connect_timeout=5.0s in /tmp/x/runs/doc-1/",
+            "dlt7 (10.213.7.17): reach: no answer within ssh.connect_timeout=15.0s in /root/.d/runs/fm-2/")
+    assert normalize(same[0], ["dlw2"]) == normalize(same[1], ["dlt7"])
+    assert normalize("timeout=5s", []) != normalize("timeout=5.0s", [])  # the figure's format is checked
+    assert normalize("run fm-dead-ssh: FAILED (exit 1)", []) == normalize("run doc-x: FAILED (exit 1)", [])
+    assert normalize("dlw1 (node 0): ok", ["dlw1"]) != normalize("dlw1 (node 0): failed", ["dlw1"])

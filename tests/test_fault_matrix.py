@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from ddplaunch.sim.faults import sim_fault
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -88,6 +89,10 @@ def test_dead_host_named_before_anything_starts(bed, tmp_path):
     assert "stopped by the pre-flight gate: no job was started" in out
     assert "updated_weight" not in out
     assert took < 90, f"{took:.0f}s"
+    if backend == "ssh":
+        check_doc_example("unreachable", out, [h.name for h in cluster.hosts],
+                          [r"\S+ \(\S+\): reach: ", r"\[ddplaunch\] pre-flight failed", r"stopped by the pre-flight",
+                           r"run \S+: "])
     _clean(backend, cluster, tmp_path, f"fm-dead-{backend}")
 
 
@@ -107,6 +112,9 @@ def test_hang_named_with_ranks_hosts_and_lines(bed, tmp_path):
     assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=20\); stuck at: " + where, out, re.M), out[-3000:]
     assert "stage job: FAILED" in out and "INTERRUPTED" not in out.split("stage job: FAILED")[1].split("\n")[0]
     assert took < 120, f"{took:.0f}s"
+    if backend == "ssh":
+        check_doc_example("hang", out, [h1, h2], [r"\[ddplaunch\] (no output|hang|full stacks)", r"stage job: ",
+                                                  r"  (hang|full stacks): ", r"run \S+: "])
     _clean(backend, cluster, tmp_path, run_id)
 
 
@@ -130,6 +138,9 @@ def test_killed_worker_ends_the_run_and_is_named(bed, tmp_path):
     assert re.search(rf"first failure: {h2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
                      r"killed by SIGKILL", rest), rest[-3000:]
     assert ended < 30, f"run took {ended:.1f}s to end after the kill"
+    if backend == "ssh":
+        check_doc_example("killed", rest, [h.name for h in cluster.hosts[:2]],
+                          [r"stage job: ", r"  first failure: ", r"run \S+: "])
     _clean(backend, cluster, tmp_path, run_id)
 
 
@@ -148,6 +159,9 @@ def test_mismatched_collective_named(bed, tmp_path):
     assert (f"{h1} rank 0: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
             "rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float") in summary, summary
     assert took < 90
+    if backend == "ssh":
+        check_doc_example("mismatch", proc.stdout, [h1, h2],
+                          [r"stage job: ", r"  \S+ rank 0: collective mismatch", r"run \S+: "])
     _clean(backend, cluster, tmp_path, run_id)
 
 

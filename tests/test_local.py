@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.hostside.procs import run_processes
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import write_env_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,10 @@ def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path, launch
     assert "updated_weight" not in proc.stdout and "rank=0 host=" not in proc.stdout  # no user code ran
     if launch == "separate":
         assert "stage healthcheck: FAILED on 1 of 1 node(s)" in proc.stdout and "stage job" not in proc.stdout
+    else:
+        check_doc_example("healthcheck", proc.stdout, ["localhost"],
+                          [r"\[\S+\] HEALTHCHECK FAIL", r"stage job: ", r"  first failure: ",
+                           r"(\[ddplaunch\] )?stopped by the health", r"run \S+: "])
 
 
 def test_job_failure_names_rank_and_exit_code(env, tmp_path):

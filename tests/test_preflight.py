@@ -15,6 +15,7 @@ import pytest
 from ddplaunch.preflight import Check, evaluate
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.spec import load_spec
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, run_processes, sim_spec, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,9 @@ def test_python_without_torch_named(sim_cluster, tmp_path):
     assert "No module named 'torch'" in bad["torch"]["seen"] and "/usr/bin/python3" in bad["torch"]["fix"]
     assert summary["preflight"]["bad_hosts"] == [sim_cluster.hosts[1].name]
     assert took < 30
+    check_doc_example("preflight", proc.stderr, [h.name for h in sim_cluster.hosts],
+                      [r"pre-flight: FAILED", r"  gpus ", r"\S+ \(\S+\): torch: ", r"    pip install",
+                       r"  every check ok", r"\[ddplaunch\] pre-flight failed", r"stopped by the pre-flight"])
 
 
 def test_master_port_taken_named(sim_cluster, tmp_path):

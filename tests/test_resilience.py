@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddplaunch.torchrun_logs import mismatch_lines, store_errors
 from ddplaunch.watchdog import RankStack, stuck_at, summarize_stacks
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
 
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
@@ -82,6 +83,8 @@ def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, 
     (got,) = SHA_RE.findall(out)
     assert got == want
     assert run_processes("res-restart") == {}
+    check_doc_example("restarts", out, [h.name for h in sim_cluster.hosts],
+                      [r"\[\S+:0\] (train: world_size|resumed from)", r"stage job: ", r"run \S+: "])
 
 
 def _sleepers(seconds: str) -> list[int]:
@@ -113,3 +116,6 @@ def test_host_that_never_starts_torchrun_is_named_within_rdzv_timeout(sim_cluste
                      proc.stdout)
     assert run_processes("res-missing") == {}
     wait_for(lambda: not _sleepers("597"), timeout=10)  # the blocked setup line is gone too
+    check_doc_example("missing", proc.stdout, [h.name for h in sim_cluster.hosts],
+                      [r"\[ddplaunch\] \S+ \(node \d+\): torchrun never started", r"stage job: ",
+                       r"  (missing host|\S+: DistStoreError|first failure): ", r"run \S+: "])

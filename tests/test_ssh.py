@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.sim.faults import sim_fault
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import (ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec,
                             wait_for, write_env_files)
 
@@ -172,6 +173,8 @@ def test_host_key_mismatch_refused_and_named(sim_cluster, tmp_path):
     assert proc.returncode == 1
     assert f"{h2.name} ({h2.addr}): reach: host key MISMATCH" in proc.stdout
     assert "updated_weight" not in proc.stdout
+    check_doc_example("hostkey", proc.stdout, [h.name for h in sim_cluster.hosts],
+                      [r"\S+ \(\S+\): reach: host key", r"stopped by the pre-flight", r"run \S+: "])
     # strict: a host missing from known_hosts is refused too, and named
     known.write_text("".join(f"{a} {k}\n" for a, k in keys.items() if a != h1.addr))
     proc = ddplaunch(["up", str(spec)], tmp_path)
