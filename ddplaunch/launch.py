@@ -204,6 +204,7 @@ class _Run:
                  stop: StopEvent, record: RunRecord, report: RunReport):
         self.spec, self.backend, self.opts, self.sink, self.stop = spec, backend, opts, sink, stop
         self.record, self.report, self.run_id = record, report, record.run_id
+        self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
 
     def run(self) -> None:
         restarts = 0
@@ -217,7 +218,9 @@ class _Run:
             if text and not self.record.plan_text:
                 self.record.plan_text = text
             if preflight_wanted(spec, self.opts.healthcheck_only):
-                first = spec.master.port or derive_port(f"{self.run_id}:{stages_of(spec, self.opts)[0]}")
+                # a derived port is probed (and moved on when busy) first, so the pre-flight tests
+                # the port the launch uses; an explicit master.port is the pre-flight's to report
+                first = spec.master.port or self._free_port(spec, stages_of(spec, self.opts)[0])
                 spec, pf = preflight_gate(spec, self.backend, self.run_id, first, self.sink, self.record.dir)
                 self.report.preflight = pf.to_dict()
                 if spec is None:
@@ -304,6 +307,10 @@ class _Run:
         for attempt in range(PORT_ATTEMPTS):
             port = derive_port(f"{self.run_id}:{stage}", attempt)
             if self.backend.port_free(addr, port):
+                if attempt and (stage, port) not in self._moved:
+                    self._moved.add((stage, port))
+                    self.sink.note(f"master port {derive_port(f'{self.run_id}:{stage}')} is in use on {addr}: "
+                                   f"using port {port}")
                 return port
         raise PlanError(f"no free master port on {addr} after {PORT_ATTEMPTS} tries; set master.port")
 

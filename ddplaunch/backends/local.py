@@ -35,6 +35,7 @@ class LocalBackend(ShellBackend):
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds (ssh.py)
             try:
                 s.bind(("", port))
             except OSError:

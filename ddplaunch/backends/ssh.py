@@ -154,7 +154,10 @@ class SshBackend(ShellBackend):
 
     def port_free(self, addr: str, port: int) -> bool:
         host = next((h for h in self.spec.hosts if h.addr == addr), self.spec.hosts[0])
-        probe = f"import socket; socket.socket().bind(('', {port}))"
+        # SO_REUSEADDR as torch's TCPStore binds: a listener makes the port busy, connections of
+        # an earlier listener in TIME_WAIT (the pre-flight's own port test) do not
+        probe = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+                 f"s.bind(('', {port}))")
         try:
             code, _ = self._exec(host, f"{quote(host_python(self.spec, host))} -c {quote(probe)}")
         except BackendError:
