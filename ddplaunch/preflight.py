@@ -75,8 +75,8 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
             "listen": host.addr == master or (master == "127.0.0.1" and host.addr == "localhost"),
             "expect": len(spec.hosts), "workdir": spec.workdir_path,
-            # None: a shipped `example:` job, staged with the run rather than looked for in workdir
-            "script": None if is_example(spec.job.script) else spec.job.script,
+            # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
+            "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
             "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto", "probe_s": PROBE_SECONDS}
     if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host

@@ -341,6 +341,23 @@ class ClusterSpec(_Strict):
         p = Path(path).expanduser()
         return p if p.is_absolute() else Path(self.base_dir) / p
 
+    def synced(self, rel: str) -> bool:
+        """Whether `sync:` puts a file at `rel` (relative to workdir) on every host: a file entry
+        lands at workdir/NAME, the files of a directory entry at workdir/NAME/... (backends/ssh.py)."""
+        target = Path(rel)
+        for entry in self.sync:
+            src, name = self.resolve(entry), Path(entry).name
+            if src.is_file() and target == Path(name):
+                return True
+            if src.is_dir():
+                try:
+                    inside = target.relative_to(name) if name else target
+                except ValueError:
+                    continue
+                if (src / inside).is_file():
+                    return True
+        return False
+
     @property
     def workdir_path(self) -> str:
         """The directory torchrun runs in on every host (default: the spec file's directory)."""
@@ -549,6 +566,10 @@ def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
         except RuntimeError:
             raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: {show(value)!r}: cannot expand "
                             "~ (no such user or no home directory); write the full path") from None
+        if loc[0] == "sync" and not spec.resolve(value).exists():
+            raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: {show(value)!r}: no such file or "
+                            f"directory ({show(str(spec.resolve(value)))}; relative paths are taken from the "
+                            "spec file's directory)")
     try:
         workdir = spec.workdir_path
         script = Path(workdir) / spec.job.script
