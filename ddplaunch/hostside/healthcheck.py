@@ -641,4 +641,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Started as its own program (`check`, `healthcheck.launch: separate`): the verdict is printed
+    # and written, so leave without the interpreter's teardown of torch (over a second per rank on
+    # a loaded host, and Gloo's occasional abort at exit), as entry.py does after a job.
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
