@@ -300,6 +300,9 @@ def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
         "DDPLAUNCH_DIST_BACKEND": spec.dist_backend,
         # torchrun's own prefix for every worker line: [host:global rank]
         "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[{label}:${{rank}}] ",
+        # the agent copies every worker line (--tee) through its own stdout, block-buffered on a
+        # pipe (local, srun): lines would arrive late and could set off the hang watchdog
+        "PYTHONUNBUFFERED": "1",
     }
     if spec.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname

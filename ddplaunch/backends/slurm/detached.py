@@ -133,9 +133,6 @@ def render_detached(spec: ClusterSpec, plans: list[LaunchPlan], output_path: str
                 seen.add(argv)
                 payloads.append(Payload(src, argv, base64.encodebytes(Path(src).read_bytes()).decode()))
     exports = _stage_exports(steps, common)
-    # torchrun copies its workers' lines (--tee) through its own stdout, here a file: unbuffered,
-    # they reach the job output (and `logs -f`) as they are written. The spec's env may say otherwise.
-    common = {"PYTHONUNBUFFERED": "1", **common}
     stages = [{"name": s.plan.stage, "exports": e, "srun": inside_job(s.argv, kill_on_bad_exit=True)}
               for s, e in zip(steps, exports)]
     opts = ["--export=ALL" if o == "--export=NONE" else o
