@@ -61,3 +61,22 @@ def test_doc_example_lines_compare_shape_not_values():
     assert normalize("timeout=5s", []) != normalize("timeout=5.0s", [])  # the figure's format is checked
     assert normalize("run fm-dead-ssh: FAILED (exit 1)", []) == normalize("run doc-x: FAILED (exit 1)", [])
     assert normalize("dlw1 (node 0): ok", ["dlw1"]) != normalize("dlw1 (node 0): failed", ["dlw1"])
+
+
+def test_readme_plan_line_is_what_the_dry_run_prints(tmp_path):
+    """README's example of `up cluster.yaml --dry-run` (run id demo) is the real line, with this
+    checkout's path and interpreter written as /path/to/ddplaunch/.venv/bin/python."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ddplaunch", "up", "cluster.yaml", "--dry-run", "--run-id", "demo"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, DDPLAUNCH_HOME=str(tmp_path))).stdout
+    (real,) = [line for line in out.splitlines() if line.startswith("cd ")]
+    (shown,) = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()
+                if line.strip().startswith("cd /path/to/ddplaunch")]
+
+    def same(line: str) -> str:
+        return re.sub(r"\S*/bin/python[\d.]*", "PYTHON", line.replace(str(ROOT), "/path/to/ddplaunch"))
+    assert same(shown) == same(real)
