@@ -30,6 +30,14 @@ def host_program(name: str, python: str, *args: str) -> tuple[str, str]:
     return " ".join(words), nonce
 
 
+def port_probe(port: int) -> str:
+    """Python source that exits 0 when `port` can be listened on as torch's TCPStore binds it
+    (SO_REUSEADDR): a listener makes it busy, an earlier listener's connections in TIME_WAIT (the
+    pre-flight's own port test) do not."""
+    return ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            f"s.bind(('', {int(port)}))")
+
+
 def parse_answer(output: str, nonce: str) -> Optional[Any]:
     """The program's JSON answer from everything the host printed, or None if there is none."""
     found = re.findall(rf"^DDPLAUNCH_ANSWER_{re.escape(nonce)} (.*)$", output, re.M)

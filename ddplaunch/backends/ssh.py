@@ -29,7 +29,7 @@ from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
 from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellBackend, ShellRequest, describe_reap, reaper_command
 from ddplaunch.console import LineSink
 from ddplaunch.errors import BackendError
-from ddplaunch.hostcmd import marked, parse_answer
+from ddplaunch.hostcmd import marked, parse_answer, port_probe
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_python, host_run_dir, quote
 from ddplaunch.results import (FAILED, INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult,
                                stop_cause)
@@ -158,12 +158,8 @@ class SshBackend(ShellBackend):
 
     def port_free(self, addr: str, port: int) -> bool:
         host = next((h for h in self.spec.hosts if h.addr == addr), self.spec.hosts[0])
-        # SO_REUSEADDR as torch's TCPStore binds: a listener makes the port busy, connections of
-        # an earlier listener in TIME_WAIT (the pre-flight's own port test) do not
-        probe = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-                 f"s.bind(('', {port}))")
         try:
-            code, _ = self._exec(host, f"{quote(host_python(self.spec, host))} -c {quote(probe)}")
+            code, _ = self._exec(host, f"{quote(host_python(self.spec, host))} -c {quote(port_probe(port))}")
         except BackendError:
             return True  # unreachable: `run` reports every host's connection problem
         return code == 0

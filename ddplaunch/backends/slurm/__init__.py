@@ -27,6 +27,7 @@ from ddplaunch.backends.slurm.step import SrunStep
 from ddplaunch.console import LineSink
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.hostlist import expand_hostlist
+from ddplaunch.hostcmd import port_probe
 from ddplaunch.outcomes import finish_outcome
 from ddplaunch.plan import LaunchPlan, host_python, host_run_dir, quote
 from ddplaunch.results import INTERRUPTED, LOST, RUNNING, UNREACHABLE, NodeOutcome, StageResult, stop_cause
@@ -305,7 +306,7 @@ class SlurmBackend:
 
     def port_free(self, addr: str, port: int) -> bool:
         host = HostSpec(addr=addr, name=addr)
-        probe = f"import socket; socket.socket().bind(('', {port}))"
+        probe = port_probe(port)
         (_, answer, err), = self.probe(lambda h: f"{quote(host_python(self.spec, None))} -c {quote(probe)}",
                                        timeout=20, hosts=[host])
         return err is not None or answer is None or answer[0] == 0
