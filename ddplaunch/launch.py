@@ -85,9 +85,16 @@ def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
 
 
 def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions) -> LaunchPlan:
-    """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`."""
+    """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`.
+
+    `check` with one process per host starts the health check directly (the torchrun env contract
+    set by the launcher, as the localization launches do): a torchrun agent would import torch a
+    second time on every host, about 40 % of a 4-host check here, to start one process. The
+    pre-flight has already checked torch and the master's port; `up` always runs torchrun.
+    """
     inline = stage == "job" and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
-    return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline,
+    direct = opts.healthcheck_only and spec.nproc_per_node == 1
+    return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
                      pairwise=opts.healthcheck_only or spec.healthcheck.pairwise)
 
 

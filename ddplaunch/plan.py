@@ -215,7 +215,7 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     hc_upload = (str(HEALTHCHECK_SOURCE), "healthcheck.py")
     if stage == "healthcheck":
         script: str = Raw(f"{run_dir}/healthcheck.py")
-        args = healthcheck_args(spec, run_dir, pairwise and not direct)
+        args = healthcheck_args(spec, run_dir, pairwise)
         uploads: tuple[tuple[str, str], ...] = (hc_upload,)
         max_restarts = 0
     else:
