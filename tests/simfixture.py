@@ -26,6 +26,14 @@ SIM_HOSTS = 4
 SLURM_HOSTS = 3
 
 
+def real_system(reason: str | None):
+    """Decorator of a real-system test that uses no sim fixture: marked root (counted, and with
+    CI=true failing when skipped, by conftest) and skipped with `reason` where it cannot run."""
+    def apply(fn):
+        return pytest.mark.root(pytest.mark.skipif(bool(reason), reason=reason or "")(fn))
+    return apply
+
+
 def sim_skip_reason() -> str | None:
     """Reason to skip sim tests here, or None (for `pytest.mark.skipif`)."""
     reason = missing_requirement()

@@ -29,12 +29,12 @@ from ddplaunch.sim.netns import nsswitch_text
 from ddplaunch.sim.proc import pid_alive
 from ddplaunch.sim.sshd import sshd_config_text
 from ddplaunch.sim.testing import is_listening, shared_cluster, ssh_client, ssh_run, wait_listening
-from tests.simfixture import sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
+from tests.simfixture import real_system, sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
 
 LIFECYCLE_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX2", "dlx")
 LIFECYCLE_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET2", "10.213.8.0/24")
-needs_sim = pytest.mark.skipif(bool(sim_skip_reason()), reason=sim_skip_reason() or "")
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another user)")
+needs_sim = real_system(sim_skip_reason())
+needs_root = real_system(None if os.geteuid() == 0 else "needs root (chown to another user)")
 
 
 # ----------------------------------------------------------------------------- pure parts

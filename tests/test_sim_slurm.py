@@ -25,11 +25,11 @@ from ddplaunch.sim.cluster import save_state
 from ddplaunch.sim.netns import list_netns, netns_pids
 from ddplaunch.sim.proc import pid_alive, pid_cmdline, wait_until
 from ddplaunch.sim.testing import sbatch, slurm_run, wait_job_gone, wait_job_state
-from tests.simfixture import slurm_cluster, slurm_skip_reason  # noqa: F401  (fixture)
+from tests.simfixture import real_system, slurm_cluster, slurm_skip_reason  # noqa: F401  (fixture)
 
 SCRATCH_PREFIX = os.environ.get("DDPLAUNCH_TEST_SLURM_PREFIX2", "dlqz")
 SCRATCH_SUBNET = os.environ.get("DDPLAUNCH_TEST_SLURM_SUBNET2", "10.213.90.0/24")
-needs_slurm = pytest.mark.skipif(bool(slurm_skip_reason()), reason=slurm_skip_reason() or "")
+needs_slurm = real_system(slurm_skip_reason())
 
 
 # ----------------------------------------------------------------------------- pure parts
