@@ -19,7 +19,7 @@ from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
 CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
-PROBE_SECONDS = 15.0  # the port test ends as soon as every host got through
+PROBE_SLACK = 20.0  # a probe's time beyond its port test (python start, facts)
 
 
 @dataclass
@@ -69,7 +69,15 @@ class PreflightReport:
                            "checks": {k: asdict(v) for k, v in h.checks.items()}} for h in self.hosts]}
 
 
-def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int]) -> tuple[str, str]:
+def listen_seconds(spec: ClusterSpec, parallel: int) -> float:
+    """How long the master's probe listens: `preflight.timeout` for each wave of the launcher's
+    fan-out (hosts probed `parallel` at a time), so the last wave's hosts still find it; it stops
+    as soon as every host got through."""
+    return spec.preflight.timeout * -(-len(spec.hosts) // max(1, parallel))
+
+
+def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int],
+                  parallel: int = 1 << 30) -> tuple[str, str]:
     """(shell line that probes `host`, nonce of its answer line)."""
     master = master_addr(spec)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
@@ -77,9 +85,12 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "expect": len(spec.hosts), "workdir": spec.workdir_path,
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
-            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto", "probe_s": PROBE_SECONDS}
+            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto",
+            "probe_s": spec.preflight.timeout}
     if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
+    if args["listen"]:
+        args["probe_s"] = listen_seconds(spec, parallel)
     return host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True))
 
 
@@ -88,11 +99,13 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
     t0 = time.time()
     nonces: dict[str, str] = {}
 
+    parallel = getattr(backend, "max_parallel", len(spec.hosts))
+
     def command(host: HostSpec) -> str:
-        text, nonces[host.label] = probe_command(spec, host, run_id, port)
+        text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel)
         return text
 
-    results = backend.probe(command, timeout=PROBE_SECONDS + 20)
+    results = backend.probe(command, timeout=listen_seconds(spec, parallel) + PROBE_SLACK)
     t1 = time.time()
     raw: dict[str, Any] = {}
     for host, res, err in results:

@@ -198,6 +198,9 @@ class PreflightSpec(_Strict):
     enabled: Optional[bool] = None
     max_clock_skew: float = Field(default=5.0, gt=0)
     min_free_disk_gb: float = Field(default=1.0, ge=0)
+    #: seconds the hosts have to reach the master's port (the master listens that long per wave
+    #: of the launcher's fan-out; every probe ends as soon as all hosts got through)
+    timeout: float = Field(default=15.0, gt=0, le=3600)
 
 
 class JobSpec(_Strict):

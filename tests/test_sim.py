@@ -74,8 +74,10 @@ def test_render_spec_has_the_agreed_keys(tmp_path):
                            "known_hosts": str(tmp_path / "known_hosts"), "host_key_policy": "strict",
                            "connect_timeout": 5}
     assert spec["healthcheck"] == {"pair_parallelism": 1}  # sim hosts share the CPUs
+    assert spec["preflight"] == {"timeout": 15}  # 2 hosts; 90 s at 128 (their probes share the CPUs)
     assert list(spec) == ["name", "backend", "hosts", "nproc_per_node", "python", "workdir",
-                          "dist_backend", "socket_ifname", "rdzv_timeout", "healthcheck", "ssh", "job"]
+                          "dist_backend", "socket_ifname", "rdzv_timeout", "healthcheck", "ssh", "preflight",
+                          "job"]
 
 
 def test_exec_argv_enters_with_nsenter_not_ip_netns_exec(tmp_path):

@@ -47,6 +47,7 @@ class SshBackend(ShellBackend):
     """Runs a plan on every host of an `ssh` spec."""
 
     name = "ssh"
+    max_parallel = MAX_PARALLEL
 
     def __init__(self, spec: ClusterSpec):
         super().__init__(spec)

@@ -543,7 +543,11 @@ def render_spec(cluster: SimCluster, *, python: str, workdir: Path, nproc_per_no
                   "  host_key_policy: strict",
                   # covers banner and auth too: 128 hosts handshaking at once on a few shared
                   # cores need more than the 5 s that catch a dead host quickly in a small sim
-                  f"  connect_timeout: {max(5, -(-len(cluster.hosts) // 8))}"])
+                  f"  connect_timeout: {max(5, -(-len(cluster.hosts) // 8))}",
+                  "preflight:",
+                  # every host's probe competes for the same cores: at 128 hosts the last of them
+                  # reaches the master ~90 s after the first (pdsh takes as long for the same probe)
+                  f"  timeout: {max(15, round(0.7 * len(cluster.hosts)))}"])
 
 
 def spec_text(cluster: SimCluster, what: str, name: str, backend: str, *, python: str, workdir: Path,
