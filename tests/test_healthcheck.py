@@ -49,7 +49,8 @@ def test_healthcheck_names_the_rank_with_a_wrong_all_reduce():
     assert "all_reduce result wrong" in run.stdout
     result = result_of(run.stdout)
     assert result["ok"] is False
-    assert [(f["rank"], f["check"]) for f in result["failures"]] == [(1, "all_reduce")]
+    # the hook corrupts rank 1's copies: its all_reduce result and the broadcast it received
+    assert [(f["rank"], f["check"]) for f in result["failures"]] == [(1, "all_reduce"), (1, "broadcast")]
 
 
 def test_healthcheck_fails_below_the_bandwidth_gate():
@@ -106,8 +107,9 @@ def test_fault_hook_names_the_rank_for_every_collective():
     assert run.returncode != 0, run.stdout
     result = result_of(run.stdout)
     assert [(f["rank"], f["check"]) for f in result["failures"]] == [
-        (2, "all_reduce"), (2, "all_gather"), (2, "reduce_scatter")]
+        (2, "all_reduce"), (2, "all_gather"), (2, "reduce_scatter"), (2, "broadcast")]
     assert "all_gather result wrong" in run.stdout and "reduce_scatter result wrong" in run.stdout
+    assert "broadcast from rank 0 wrong: got 14.0 expected 7.0 at index 0" in run.stdout
     assert result["bandwidth"] == []  # no sweep over a wrong fabric
 
 

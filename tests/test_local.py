@@ -4,6 +4,7 @@ check and then the job with real torchrun; failures and Ctrl-C end cleanly."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,21 @@ def test_readme_default_runs_healthcheck_then_toy_job(env, tmp_path):
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 * (2 - 1) / 2)
 
 
+def test_up_json_is_one_schema_valid_summary_and_the_lines_go_to_stderr(env, tmp_path):
+    import jsonschema
+
+    proc = ddplaunch(["up", "cluster.yaml", "--json"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout)  # stdout is the summary and nothing else
+    jsonschema.validate(summary, json.loads((ROOT / "docs" / "check-schema.json").read_text()))
+    assert summary["exit_code"] == 0 and summary["blocked"] is None, summary
+    assert [s["stage"] for s in summary["stages"]] == ["job"]
+    (stage,) = summary["stages"]
+    assert [o["state"] for o in stage["outcomes"]] == ["ok"], stage
+    assert summary["healthcheck"]["ok"] and summary["healthcheck"]["world_size"] == 2
+    assert proc.stderr.count("updated_weight=0.6") == 2  # the ranks' lines go to stderr
+
+
 def test_dry_run_prints_plan_and_runs_nothing(env, tmp_path):
     proc = ddplaunch(["up", "cluster.yaml", "--dry-run", "--run-id", "dry"], env)
     assert proc.returncode == 0
@@ -92,7 +108,7 @@ def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path, launch
     if launch == "separate":
         assert "stage healthcheck: FAILED on 1 of 1 node(s)" in proc.stdout and "stage job" not in proc.stdout
     else:
-        check_doc_example("healthcheck", proc.stdout, ["localhost"],
+        check_doc_example("healthcheck", proc.stdout, ["localhost", socket.gethostname()],
                           [r"\[\S+\] HEALTHCHECK FAIL", r"stage job: ", r"  first failure: ",
                            r"(\[ddplaunch\] )?stopped by the health", r"run \S+: "])
 

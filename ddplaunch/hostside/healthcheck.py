@@ -253,6 +253,8 @@ def check_collectives(device: torch.device, collectives=("all_reduce",)) -> tupl
     pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
     sent = pattern * 3 + 7 if rank == 0 else torch.zeros_like(pattern)
     dist.broadcast(sent, src=0)
+    if _faulty(rank) and rank != 0:
+        sent = sent * 2  # the test hook: a receiver whose copy arrives corrupted
     bad = (sent != pattern * 3 + 7).nonzero()
     if bad.numel():
         i = int(bad[0])
