@@ -212,6 +212,9 @@ class _Run:
         self.spec, self.backend, self.opts, self.sink, self.stop = spec, backend, opts, sink, stop
         self.record, self.report, self.run_id = record, report, record.run_id
         self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
+        #: (stage, master, port) the pre-flight just found free (the master listened on it): that
+        #: launch takes it without probing it again
+        self._proven: Optional[tuple[str, str, int]] = None
 
     def run(self) -> None:
         restarts = 0
@@ -227,12 +230,14 @@ class _Run:
             if preflight_wanted(spec, self.opts.healthcheck_only):
                 # a derived port is probed (and moved on when busy) first, so the pre-flight tests
                 # the port the launch uses; an explicit master.port is the pre-flight's to report
-                first = spec.master.port or self._free_port(spec, stages_of(spec, self.opts)[0])
+                stage = stages_of(spec, self.opts)[0]
+                first = spec.master.port or self._free_port(spec, stage)
                 spec, pf = preflight_gate(spec, self.backend, self.run_id, first, self.sink, self.record.dir)
                 self.report.preflight = pf.to_dict()
                 if spec is None:
                     self.report.blocked = "pre-flight"
                     return
+                self._proven = (stage, master_addr(spec), first)
             if not self._stages(spec):
                 return
             restarts += 1
@@ -306,6 +311,9 @@ class _Run:
 
     def _free_port(self, spec: ClusterSpec, stage: str) -> int:
         addr = master_addr(spec)
+        proven, self._proven = self._proven, None
+        if proven is not None and proven[:2] == (stage, addr):
+            return proven[2]
         if spec.master.port:
             if not self.backend.port_free(addr, spec.master.port):
                 raise PlanError(f"master.port {spec.master.port} is already in use on {addr}; free it or "

@@ -38,6 +38,8 @@ from ddplaunch.outcomes import finish_outcome
 
 #: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
 MAX_PARALLEL = 64
+#: How long a node's session may take to say it listens, then to take the run's files.
+OPEN_TIMEOUT = 30.0
 #: After a node failed, how long the others may report their own failure before they are stopped.
 REPORT_GRACE = 2.0
 T = TypeVar("T")
@@ -172,17 +174,24 @@ class SshBackend(ShellBackend):
         plan_hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in plan_hosts:
             sink.state(host.label, f"connecting ({plan.stage})")
-        ready = self._each(lambda h: self._prepare(h, plan), plan_hosts)
-        for (host, _, err), outcome in zip(ready, outcomes):
+        opened = self._each(lambda h: self._open(h, plan), plan_hosts)
+        for (host, _, err), outcome in zip(opened, outcomes):
             if err is not None:
                 outcome.state, outcome.detail, outcome.ended_at = UNREACHABLE, str(err), time.time()
                 sink.note(f"{host.label}: {err}")
                 sink.state(host.label, "unreachable")
         if any(o.state == UNREACHABLE for o in outcomes):
+            for _, session, _ in opened:
+                if session is not None:
+                    session[0].close()  # its shell hangs up before it reads "go": nothing started
             sink.note("not starting: every host must be reachable")
             result.ended_at = time.time()
             return result
-        channels = [self._start(node) for node in plan.nodes]
+        channels = [session[0] for _, session, _ in opened if session is not None]
+        for (_, (channel, early), _), node in zip(opened, plan.nodes):
+            for line in early:  # what the host's rc files printed
+                sink.emit(node.node_rank, node.host.label, line)
+            channel.sendall(b"go\n")
         for outcome in outcomes:
             outcome.state = RUNNING
             sink.state(outcome.host, f"running {plan.stage}")
@@ -257,33 +266,49 @@ class SshBackend(ShellBackend):
 
     # ------------------------------------------------------------------ steps
 
-    def _prepare(self, host: HostSpec, plan: LaunchPlan) -> None:
-        """Connect, create the run dir, write the env file and upload the plan's files (one session:
-        a remote login shell's rc files run once per session, ~0.1-1 s of CPU on real hosts), then
-        the spec's `sync` paths."""
-        conn = self.connect(host)
+    def _open(self, host: HostSpec, plan: LaunchPlan) -> tuple[paramiko.Channel, list[str]]:
+        """The node's one session, up to the moment torchrun would start: its shell made the run
+        dir, wrote the env file and the uploads from what this sends it and entered workdir, and
+        now waits for a "go" line (sent once every node got this far). One session per node per
+        stage: each costs the host a login shell and its rc files (~0.15 CPU-s here, more on
+        real hosts with conda or modules). Then the spec's `sync` paths.
+
+        Returns:
+            (the channel, the lines the host printed so far: rc-file noise).
+        """
         (node,) = [n for n in plan.nodes if n.host == host]
-        command, bundle = _prepare_command(plan, node)
-        code, out = self._exec(host, command, stdin=bundle)
-        if code != 0:
+        conn = self.connect(host)
+        command, bundle, nonce = _session_command(plan, node)
+        channel = None
+        try:
+            channel = conn.transport.open_session(timeout=OPEN_TIMEOUT)
+            channel.get_pty(width=500)
+            channel.exec_command(command)
+            early = _await_marker(channel, f"{nonce} listening", OPEN_TIMEOUT)
+            channel.sendall(bundle.encode())
+            early += _await_marker(channel, f"{nonce} ready", OPEN_TIMEOUT)
+            channel.settimeout(None)  # from here on the readers block until the node ends
+        except _NoMarker as err:
+            channel.close()
             raise BackendError(f"{host.label}: cannot prepare the run directory, upload the run's files or "
-                               f"enter workdir {node.workdir}: {out.strip()[-300:]}")
+                               f"enter workdir {node.workdir}: {err}") from None
+        except (paramiko.SSHException, EOFError, OSError) as err:
+            if channel is not None:
+                channel.close()
+            raise BackendError(f"{host.label}: SSH session failed: {err}") from None
         if self.spec.sync and host.label not in self._synced:
             try:
                 _sync(conn.sftp(), self.spec, node.workdir)
             except paramiko.SFTPError as err:
+                channel.close()
                 raise BackendError(f"{host.label}: sync over SFTP failed ({err}): the remote login shell "
                                    "prints to stdout (~/.bashrc); make it quiet for non-interactive shells, "
                                    "e.g. `[[ $- == *i* ]] || return` at its top") from None
             except (OSError, paramiko.SSHException) as err:
+                channel.close()
                 raise BackendError(f"{host.label}: sync failed: {err}") from None
             self._synced.add(host.label)
-
-    def _start(self, node: NodeCommand) -> paramiko.Channel:
-        channel = self.connect(node.host).transport.open_session()
-        channel.get_pty(width=500)
-        channel.exec_command("bash -c " + shlex.quote(node.shell_line()))
-        return channel
+        return channel, early
 
     def _stop_all(self, nodes: list[NodeCommand]) -> list[int]:
         """SIGTERM every still-running node's torchrun (it stops its workers).
@@ -316,21 +341,58 @@ class SshBackend(ShellBackend):
         return describe_reap(parse_answer(out, nonce))
 
 
-def _prepare_command(plan: LaunchPlan, node: NodeCommand) -> tuple[str, str]:
-    """The one command that prepares a node, and its stdin: one base64 line per file.
+def _session_command(plan: LaunchPlan, node: NodeCommand) -> tuple[str, str, str]:
+    """(the node's command, what to send it once it says it listens, the nonce of its markers).
 
-    A pid file left by an earlier stage would hide a torchrun that never starts in this one, so
-    it goes. The environment (secrets included) and the uploads arrive on stdin — never on a
-    command line, and not over SFTP, which a login shell that prints (rc files) breaks — into
-    files that are 0600 from the start; uploads are renamed into place whole.
+    The shell turns the pty's echo and line editing off (no line-length limit, nothing echoed
+    back), says it listens, reads one base64 line per file into files that are 0600 from the
+    start (the environment, secrets included, and the uploads: never on a command line, and not
+    over SFTP, which a login shell that prints breaks), renames each into place whole, drops a
+    pid file an earlier stage left (it would hide a torchrun that never starts in this one),
+    enters workdir, says it is ready and waits for "go"; then it runs the node's line. Any step
+    failing ends the shell before torchrun, with the reason on the channel.
     """
+    nonce = secrets.token_hex(6)
     run_dir = host_run_dir(plan.run_id)
     files = [(str(node.env_file), node.env_text().encode())]
     files += [(f"{run_dir}/{quote(dst)}", Path(src).read_bytes()) for src, dst in plan.uploads]
     steps = [f"mkdir -p {run_dir}", f"rm -f {node.pid_file}"]
-    steps += [f"IFS= read -r b && printf %s \"$b\" | base64 -d > {dst}.tmp && mv {dst}.tmp {dst}" for dst, _ in files]
-    command = "(umask 077 && " + " && ".join(steps) + f") && cd {quote(node.workdir)}"
-    return command, "".join(base64.b64encode(data).decode() + "\n" for _, data in files)
+    steps += [f'IFS= read -r b && printf %s "$b" | base64 -d > {dst}.tmp && mv {dst}.tmp {dst}' for dst, _ in files]
+    script = (f"stty -echo -icanon && echo {nonce} listening && (umask 077 && " + " && ".join(steps)
+              + f") && cd {quote(node.workdir)} && echo {nonce} ready && IFS= read -r go && "
+              f'[ "$go" = go ] && stty sane && {node.shell_line()}')
+    bundle = "".join(base64.b64encode(data).decode() + "\n" for _, data in files)
+    return "bash -c " + shlex.quote(script), bundle, nonce
+
+
+class _NoMarker(Exception):
+    """The node's shell ended, or went silent, before it printed the marker."""
+
+
+def _await_marker(ch: paramiko.Channel, marker: str, timeout: float) -> list[str]:
+    """Read the channel up to the line `marker`; the lines before it (what the host's rc files
+    printed). Raises _NoMarker with the output's tail if the shell ends or the time runs out."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    want = marker.encode()
+    while True:
+        lines = data.replace(b"\r", b"").split(b"\n")
+        if want in lines[:-1]:
+            before = lines[:lines.index(want)]
+            return [raw.decode("utf-8", "replace") for raw in before if raw.strip()]
+        left = deadline - time.monotonic()
+        said = "\n".join(raw.decode("utf-8", "replace") for raw in lines
+                         if raw.strip() and not raw.startswith(want.split()[0]))[-300:]
+        if left <= 0:
+            raise _NoMarker(f"no answer within {timeout:.0f}s: {said}")
+        ch.settimeout(left)
+        try:
+            chunk = ch.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            raise _NoMarker(said or "its shell ended without a word")
+        data += chunk
 
 
 def _exit_status(ch: paramiko.Channel) -> Optional[int]:
