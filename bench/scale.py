@@ -267,7 +267,7 @@ def pdsh_probe_argv(spec_path: Path, port: int, work: Path, cluster) -> tuple[li
     src.write_text(program_source("probe"))
     args = {}
     for i, host in ((0, spec.hosts[0]), (1, spec.hosts[1])):
-        line, nonce = probe_command(spec, host, f"scale-bench-{port}", port)
+        line, nonce = probe_command(spec, host, f"scale-bench-{port}", port, parallel=len(spec.hosts))
         words = shlex.split(line)
         (work / f"probe_args{i}.json").write_text(words[-1])
         args[i] = nonce

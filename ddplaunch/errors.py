@@ -32,9 +32,17 @@ class PlanError(DdplaunchError):
 
 
 class BackendError(DdplaunchError):
-    """A backend could not start or follow the run (unreachable host, missing command)."""
+    """A backend could not start or follow the run (unreachable host, missing command).
+
+    `fix`: what to do, when the backend knows better than "check the host is up" (a host key
+    that is unknown or changed: the message names the file and the command).
+    """
 
     exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str, fix: str = ""):
+        super().__init__(message)
+        self.fix = fix
 
 
 class RunNotFoundError(DdplaunchError):

@@ -69,6 +69,10 @@ class PreflightReport:
                            "checks": {k: asdict(v) for k, v in h.checks.items()}} for h in self.hosts]}
 
 
+#: What to do about a host the backend could not reach, unless the backend's error says better.
+REACH_FIX = "check the host is up and reachable (ssh: sshd runs and ssh.* is right; slurm: the node's slurmd answers)"
+
+
 def listen_seconds(spec: ClusterSpec, parallel: int) -> float:
     """How long the master's probe listens: `preflight.timeout` for each wave of the launcher's
     fan-out (hosts probed `parallel` at a time), so the last wave's hosts still find it; it stops
@@ -77,7 +81,7 @@ def listen_seconds(spec: ClusterSpec, parallel: int) -> float:
 
 
 def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int],
-                  parallel: int = 1 << 30) -> tuple[str, str]:
+                  parallel: int) -> tuple[str, str]:
     """(shell line that probes `host`, nonce of its answer line)."""
     master = master_addr(spec)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
@@ -99,7 +103,7 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
     t0 = time.time()
     nonces: dict[str, str] = {}
 
-    parallel = getattr(backend, "max_parallel", len(spec.hosts))
+    parallel = backend.max_parallel
 
     def command(host: HostSpec) -> str:
         text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel)
@@ -110,7 +114,7 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
     raw: dict[str, Any] = {}
     for host, res, err in results:
         if err is not None:
-            raw[host.label] = {"error": str(err)}
+            raw[host.label] = {"error": str(err), "fix": getattr(err, "fix", "")}
             continue
         code, out = res
         answer = parse_answer(out, nonces.get(host.label, ""))
@@ -135,7 +139,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
         if "error" in f:  # the backend's message starts with the host, which the row names already
             seen = f["error"].removeprefix(f"{h.label} ({h.addr}")
             seen = seen.split("): ", 1)[1] if seen.startswith((")", ":")) and "): " in seen else f["error"]
-            rep.checks["reach"] = Check(False, seen, _reach_fix(seen))
+            rep.checks["reach"] = Check(False, seen, f.get("fix") or REACH_FIX)
             continue
         rep.checks["reach"] = Check(True, "ok")
         if "exit" in f:
@@ -171,13 +175,6 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
     for rep in hosts:
         rep.checks = {name: rep.checks[name] for name in CHECKS if name in rep.checks}
     return PreflightReport(hosts=hosts, socket_ifname=ifname)
-
-
-def _reach_fix(seen: str) -> str:
-    if "host key" in seen:  # the message says which file and what to run; never "check the host is up"
-        return ("verify the host's key out of band, then fix ssh.known_hosts as the message says "
-                "(ssh.host_key_policy: accept-new only adds keys of hosts not yet known)")
-    return "check the host is up and reachable (ssh: sshd runs and ssh.* is right; slurm: the node's slurmd answers)"
 
 
 def _gpus(spec: ClusterSpec, rep: HostReport) -> None:

@@ -143,7 +143,7 @@ def test_ssh_init_spec_passes_the_workdir_probe(tmp_path: Path) -> None:
     from ddplaunch.preflight import probe_command
 
     spec = load_spec(_write(tmp_path, render_init_spec("ssh", ["localhost"])))
-    command, nonce = probe_command(spec, spec.hosts[0], "init-probe", None)
+    command, nonce = probe_command(spec, spec.hosts[0], "init-probe", None, parallel=1)
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     answer = parse_answer(out.stdout, nonce)
     assert answer is not None, out.stdout[-2000:] + out.stderr[-2000:]

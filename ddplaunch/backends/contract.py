@@ -38,6 +38,9 @@ class Backend(Protocol):
     """What `up`, `check`, `status`, `logs` and `down` need from a backend."""
 
     name: str
+    #: How many hosts `probe` and `launch` talk to at once (the pre-flight's master listens long
+    #: enough for every wave of them): SSH 64, local 1, Slurm every node of the step.
+    max_parallel: int
 
     def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
         """A run begins: where its record lives (Slurm records its allocation there) and the event

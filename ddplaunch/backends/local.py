@@ -32,6 +32,7 @@ class LocalBackend(ShellBackend):
     """Runs a one-node plan here."""
 
     name = "local"
+    max_parallel = 1
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:

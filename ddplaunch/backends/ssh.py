@@ -38,6 +38,9 @@ from ddplaunch.outcomes import finish_outcome
 
 #: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
 MAX_PARALLEL = 64
+#: The pre-flight's fix for a host whose key is unknown, changed or revoked (never "check the host is up").
+HOST_KEY_FIX = ("verify the host's key out of band, then fix ssh.known_hosts as the message says "
+                "(ssh.host_key_policy: accept-new only adds keys of hosts not yet known)")
 #: How long a node's session may take to say it listens, then to take the run's files.
 OPEN_TIMEOUT = 30.0
 #: After a node failed, how long the others may report their own failure before they are stopped.
@@ -86,18 +89,19 @@ class SshBackend(ShellBackend):
         try:
             conn.open()
         except RevokedHostKeyError as err:
-            raise BackendError(f"{host.label} ({host.addr}): {err}") from None
+            raise BackendError(f"{host.label} ({host.addr}): {err}", fix=HOST_KEY_FIX) from None
         except paramiko.BadHostKeyException as err:
             raise BackendError(
                 f"{host.label} ({host.addr}): host key MISMATCH — {known} has a different key "
                 f"({err.expected_key.get_name()}) than the host presented; refusing to connect. If the "
-                f"host was reinstalled, remove its old key: ssh-keygen -R {host.addr} -f {known}") from None
+                f"host was reinstalled, remove its old key: ssh-keygen -R {host.addr} -f {known}",
+                fix=HOST_KEY_FIX) from None
         except paramiko.SSHException as err:
             if "not found in known_hosts" in str(err):
                 raise BackendError(
                     f"{host.label} ({host.addr}): host key unknown — not in {known}; add it after "
                     f"checking it (ssh-keyscan {host.addr} >> {known}) or set ssh.host_key_policy: "
-                    "accept-new") from None
+                    "accept-new", fix=HOST_KEY_FIX) from None
             raise BackendError(f"{host.label} ({host.addr}): SSH failed: {err}") from None
         except (socket.timeout, TimeoutError):
             raise BackendError(f"{host.label} ({host.addr}:{conn.port}): no answer within "
@@ -235,8 +239,8 @@ class SshBackend(ShellBackend):
                     # no pid file: its setup lines are still running; hanging up the pty ends them
                     channels[rank].close()
                     outcomes[rank].state, outcomes[rank].never_started = FAILED, True
-                    outcomes[rank].detail = (f"its setup lines were still running {time.time() - result.started_at:.0f}s "
-                                             "after the launch")
+                    ran = time.time() - result.started_at
+                    outcomes[rank].detail = f"its setup lines were still running {ran:.0f}s after the launch"
                     sink.note(f"{outcomes[rank].host} (node {rank}): torchrun never started (blocked before launch)")
                 stopping_deadline = time.time() + SHUTDOWN_GRACE + 5
                 while len(done) < len(channels) and time.time() < stopping_deadline:

@@ -74,6 +74,11 @@ class SlurmBackend:
             return f"# allocation: this one (SLURM_JOB_ID={self.inside}); every stage is a step of it\n"
         return allocation_request(self.spec, self.run_id or "RUN", self.output_path(), self.nodelist).text()
 
+    @property
+    def max_parallel(self) -> int:
+        """One srun step reaches every node of it at once: the allocation's, once known."""
+        return max(1, len(self.order) or len(self.nodelist or ()) or self.spec.slurm.nodes or 1)
+
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         if self.nodelist and self.spec.slurm.nodes and self.spec.slurm.nodes != len(self.nodelist):
             raise PlanError(f"slurm.nodes is {self.spec.slurm.nodes} but hosts lists {len(self.nodelist)} node(s): "
@@ -314,10 +319,9 @@ class SlurmBackend:
     # ------------------------------------------------------------------ records
 
     def status(self, record: dict) -> list[str]:
-        job = SlurmJob.load(Path(_run_dir(record)))
+        job, client = self._recorded_job(record)
         if job is None:
             return []
-        client = SlurmClient(job.slurm_conf or self.client.conf)
         info = client.job_info(job.job_id)
         state = client.job_state(job.job_id) or info.get("JobState") or "ended (no longer known to slurmctld)"
         whose = "detached: its batch script runs every stage" if record.get("extra", {}).get("detached") else \
@@ -329,17 +333,15 @@ class SlurmBackend:
 
     def logs(self, record: dict, follow: bool) -> Optional[Iterator[str]]:
         """A detached run's lines come from its job's output (the record has none)."""
-        job = SlurmJob.load(Path(_run_dir(record)))
-        if job is None or not job.output_path or not record.get("extra", {}).get("detached"):
+        job, client = self._recorded_job(record, detached=True)
+        if job is None or not job.output_path:
             return None
-        client = SlurmClient(job.slurm_conf or self.client.conf)
         return follow_output(Path(job.output_path), lambda: job_active(client.job_state(job.job_id)), follow)
 
     def down(self, record: dict) -> list[str]:
-        job = SlurmJob.load(Path(_run_dir(record)))
+        job, client = self._recorded_job(record)
         if job is None:
             return [f"run {record['run_id']}: no Slurm job recorded (nothing was submitted)"]
-        client = SlurmClient(job.slurm_conf or self.client.conf)
         if not job.owned:
             steps = client.run(["squeue", "-s", "-h", "-j", job.job_id, "-o", "%i %j"]).stdout.split("\n")
             ours = [s.split()[0] for s in steps if len(s.split()) == 2 and s.split()[1].startswith("ddplaunch-")]
@@ -372,11 +374,18 @@ class SlurmBackend:
                 f"`ddplaunch status {run_dir.name}`; stop it with `ddplaunch down {run_dir.name}`")
 
     def final_state(self, record: dict) -> Optional[str]:
-        job = SlurmJob.load(Path(_run_dir(record)))
-        if job is None or not record.get("extra", {}).get("detached"):
+        job, client = self._recorded_job(record, detached=True)
+        if job is None:
             return None
-        client = SlurmClient(job.slurm_conf or self.client.conf)
         return final_state(job.output_path, client.job_state(job.job_id), client.job_info(job.job_id))
+
+    def _recorded_job(self, record: dict, detached: bool = False) -> tuple[Optional[SlurmJob], SlurmClient]:
+        """The run's Slurm job (None: none recorded, or not a detached run when `detached`) and a
+        client for the cluster it went to."""
+        job = SlurmJob.load(Path(_run_dir(record)))
+        if job is not None and detached and not record.get("extra", {}).get("detached"):
+            job = None
+        return job, SlurmClient(job.slurm_conf or self.client.conf) if job else self.client
 
     def close(self) -> None:
         """End the allocation ddplaunch made (never one it runs inside): SIGTERM to the holding
