@@ -246,7 +246,7 @@ def preflight_only(spec_path: str, port: int) -> None:
     """Child mode: ddplaunch's pre-flight (the function `up` and `check` run) once; JSON on stdout."""
     from ddplaunch.backends.ssh import SshBackend
     from ddplaunch.preflight import run_preflight
-    from ddplaunch.spec import load_spec
+    from ddplaunch.specfile import load_spec
     spec = load_spec(spec_path)
     backend = SshBackend(spec)
     try:
@@ -261,7 +261,7 @@ def pdsh_probe_argv(spec_path: Path, port: int, work: Path, cluster) -> tuple[li
     from ddplaunch.hostcmd import program_source
     from ddplaunch.plan import host_python
     from ddplaunch.preflight import probe_command
-    from ddplaunch.spec import load_spec
+    from ddplaunch.specfile import load_spec
     spec = load_spec(spec_path)
     src = work / "probe_src.py"
     src.write_text(program_source("probe"))

@@ -90,7 +90,7 @@ def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], ver
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
     from ddplaunch import launch
     from ddplaunch.report import summary_json
-    from ddplaunch.spec import load_spec
+    from ddplaunch.specfile import load_spec
 
     spec = load_spec(spec_path)
     if dry_run:
@@ -112,7 +112,7 @@ def validate(spec: str) -> None:
     """Check SPEC and print the resolved values (secrets shown as <secret>); exit 2 with file:line."""
     import yaml
 
-    from ddplaunch.spec import load_spec
+    from ddplaunch.specfile import load_spec
 
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "

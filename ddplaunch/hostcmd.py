@@ -14,7 +14,8 @@ import secrets
 from functools import lru_cache
 from typing import Any, Optional
 
-from ddplaunch.plan import HOSTSIDE, quote
+from ddplaunch.plan import HOSTSIDE
+from ddplaunch.shellword import word
 
 
 @lru_cache(maxsize=None)
@@ -26,7 +27,7 @@ def program_source(name: str) -> str:
 def host_program(name: str, python: str, *args: str) -> tuple[str, str]:
     """(shell command, nonce) that runs hostside program `name` with `python` and `args`."""
     nonce = secrets.token_hex(6)
-    words = [quote(python), "-c", quote(program_source(name)), nonce, *(quote(a) for a in args)]
+    words = [word(python), "-c", word(program_source(name)), nonce, *(word(a) for a in args)]
     return " ".join(words), nonce
 
 

@@ -1,25 +1,27 @@
 """Bad-node localization: which host makes the all-rank health check fail or crawl.
 
-Each host alone, then disjoint pairs in parallel (one rank per host, a large all_reduce), then
-every suspect re-paired with a host known to be good. Each probe is an ordinary health-check
-plan run through the same backend. The verdict names the bad hosts with the evidence: a busbw
-per pair against the median, also drawn as bars in an HTML file beside the JSON.
+Each host alone, then the pair algorithm of hostside/pairs.py (disjoint pairs in parallel, one
+rank per host, a large all_reduce; then every suspect re-paired with a host known to be good).
+Each probe is an ordinary health-check plan run through the same backend. The verdict names the
+bad hosts with the evidence: a busbw per pair against the median, also drawn as bars in an HTML
+file beside the JSON.
 """
 
 from __future__ import annotations
 
 import html
-import io
-import statistics
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from ddplaunch.backends.contract import Backend
-from ddplaunch.console import LineSink
+from ddplaunch.backends.contract import Launcher
+from ddplaunch.console import QuietConsole
+from ddplaunch.hostside import pairs as pair_algorithm
 from ddplaunch.plan import derive_port, make_plan
+from ddplaunch.results import StopEvent
 from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.stagelines import StageLines
 
 
 @dataclass
@@ -44,8 +46,6 @@ class Localization:
     reasons: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
     @classmethod
@@ -73,71 +73,38 @@ class Localization:
         return "\n".join(lines)
 
 
-def localize(spec: ClusterSpec, backend: Backend, run_id: str, stop: threading.Event,
-             singles: bool = True) -> Localization:
+def localize(spec: ClusterSpec, backend: Launcher[Any], run_id: str, stop: StopEvent) -> Localization:
     """Find the hosts that fail alone or slow down every pair they are in."""
-    result = Localization()
-    hosts = list(spec.hosts)
     runner = _ProbeRunner(spec, backend, run_id, stop)
-    if singles:
-        result.singles = runner.run_all([(h,) for h in hosts], "alone")
-        for p in result.singles:
-            if not p.ok:
-                result.reasons[p.hosts[0]] = f"fails alone: {p.detail}"
-    healthy = [h for h in hosts if h.label not in result.reasons]
-    pairs = [(healthy[i], healthy[i + 1]) for i in range(0, len(healthy) - 1, 2)]
-    result.pairs = runner.run_all(pairs, "pair")
-    if len(healthy) % 2 and len(healthy) > 1:  # the odd one out pairs with the first host
-        result.pairs += runner.run_all([(healthy[-1], healthy[0])], "pair")
-    result.median_busbw_gbps = healthy_median([p.busbw_gbps for p in result.pairs if p.busbw_gbps is not None])
-    floor = (result.median_busbw_gbps or 0) * spec.healthcheck.min_busbw_fraction
-    for p in result.pairs:
-        p.ok = p.ok and p.busbw_gbps is not None and p.busbw_gbps >= floor
-    good = [h for h in healthy if all(p.ok for p in result.pairs if h.label in p.hosts)]
-    suspects = [h for h in healthy if h not in good]
-    if suspects and good:
-        repairs = [(s, good[i % len(good)]) for i, s in enumerate(suspects)]
-        result.repairs = runner.run_all(repairs, "repair")
-        for p in result.repairs:
-            p.ok = p.ok and p.busbw_gbps is not None and p.busbw_gbps >= floor
-            if not p.ok:
-                bw = "failed" if p.busbw_gbps is None else f"{p.busbw_gbps:.3f} GB/s"
-                result.reasons[p.hosts[0]] = (f"slow with a known-good host: {bw} vs median "
-                                              f"{result.median_busbw_gbps:.3f} GB/s")
-    elif suspects:
-        for s in suspects:
-            result.reasons[s.label] = "every pair is slow or failed: no known-good host to compare with"
-    result.bad_hosts = [h.label for h in hosts if h.label in result.reasons]
-    return result
+    by_label = {h.label: h for h in spec.hosts}
+    singles = runner.run_all([(h,) for h in spec.hosts], "alone")
+    reasons = {p["hosts"][0]: f"fails alone: {p['detail']}" for p in singles if not p["ok"]}
+    healthy = [h.label for h in spec.hosts if h.label not in reasons]
 
+    def measure(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        return runner.run_all([(by_label[a], by_label[b]) for a, b in pairs], "pair")
 
-def healthy_median(speeds: list[float]) -> Optional[float]:
-    """The median of the faster half of the pairs: what this cluster's links can do.
-
-    A plain median is dragged down as soon as half the pairs are slow — with 4 hosts one slow
-    host already spoils one of two pairs — so the reference assumes only that most links are
-    fine, not that most pairs are.
-    """
-    if not speeds:
-        return None
-    top = sorted(speeds, reverse=True)[: (len(speeds) + 1) // 2]
-    return statistics.median(top)
+    verdict = pair_algorithm.judge(healthy, measure, spec.healthcheck.min_busbw_fraction)
+    reasons.update(verdict["reasons"])
+    verdict.update(singles=singles, reasons=reasons, bad_hosts=[h.label for h in spec.hosts if h.label in reasons])
+    return Localization.from_dict(verdict)
 
 
 class _ProbeRunner:
     """Runs one-rank-per-host health checks on host subsets, several at once, quietly."""
 
-    def __init__(self, spec: ClusterSpec, backend: Backend, run_id: str, stop: threading.Event):
+    def __init__(self, spec: ClusterSpec, backend: Launcher[Any], run_id: str, stop: StopEvent):
         self.spec, self.backend, self.run_id, self.stop = spec, backend, run_id, stop
         self.count = 0
         self.lock = threading.Lock()
 
-    def run_all(self, groups: list[tuple[HostSpec, ...]], kind: str) -> list[Probe]:
+    def run_all(self, groups: list[tuple[HostSpec, ...]], kind: str) -> list[dict[str, Any]]:
         width = self.spec.healthcheck.pair_parallelism or len(groups)
         with ThreadPoolExecutor(max_workers=max(1, min(width, len(groups)))) as pool:
             return list(pool.map(lambda g: self.run_one(g, kind), groups))
 
-    def run_one(self, group: tuple[HostSpec, ...], kind: str) -> Probe:
+    def run_one(self, group: tuple[HostSpec, ...], kind: str) -> dict[str, Any]:
+        """One probe, in the shape the pair algorithm takes."""
         with self.lock:
             self.count += 1
             tag = f"{self.run_id}-{kind}{self.count}"
@@ -146,18 +113,17 @@ class _ProbeRunner:
         sub = self.spec.model_copy(update={"hosts": list(group), "nproc_per_node": 1, "healthcheck": hc,
                                            "master": self.spec.master.model_copy(update={"addr": None, "port": None})})
         plan = make_plan(sub, tag, "healthcheck", derive_port(tag), direct=True)
-        sink = LineSink(io.StringIO())
-        result = self.backend.launch(self.backend.render(plan), sink, self.stop)
-        payload = sink.payload("HEALTHCHECK")
-        labels = tuple(h.label for h in group)
+        result = self.backend.launch(self.backend.render(plan), StageLines(QuietConsole()), self.stop)
+        payload = result.healthcheck
+        labels = [h.label for h in group]
         if not result.ok or payload is None:
             first = result.first_failure
-            return Probe(labels, False, None, first.describe() if first else "no result")
+            return {"hosts": labels, "ok": False, "busbw_gbps": None,
+                    "detail": first.describe() if first else "no result"}
         rows = payload.get("bandwidth") or []
-        busbw = rows[-1]["busbw_gbps"] if rows else None
-        if len(group) == 1:  # one rank alone has no link to measure: correctness only
-            busbw = None
-        return Probe(labels, bool(payload.get("ok")), busbw)
+        # one rank alone has no link to measure: correctness only
+        busbw = rows[-1]["busbw_gbps"] if rows and len(group) > 1 else None
+        return {"hosts": labels, "ok": bool(payload.get("ok")), "busbw_gbps": busbw, "detail": ""}
 
 
 def render_html(loc: Localization) -> str:

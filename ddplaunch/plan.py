@@ -1,19 +1,18 @@
-"""Pure launch planning: spec + run id -> per-node torchrun commands.
+"""Pure launch planning: spec + run id -> per-node commands, as data.
 
-Nothing here touches the network, the file system or the clock. `make_plan` returns a frozen
-`LaunchPlan`: per node, the working directory, setup lines, environment and ONE structured
-torchrun invocation (`TorchrunArgs`, script and its arguments as fields). Every backend renders
-these same objects (`NodeCommand.shell_line()` for a shell on a host, `backends.slurm.render.step_template` for one
-srun step over many nodes); nothing parses an argv back.
-
-Environment values never go on a command line: `NodeCommand.env_text()` is the 0600 file the
-backend writes on each host (secrets included) and the line sources it.
+Nothing here touches the network, the file system or the clock, and nothing here is shell:
+`make_plan` returns a frozen `LaunchPlan` — per node, the working directory, the user's setup
+lines, the environment and ONE structured invocation (`TorchrunArgs`, the script and its
+arguments as fields) — and each backend renders it for what it drives (backends/shell.py: a
+`bash -c` line, an env file and a pid file; the Slurm backend: one srun step for every node).
+Values only the host can know are typed words the renderers resolve there: `HostPath` (a file of
+the run in the host's home), `GpuCount` (`nproc_per_node: auto`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import shlex
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,31 +24,42 @@ from ddplaunch.spec import ClusterSpec, HostSpec, parse_size
 
 #: Master ports are derived from the run id inside this range (below Linux's ephemeral range).
 PORT_RANGE = (20000, 32000)
-#: Where each host keeps its run directory (pid files, env files, torchrun logs, staged files).
+#: Where each host keeps its run directory (pid files, env files, torchrun logs, staged files),
+#: relative to the home directory of the user ddplaunch runs as there.
 HOST_RUN_ROOT = ".ddplaunch/runs"
 HOSTSIDE = Path(__file__).with_name("hostside")
-HEALTHCHECK_SOURCE = HOSTSIDE / "healthcheck.py"
 ENTRY_SOURCE = HOSTSIDE / "entry.py"
+#: The health check and the modules it imports, staged together on every host.
+HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 STAGES = ("healthcheck", "job")
-#: How a secret value appears in anything shown or stored.
-SECRET_SHOWN = "<secret>"
 #: torchrun forwards these to its workers; SIGUSR2 is Slurm's preemption warning (NCCL owns SIGUSR1).
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
 
-class Raw(str):
-    """A shell fragment built by ddplaunch itself (never from user input): left unquoted."""
+class HostPath(str):
+    """A path relative to the home directory on the host (the run's files there); each backend
+    renders it for its host (a shell: `"$HOME"/PATH`)."""
 
 
-def quote(word: str) -> str:
-    """`shlex.quote` for user data; `Raw` fragments pass through."""
-    return word if isinstance(word, Raw) else shlex.quote(word)
+class GpuCount(str):
+    """`nproc_per_node: auto`: as many processes as this interpreter (the word's value) sees GPUs,
+    at least one, counted on the host when the node's command starts."""
+
+
+def host_run_dir(run_id: str) -> HostPath:
+    """The run directory on a host."""
+    return HostPath(f"{HOST_RUN_ROOT}/{run_id}")
+
+
+def in_run_dir(run_id: str, name: str) -> HostPath:
+    """A file of the run directory on a host."""
+    return HostPath(f"{HOST_RUN_ROOT}/{run_id}/{name}")
 
 
 @dataclass(frozen=True)
 class TorchrunArgs:
-    """One torchrun invocation's options. `node_rank` may be a `Raw` shell expression (a Slurm
-    step resolves it per node). Forwarded signals include SIGUSR2, Slurm's preemption warning."""
+    """One torchrun invocation's options. `node_rank` may be a word a backend's renderer resolves
+    per node (a Slurm step). Forwarded signals include SIGUSR2, Slurm's preemption warning."""
 
     nnodes: int
     node_rank: Union[int, str]
@@ -76,7 +86,7 @@ class TorchrunArgs:
 
 @dataclass(frozen=True)
 class NodeCommand:
-    """What runs on one node: `cd workdir; . envfile; setup; exec python [torchrun] script args`."""
+    """What runs on one node: in `workdir`, with `env`, after `setup`: python [torchrun] script args."""
 
     stage: str
     node_rank: int
@@ -89,48 +99,16 @@ class NodeCommand:
     torchrun: Optional[TorchrunArgs]
     script: str
     args: tuple[str, ...]
-    run_dir: str
+    run_id: str
     host: Optional[HostSpec] = None
-
-    @property
-    def pid_file(self) -> str:
-        return Raw(f"{self.run_dir}/node{self.node_rank}.pid") if isinstance(self.node_rank, int) \
-            else Raw(f"{self.run_dir}/node$SLURM_NODEID.pid")
-
-    @property
-    def env_file(self) -> str:
-        rank = self.node_rank if isinstance(self.node_rank, int) else "$SLURM_NODEID"
-        return Raw(f"{self.run_dir}/{self.stage}-node{rank}.env")
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
 
     def argv(self) -> list[str]:
-        """python [-m torch.distributed.run OPTIONS] SCRIPT ARGS, as words (Raw ones unquoted)."""
+        """python [-m torch.distributed.run OPTIONS] SCRIPT ARGS, as words (typed words included)."""
         head = [self.python, *self.torchrun.words()] if self.torchrun else [self.python, "-u"]
         return [*head, self.script, *self.args]
-
-    def env_text(self, secrets: frozenset[str] = frozenset(), mask: bool = False) -> str:
-        """The node's environment file: `export K='v'` lines (secrets shown as <secret> with mask)."""
-        lines = []
-        for k, v in self.env:
-            shown = Raw(SECRET_SHOWN) if mask and k in secrets else v
-            lines.append(f"export {k}={quote(shown)}")
-        return "\n".join(lines) + "\n"
-
-    def shell_line(self, env_source: bool = True) -> str:
-        """The one command line for `bash -c` on the host; every user value is quoted.
-
-        `echo $$` records the shell's PID, which `exec` hands to torchrun; with a pty that
-        makes torchrun the session leader, so a dropped connection HUPs it.
-        """
-        parts = [f"cd {quote(self.workdir)}"]
-        if env_source:
-            parts.append(f". {self.env_file}")
-        parts += list(self.setup)
-        parts.append(f"echo $$ > {self.pid_file}")
-        parts.append("exec " + " ".join(quote(a) for a in self.argv()))
-        return " && ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -144,10 +122,12 @@ class LaunchPlan:
     master_port: int
     nproc_per_node: Union[int, str]
     nodes: tuple[NodeCommand, ...]
-    #: (local source, path relative to the host run directory) copied before launch.
+    #: (local source, name in the host run directory) copied before launch.
     uploads: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     #: Env names whose values are secret (never shown or stored).
     secrets: frozenset[str] = frozenset()
+    #: Whether the launch runs the health check (its own stage, or inline before the job).
+    healthcheck: bool = False
 
     @property
     def nnodes(self) -> int:
@@ -170,6 +150,11 @@ def derive_port(run_id: str, attempt: int = 0) -> int:
     return lo + int.from_bytes(digest[:4], "big") % (hi - lo)
 
 
+def stage_port_key(run_id: str, stage: str) -> str:
+    """What a stage's master port is derived from (`derive_port`)."""
+    return f"{run_id}:{stage}"
+
+
 def master_addr(spec: ClusterSpec) -> str:
     """`master.addr`, else the first host (localhost as 127.0.0.1, which torchrun binds)."""
     if spec.master.addr:
@@ -178,15 +163,43 @@ def master_addr(spec: ClusterSpec) -> str:
     return "127.0.0.1" if addr == "localhost" else addr
 
 
-def host_run_dir(run_id: str) -> str:
-    """The run directory on a host, as a shell word ($HOME expands there)."""
-    return Raw(f'"$HOME"/{HOST_RUN_ROOT}/{run_id}')
-
-
 def host_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:
     """The interpreter on `host`: `hosts[].python`, else `python`, else the one running ddplaunch
     (right for local runs and hosts sharing this file system, like the simulated cluster)."""
     return (host.python if host else None) or spec.python or sys.executable
+
+
+@dataclass(frozen=True)
+class _Program:
+    """What a stage's workers run: script, arguments, staged files, torchrun's restarts."""
+
+    script: str
+    args: list[str]
+    uploads: tuple[tuple[str, str], ...]
+    max_restarts: int
+
+
+def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list[str]],
+             inline_healthcheck: bool, pairwise: bool) -> _Program:
+    healthcheck = tuple((str(src), src.name) for src in HEALTHCHECK_SOURCES)
+    if stage == "healthcheck":
+        return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, pairwise),
+                        healthcheck, 0)
+    script: str = spec.job.script
+    uploads: tuple[tuple[str, str], ...] = ()
+    try:
+        example = example_path(spec.job.script)
+    except ValueError as err:
+        raise PlanError(f"job.script: {err}") from None
+    if example is not None:  # a job shipped with ddplaunch: staged on each host like the health check
+        script, uploads = in_run_dir(run_id, example.name), ((str(example), example.name),)
+    # every rank runs the user's script through the entry script: the health check first when
+    # inline, then the script as __main__, then (job.fast_exit) no interpreter finalization
+    head = healthcheck_args(spec, run_id, pairwise) if inline_healthcheck else ["--no-healthcheck"]
+    head += [] if spec.job.fast_exit else ["--finalize"]
+    args = [*head, "--", script, *(spec.job.args if job_args is None else job_args)]
+    return _Program(in_run_dir(run_id, "entry.py"), args,
+                    ((str(ENTRY_SOURCE), "entry.py"), *healthcheck, *uploads), spec.job.max_restarts)
 
 
 def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
@@ -207,35 +220,13 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         inline_healthcheck: the job's workers run the health check first, in the same launch.
         pairwise: the health check also tests host pairs in-process (and names slow hosts).
     Returns:
-        The plan; `render_plan([plan])` is its dry-run text.
+        The plan; a backend's `render(plan).text()` is its dry-run text.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
-    run_dir = host_run_dir(run_id)
-    hc_upload = (str(HEALTHCHECK_SOURCE), "healthcheck.py")
-    if stage == "healthcheck":
-        script: str = Raw(f"{run_dir}/healthcheck.py")
-        args = healthcheck_args(spec, run_dir, pairwise)
-        uploads: tuple[tuple[str, str], ...] = (hc_upload,)
-        max_restarts = 0
-    else:
-        script, args, uploads = spec.job.script, list(spec.job.args if job_args is None else job_args), ()
-        max_restarts = spec.job.max_restarts
-        try:
-            example = example_path(spec.job.script)
-        except ValueError as err:
-            raise PlanError(f"job.script: {err}") from None
-        if example is not None:  # a job shipped with ddplaunch: staged on each host like the health check
-            script, uploads = Raw(f"{run_dir}/{example.name}"), ((str(example), example.name),)
-        # every rank runs the user's script through the entry script: the health check first when
-        # inline, then the script as __main__, then (job.fast_exit) no interpreter finalization
-        head = healthcheck_args(spec, run_dir, pairwise) if inline_healthcheck else ["--no-healthcheck"]
-        head += [] if spec.job.fast_exit else ["--finalize"]
-        args = [*head, "--", script, *args]
-        script = Raw(f"{run_dir}/entry.py")
-        uploads = ((str(ENTRY_SOURCE), "entry.py"), hc_upload, *uploads)
+    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise)
     addr = master_addr(spec)
-    user_env = spec.env_values(environ if environ is not None else _os_environ())
+    user_env = spec.env_values(os.environ if environ is None else environ)
     nodes = []
     for rank, host in enumerate(spec.hosts):
         python = host_python(spec, host)
@@ -247,40 +238,29 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
                        MASTER_ADDR=addr, MASTER_PORT=str(port))
         else:
             torchrun = TorchrunArgs(
-                nnodes=len(spec.hosts), node_rank=rank, nproc_per_node=_nproc_word(spec, python),
+                nnodes=len(spec.hosts), node_rank=rank,
+                nproc_per_node=GpuCount(python) if spec.nproc_per_node == "auto" else str(spec.nproc_per_node),
                 master_addr=addr, master_port=port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
-                max_restarts=max_restarts, log_dir=Raw(f"{run_dir}/torchrun-{stage}-node{rank}"),
+                max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
                 signals_to_handle=SIGNALS_TO_HANDLE)
         nodes.append(NodeCommand(
             stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
             setup=tuple(spec.setup), env=tuple(sorted(env.items())), python=python, torchrun=torchrun,
-            script=script, args=tuple(args), run_dir=run_dir, host=host))
+            script=program.script, args=tuple(program.args), run_id=run_id, host=host))
     return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr,
                       master_port=port, nproc_per_node=1 if direct else spec.nproc_per_node,
-                      nodes=tuple(nodes), uploads=uploads, secrets=spec.secret_names())
+                      nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
+                      healthcheck=stage == "healthcheck" or inline_healthcheck)
 
 
-def _os_environ() -> Mapping[str, str]:
-    import os
-
-    return os.environ
-
-
-def _nproc_word(spec: ClusterSpec, python: str) -> str:
-    if spec.nproc_per_node != "auto":
-        return str(spec.nproc_per_node)
-    probe = "import torch; print(torch.cuda.device_count() or 1)"
-    return Raw(f'"$({quote(python)} -c {quote(probe)})"')
-
-
-def healthcheck_args(spec: ClusterSpec, run_dir: str, pairwise: bool = False) -> list[str]:
+def healthcheck_args(spec: ClusterSpec, run_id: str, pairwise: bool = False) -> list[str]:
     """The health check's options from the spec's `healthcheck:` section."""
     hc = spec.healthcheck
     args = ["--backend", spec.dist_backend,
             "--sizes", ",".join(str(parse_size(s)) for s in hc.sizes),
             "--iters", str(hc.iterations), "--timeout", str(hc.timeout),
             "--collectives", ",".join(hc.collectives),
-            "--json", Raw(f"{run_dir}/healthcheck.json")]
+            "--json", in_run_dir(run_id, "healthcheck.json")]
     if hc.min_busbw_gbps is not None:
         args += ["--min-busbw-gbps", str(hc.min_busbw_gbps)]
     if pairwise and len(spec.hosts) > 1:
@@ -312,22 +292,3 @@ def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     env.update(user_env)  # the user's values win
     return env
-
-
-def render_plan(plans: list[LaunchPlan]) -> str:
-    """The dry-run text of shell backends: for each stage and node, the environment file the
-    backend writes (secret values shown as <secret>) and the exact line it executes."""
-    out = []
-    for plan in plans:
-        world = plan.world_size if plan.world_size is not None else "auto"
-        port_note = " (port derived from the run id, checked free at launch)"
-        out.append(f"# run {plan.run_id} stage {plan.stage}: backend {plan.backend}, "
-                   f"{plan.nnodes} node(s) x {plan.nproc_per_node} proc = world {world}, "
-                   f"master {plan.master_addr}:{plan.master_port}{port_note}")
-        for src, dst in plan.uploads:
-            out.append(f"# upload {src} -> <host run dir>/{dst}")
-        for node in plan.nodes:
-            out.append(f"# node {node.node_rank} on {node.host_label}: {node.env_file} (mode 0600) holds")
-            out += [f"#   {line}" for line in node.env_text(plan.secrets, mask=True).splitlines()]
-            out.append(node.shell_line())
-    return "\n".join(out) + "\n"

@@ -12,11 +12,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
 
-from ddplaunch.backends.contract import Backend
+from ddplaunch.backends.contract import Launcher
 from ddplaunch.examples import is_example
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
+
 CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
 PROBE_SLACK = 20.0  # a probe's time beyond its port test (python start, facts)
@@ -98,7 +99,7 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     return host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True))
 
 
-def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Optional[int]) -> PreflightReport:
+def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int]) -> PreflightReport:
     """Probe every host in parallel and evaluate the facts."""
     t0 = time.time()
     nonces: dict[str, str] = {}
@@ -113,8 +114,8 @@ def run_preflight(spec: ClusterSpec, backend: Backend, run_id: str, port: Option
     t1 = time.time()
     raw: dict[str, Any] = {}
     for host, res, err in results:
-        if err is not None:
-            raw[host.label] = {"error": str(err), "fix": getattr(err, "fix", "")}
+        if err is not None or res is None:
+            raw[host.label] = {"error": str(err), "fix": err.fix if err is not None else ""}
             continue
         code, out = res
         answer = parse_answer(out, nonces.get(host.label, ""))

@@ -1,16 +1,37 @@
-"""Run summaries and the exit code, computed in one place.
+"""A run's outcome as data (`RunReport`), its summary and its exit code, computed in one place.
 
 `summarize` turns stage results into the text users read after a run: the first failing host
-and rank with its last lines, then every host's outcome. `exit_code` maps results to 0/1/130.
+and rank with its last lines, then every host's outcome. `exit_code` maps results to 0/1/130;
+`summary_json` is what `--json` prints.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ddplaunch.results import STATE_ORDER, StageResult
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+from ddplaunch.results import STATE_ORDER, StageResult
+
+
+@dataclass
+class RunReport:
+    """The outcome of one `up` or `check`."""
+
+    run_id: str
+    final_stage: str = "job"
+    stages: list[StageResult] = field(default_factory=list)
+    healthcheck: Optional[dict[str, Any]] = None
+    preflight: Optional[dict[str, Any]] = None
+    localization: Optional[dict[str, Any]] = None
+    excluded: list[str] = field(default_factory=list)
+    #: What stopped the run before its last stage ("pre-flight", "health check"), if anything.
+    blocked: Optional[str] = None
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.stages, self.final_stage, self.blocked)
 
 
 def exit_code(stages: list[StageResult], final_stage: str = "job", blocked: Optional[str] = None) -> int:
@@ -57,8 +78,8 @@ def summarize(run_id: str, stages: list[StageResult], code: int, blocked: Option
     return "\n".join(out)
 
 
-def summary_json(report: Any) -> str:
-    """The machine-readable summary printed by `--json` (a launch.RunReport)."""
+def summary_json(report: RunReport) -> str:
+    """The machine-readable summary printed by `--json`."""
     return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
                        "preflight": report.preflight, "healthcheck": report.healthcheck,
                        "localization": report.localization, "excluded": report.excluded,

@@ -1,7 +1,8 @@
 """What a stage left behind: one `NodeOutcome` per node, gathered in a `StageResult`.
 
-Every backend returns these, whatever it drives; the report, the gate and the run record read
-them. Data only: no I/O, no backend.
+Every backend returns these, whatever it drives: the nodes' outcomes and everything the stage's
+ranks reported (the health check's verdict, each rank's exit, PyTorch's findings). The report,
+the gates and the run record read them; nothing reads the console. Data only: no I/O, no backend.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 # Node states, in the order a report lists them (worst first).
 FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK = (
     "failed", "lost", "unreachable", "interrupted", "running", "not-started", "ok")
 STATE_ORDER = (FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK)
+#: States that say the host, not the job, failed: the host is gone or cannot be reached.
+HOST_STATES = (LOST, UNREACHABLE)
 
 
 @dataclass
@@ -59,7 +62,7 @@ class NodeOutcome:
 
 @dataclass
 class StageResult:
-    """Every node's outcome of one stage."""
+    """Every node's outcome of one stage, and what its ranks reported."""
 
     stage: str
     outcomes: list[NodeOutcome]
@@ -68,12 +71,21 @@ class StageResult:
     ended_at: Optional[float] = None
     #: What ddplaunch found out about the failure (hang stacks, collective mismatches), for the report.
     diagnosis: list[str] = field(default_factory=list)
-    #: The allocation was requeued under the stage (Slurm): every stage runs again.
-    requeued: bool = False
+    #: The backend's hosts were taken away and given back under the stage (a scheduler requeued
+    #: the allocation): every stage runs again.
+    rescheduled: bool = False
+    #: Whether this launch ran the health check (the plan said so), and rank 0's verdict if it
+    #: reported one (`DDPLAUNCH_HEALTHCHECK_JSON`).
+    ran_healthcheck: bool = False
+    healthcheck: Optional[dict[str, Any]] = None
+    #: Each rank's `DDPLAUNCH_RANKEXIT_JSON` report: its script returned with this code.
+    rank_exits: list[dict[str, Any]] = field(default_factory=list)
+    #: Lines worth repeating however far they scrolled (collective mismatches, store errors).
+    findings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.interrupted and not self.requeued and all(o.state == OK for o in self.outcomes)
+        return not self.interrupted and not self.rescheduled and all(o.state == OK for o in self.outcomes)
 
     @property
     def first_failure(self) -> Optional[NodeOutcome]:
@@ -82,7 +94,12 @@ class StageResult:
         bad = [o for o in self.outcomes if o.state in (FAILED, LOST, UNREACHABLE)]
         return min(bad, key=lambda o: (_victim(o), o.ended_at or float("inf"))) if bad else None
 
-    def to_dict(self) -> dict:
+    @property
+    def lost_hosts(self) -> list[NodeOutcome]:
+        """Nodes whose host was lost or unreachable (not a failure of the job's own code)."""
+        return [o for o in self.outcomes if o.state in HOST_STATES]
+
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -108,13 +125,15 @@ class StopEvent(threading.Event):
     """The event that ends a run early; `cause` says why when ddplaunch itself stopped it (a hang):
     such a run failed, while a stop without a cause is the user's interrupt."""
 
-    cause: Optional[str] = None
+    def __init__(self) -> None:
+        super().__init__()
+        self.cause: Optional[str] = None
 
     def stop(self, cause: str) -> None:
         self.cause = cause
         self.set()
 
-
-def stop_cause(stop: threading.Event) -> Optional[str]:
-    """Why ddplaunch stopped the run, or None for a user interrupt (or no stop at all)."""
-    return getattr(stop, "cause", None)
+    @property
+    def by_user(self) -> bool:
+        """Set, and by the user (Ctrl-C, SIGTERM), not by ddplaunch."""
+        return self.is_set() and self.cause is None

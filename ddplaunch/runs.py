@@ -31,6 +31,11 @@ def home() -> Path:
     return Path(os.environ.get("DDPLAUNCH_HOME", "~/.ddplaunch")).expanduser()
 
 
+def run_dir(run_id: str) -> Path:
+    """Where a run's record, log and evidence live on this machine."""
+    return home() / "runs" / run_id
+
+
 def check_run_id(run_id: str, what: str = "run id") -> str:
     """The run id if it is safe in paths and shell words, else PlanError (exit 2)."""
     if not RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
@@ -73,7 +78,7 @@ class RunRecord:
 
     @property
     def dir(self) -> Path:
-        return home() / "runs" / self.run_id
+        return run_dir(self.run_id)
 
     @property
     def log_path(self) -> Path:
@@ -128,7 +133,7 @@ def load_run(run_id: str) -> RunRecord:
         PlanError: the id is not a valid run id.
     """
     check_run_id(run_id)
-    path = home() / "runs" / run_id / "record.json"
+    path = run_dir(run_id) / "record.json"
     try:
         return _record(json.loads(path.read_text()))
     except FileNotFoundError:

@@ -1,38 +1,39 @@
 """`status`, `logs` and `down` of a recorded run: the record (data) plus what its backend says.
 
-The record names its backend; the backend answers from the record alone (Slurm: the job it
-submitted), so these work after the launcher has exited — or died.
+The record names its backend; the backend answers from the record alone (a Scheduler: the job
+it was given), so these work after the launcher has exited — or died.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
-from ddplaunch.backends import get_backend
-from ddplaunch.backends.contract import Backend
+from ddplaunch.backends import make_backend, scheduler_of
+from ddplaunch.backends.contract import Launcher, RunContext
 from ddplaunch.errors import DdplaunchError
+from ddplaunch.results import StopEvent
 from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
 from ddplaunch.spec import ClusterSpec
 
 FOLLOW_POLL = 0.2
 
 
-def record_backend(record: RunRecord) -> Backend:
+def record_backend(record: RunRecord) -> Launcher[Any]:
     """The backend of a recorded run, configured from the record's (redacted) spec."""
     spec = ClusterSpec.model_validate(record.spec)
     spec = spec.model_copy(update={"base_dir": record.extra.get("base_dir", ".")})
-    return get_backend(spec)
+    return make_backend(spec, RunContext(record.run_id, record.dir, StopEvent()))
 
 
-def settle(record: RunRecord, backend: Backend) -> RunRecord:
+def settle(record: RunRecord, backend: Launcher[Any]) -> RunRecord:
     """A detached run (state "submitted") takes its final state from the scheduler once it has
     ended, and keeps it in the record."""
-    if record.state != "submitted":
+    scheduler = scheduler_of(backend)
+    if record.state != "submitted" or scheduler is None:
         return record
     try:
-        state = backend.final_state(asdict(record))
+        state = scheduler.final_state(record)
     except DdplaunchError:  # the scheduler does not answer: the record stays as it is
         return record
     if state is not None:
@@ -44,7 +45,8 @@ def settle(record: RunRecord, backend: Backend) -> RunRecord:
 def status(record: RunRecord) -> list[str]:
     """The record's state and outcomes, then the backend's live view (Slurm: the job)."""
     backend = record_backend(record)
-    return status_lines(settle(record, backend)) + backend.status(asdict(record))
+    scheduler = scheduler_of(backend)
+    return status_lines(settle(record, backend)) + (scheduler.describe(record) if scheduler else [])
 
 
 def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
@@ -54,7 +56,8 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) ->
         return host is None or line.startswith((f"[{host}:", f"[{host}]"))
 
     backend = record_backend(record)
-    from_backend = backend.logs(asdict(record), follow)
+    scheduler = scheduler_of(backend)
+    from_backend = scheduler.log_lines(record, follow) if scheduler else None
     if from_backend is not None:
         yield from filter(mine, from_backend)
         settle(record, backend)
@@ -82,6 +85,6 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) ->
 def down(record: RunRecord) -> list[str]:
     """End every process left of the run, on every host, by the run's tag."""
     backend = record_backend(record)
-    lines = backend.down(asdict(record))
+    lines = backend.down(record)
     settle(record, backend)
     return lines

@@ -1,35 +1,25 @@
 """The cluster spec: validated data, nothing else.
 
-`load_spec(path)` reads a cluster.yaml through the bounded loader of ddplaunch/yamlsafe.py,
-validates it with pydantic v2 and returns a frozen `ClusterSpec`. Any input ends in a spec or one
-`SpecError` line `file:line: key.path: problem (hint)`; after loading, ddplaunch trusts the spec.
-Secrets in `env:` are data too: `secret_names()`, `env_values(environ)` and `redacted()`.
+The pydantic v2 models of a cluster.yaml (a frozen `ClusterSpec`) and the checks of single
+values; specfile.py reads a file into one, mapping every problem to `file:line: key.path:
+problem (hint)`. After loading, ddplaunch trusts the spec. Secrets in `env:` are data too:
+`secret_names()`, `env_values(environ)` and `redacted()`. Which backends exist, and what each
+cannot honour, is the registry's (registry.py).
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from yaml.nodes import MappingNode, Node
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ddplaunch import registry
 from ddplaunch.errors import SpecError
-from ddplaunch.examples import example_path, is_example
 from ddplaunch.hostlist import expand_hostlist
-from ddplaunch.yamlsafe import char_name, coercion, load_yaml, node_at, nodes_along, one_line, replace_at, show
+from ddplaunch.yamlsafe import char_name, show
 
 SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 SECRET_SHOWN = "<secret>"
@@ -287,7 +277,8 @@ class ClusterSpec(_Strict):
     """A whole cluster.yaml. See the annotated `cluster.yaml` at the repository root."""
 
     name: str = Field(default="ddp", pattern=r"^[A-Za-z0-9._-]{1,100}$")
-    backend: Literal["local", "ssh", "slurm"] = "local"
+    #: One of the registered backends (registry.py).
+    backend: str = "local"
     hosts: list[HostSpec] = Field(default_factory=lambda: [HostSpec(addr="localhost")])
 
     @field_validator("hosts", mode="before")
@@ -319,6 +310,13 @@ class ClusterSpec(_Strict):
     # Not a YAML key: the directory of the spec file, against which relative paths resolve.
     base_dir: str = Field(default=".", exclude=True)
 
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in registry.names():
+            raise ValueError(f"unknown backend {show(repr(value), 60)} (registered: {', '.join(registry.names())})")
+        return value
+
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _nproc(cls, value: Any) -> Any:
@@ -332,9 +330,12 @@ class ClusterSpec(_Strict):
     def _consistent(self) -> "ClusterSpec":
         if not self.hosts:
             raise ValueError("hosts: needs at least one host")
-        if self.backend == "local" and len(self.hosts) != 1:
-            raise ValueError("hosts: backend 'local' runs on exactly one host; use backend 'ssh' "
-                             "or 'slurm' for several")
+        limit = registry.registration(self.backend).max_hosts
+        if limit is not None and len(self.hosts) > limit:
+            others = " or ".join(repr(n) for n in registry.names() if registry.registration(n).max_hosts is None)
+            raise ValueError(f"hosts: backend {self.backend!r} runs on "
+                             + ("exactly one host" if limit == 1 else f"at most {limit} hosts")
+                             + f"; use backend {others} for several")
         labels = [h.label for h in self.hosts]
         dupes = sorted({x for x in labels if labels.count(x) > 1})
         if dupes:
@@ -389,7 +390,7 @@ class ClusterSpec(_Strict):
                 missing.append(f"env.{name}: from_env {var.from_env} is not set in the launcher's environment; "
                                "export it before ddplaunch up")
         if missing:
-            raise SpecError(_summary(missing))
+            raise SpecError(summarize_problems(missing))
         return values
 
     def redacted(self) -> dict:
@@ -417,237 +418,6 @@ def parse_size(size: Union[int, str]) -> int:
     return int(num) * SIZE_SUFFIXES[suffix]
 
 
-# --------------------------------------------------------------------------- backend limits
-
-_SSH_ONLY = "only used by backend: ssh"
-_SLURM_ONLY = "only used by backend: slurm"
-#: backend -> {key path -> why it cannot be honoured and what to do}. A key path is dotted;
-#: `hosts[]` means every host; a section name (`ssh`) means every key in that section. A key
-#: is refused only when the YAML sets it to a value other than its default.
-BACKEND_LIMITS: dict[str, dict[str, str]] = {
-    "local": {
-        "sync": "the local backend runs in place: the files are already here",
-        "ssh": _SSH_ONLY,
-        "slurm": _SLURM_ONLY,
-    },
-    "ssh": {
-        "slurm": _SLURM_ONLY,
-    },
-    "slurm": {
-        "sync": "Slurm jobs read the shared file system: put the files there",
-        "hosts[].user": "Slurm starts every step as the submitting user",
-        "hosts[].port": "Slurm reaches its nodes itself; no SSH port is used",
-        "hosts[].python": "use `python:` for every node",
-        "master.addr": "Slurm's first allocated node is the master",
-        "ssh": _SSH_ONLY,
-    },
-}
-
-
-def _backend_limit_problems(spec: ClusterSpec, root: Optional[Node], shown: str) -> list[tuple[int, str]]:
-    problems = []
-    for key_path, reason in BACKEND_LIMITS.get(spec.backend, {}).items():
-        for loc, line in _set_keys(root, key_path):
-            value, default = _value_and_default(spec, loc)
-            if value != default:
-                problems.append((line, f"{shown}:{line}: {_dotted(loc)}: not supported by backend "
-                                       f"'{spec.backend}' ({reason})"))
-    return problems
-
-
-def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple, int]]:
-    """(loc, line) of every key the YAML sets along `key_path`; a section expands to its keys."""
-    out = []
-    for loc, line, node in nodes_along(root, key_path):
-        if isinstance(node, MappingNode) and _section(loc):
-            out += [(loc + sub, sub_line) for sub, sub_line, _ in nodes_along(node, "*")]
-        else:
-            out.append((loc, line))
-    return out
-
-
-def _section(loc: tuple) -> bool:
-    """Whether `loc` names a whole section of the spec (`ssh`, `slurm`, ...)."""
-    field = ClusterSpec.model_fields.get(str(loc[0])) if len(loc) == 1 else None
-    return field is not None and typing.get_origin(field.annotation) is None and _model_in(field.annotation) is not None
-
-
-def _value_and_default(spec: ClusterSpec, loc: tuple) -> tuple[Any, Any]:
-    obj: Any = spec
-    owner: Any = spec
-    for part in loc:
-        if isinstance(part, int):
-            obj = obj[part]
-        else:
-            owner, obj = obj, getattr(obj, str(part), None)
-    field = type(owner).model_fields.get(str(loc[-1]))
-    return obj, (field.get_default(call_default_factory=True) if field else obj)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def load_spec(path: Union[str, Path]) -> ClusterSpec:
-    """Read and validate a cluster spec file; any bytes under any path end here, bounded.
-
-    Raises:
-        SpecError: one line under 4 kB naming `file:line: key.path`, the problem and the fix; with
-            several problems, the first and `(and N more problems)`.
-    """
-    try:
-        return _load(path)
-    except SpecError as err:
-        raise SpecError(one_line(str(err))) from None
-
-
-def _load(path: Union[str, Path]) -> ClusterSpec:
-    doc = load_yaml(path)
-    shown, root = doc.shown, doc.root
-    data = {} if doc.data is None else doc.data
-    if not isinstance(data, dict):
-        raise SpecError(f"{shown}:1: the spec must be a mapping of keys (name:, backend:, hosts: ...)")
-    problems = _coercions(root, data, shown)
-    if "base_dir" in data:  # a field of the model, never a key of the file
-        line = node_at(root, ("base_dir",))[0]
-        problems.append((line, f"{shown}:{line}: base_dir: unknown key 'base_dir'"))
-        data = {k: v for k, v in data.items() if k != "base_dir"}
-    try:
-        spec = ClusterSpec.model_validate(data)
-    except ValidationError as err:
-        problems += _describe(shown, root, err)
-        spec = None
-    if spec is not None:
-        spec = spec.model_copy(update={"base_dir": str(Path(path).resolve().parent)})
-        problems += _backend_limit_problems(spec, root, shown)
-    if problems or spec is None:  # a failed validation always brings at least one problem
-        problems.sort(key=lambda p: p[0])
-        raise SpecError(_summary([msg for _, msg in problems]))
-    _check_paths(spec, root, shown)
-    return spec
-
-
-def _summary(messages: list[str]) -> str:
+def summarize_problems(messages: list[str]) -> str:
     more = len(messages) - 1
     return messages[0] + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
-
-
-#: Where a string is meant and YAML's coercion of an unquoted value would change it (`*`: every
-#: key of a mapping, `[]`: every item of a list) -> whether null is a valid value there.
-#: Elsewhere pydantic's types already refuse coerced values.
-COERCION_CHECKED = {"env.*": False, "env.*.value": False, "slurm.time": True, "job.args[]": False}
-
-
-def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, str]]:
-    """Unquoted values that YAML would turn into something else (`010` -> 8, `on` -> true):
-    refused with the quoted form to write. Their text replaces them so each is reported once."""
-    problems = []
-    for pattern, null_ok in COERCION_CHECKED.items():
-        for loc, _, node in nodes_along(root, pattern):
-            found = coercion(node)
-            if found is None or null_ok and node.tag == "tag:yaml.org,2002:null":
-                continue
-            line = node.start_mark.line + 1
-            problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write {_quoted(loc, node)}"))
-            replace_at(data, loc, node.value)
-    return problems
-
-
-def _quoted(loc: tuple, node: Any) -> str:
-    """`KEY: "TEXT"` (or `"TEXT"` for a list item): how to write a plain scalar as a string."""
-    key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
-    return key + show(json.dumps(node.value, ensure_ascii=False), 120)
-
-
-def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
-    """Local paths ddplaunch expands must expand (`~nosuchuser`, names too long for the OS)."""
-    paths = [(("workdir",), spec.workdir), (("ssh", "key"), spec.ssh.key),
-             (("ssh", "known_hosts"), spec.ssh.known_hosts), (("slurm", "conf"), spec.slurm.conf)]
-    paths += [(("sync", i), p) for i, p in enumerate(spec.sync)]
-    for loc, value in paths:
-        if value is None:
-            continue
-        try:
-            spec.resolve(value)
-        except RuntimeError:
-            raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: {show(value)!r}: cannot expand "
-                            "~ (no such user or no home directory); write the full path") from None
-        if loc[0] == "sync" and not spec.resolve(value).exists():
-            raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: {show(value)!r}: no such file or "
-                            f"directory ({show(str(spec.resolve(value)))}; relative paths are taken from the "
-                            "spec file's directory)")
-    try:
-        workdir = spec.workdir_path
-        script = Path(workdir) / spec.job.script
-        if is_example(spec.job.script):
-            example_path(spec.job.script)  # ValueError naming the shipped examples when unknown
-            found = True
-        else:
-            found = spec.backend != "local" or script.is_file()
-    except (OSError, ValueError, RuntimeError) as err:
-        loc = ("job", "script") if spec.workdir is None else ("workdir",)
-        raise SpecError(f"{shown}:{node_at(root, loc)[0]}: {_dotted(loc)}: cannot use this path: "
-                        f"{getattr(err, 'strerror', None) or err}") from None
-    if not found:
-        raise SpecError(f"{shown}:{node_at(root, ('job', 'script'))[0]}: job.script: {show(spec.job.script)!r} "
-                        f"not found in workdir {show(workdir)}; fix the path (relative to workdir)")
-
-
-def _dotted(loc: tuple) -> str:
-    return show(".".join(str(p) for p in loc) or "(top level)")
-
-
-_UNION_TAG = re.compile(r"^(?:int|str|float|bool|none|\[key\]|.*\[.*\])$")
-
-
-def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tuple[int, str]]:
-    out, seen = [], set()
-    for e in err.errors():
-        keep_last = e["type"] == "extra_forbidden"
-        loc = tuple(p for i, p in enumerate(e["loc"]) if (keep_last and i == len(e["loc"]) - 1)
-                    or not (isinstance(p, str) and _UNION_TAG.match(p)))
-        key_path = _dotted(loc)
-        msg = e["msg"].removeprefix("Value error, ")
-        line, node = node_at(root, loc)
-        if e["type"] == "extra_forbidden":
-            allowed = _fields_at(loc[:-1])
-            msg = f"unknown key {show(repr(loc[-1]) if loc else '?')}"
-            hint = difflib.get_close_matches(str(loc[-1]), allowed, n=1) if loc else []
-            msg += f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
-        elif e["type"] == "string_type" and coercion(node) and loc:
-            msg = f"{coercion(node)}; write {_quoted(loc, node)}"
-        elif "input" in e and e["type"] not in ("missing", "value_error"):
-            msg += f", got {show(repr(e['input']), 100)}"
-        if msg.startswith("hosts: "):  # model-level messages name their key themselves
-            key_path, msg, line = "hosts", msg.removeprefix("hosts: "), node_at(root, ("hosts",))[0]
-        if (key_path, msg) not in seen:
-            seen.add((key_path, msg))
-            out.append((line, f"{shown}:{line}: {key_path}: {msg}"))
-    return out
-
-
-def _fields_at(loc: tuple) -> list[str]:
-    """The allowed keys of the spec section at `loc` (for "did you mean")."""
-    model: Any = ClusterSpec
-    skip = False
-    for part in loc:
-        if skip or isinstance(part, int):
-            skip = False
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return []
-        skip = typing.get_origin(field.annotation) is dict
-        model = _model_in(field.annotation)
-        if model is None:
-            return []
-    return [name for name in model.model_fields if name != "base_dir"]
-
-
-def _model_in(annotation: Any) -> Any:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None

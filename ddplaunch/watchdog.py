@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ddplaunch.backends.contract import Backend
-from ddplaunch.console import LineSink
+from ddplaunch.backends.contract import Launcher
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import LaunchPlan, host_python
 from ddplaunch.results import StopEvent
 from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.stagelines import StageLines
 
 #: Seconds py-spy gets per host (all its workers are dumped in parallel there).
 DUMP_TIMEOUT = 30.0
@@ -39,7 +39,7 @@ class RankStack:
     error: Optional[str] = None
 
 
-def collect_stacks(backend: Backend, spec: ClusterSpec, run_id: str, hosts: Optional[list[HostSpec]] = None
+def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts: Optional[list[HostSpec]] = None
                    ) -> tuple[list[RankStack], list[str], dict[str, Any]]:
     """Dump every worker of run `run_id` on every host with py-spy.
 
@@ -170,9 +170,9 @@ class HangWatchdog:
     Use as a context manager around the job stage; `diagnosis` holds the report lines once it fired.
     """
 
-    def __init__(self, backend: Backend, spec: ClusterSpec, plan: LaunchPlan, sink: LineSink,
+    def __init__(self, backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, lines: StageLines,
                  stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5):
-        self.backend, self.spec, self.plan, self.sink, self.stop = backend, spec, plan, sink, stop
+        self.backend, self.spec, self.plan, self.lines, self.stop = backend, spec, plan, lines, stop
         self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
         self.diagnosis: list[str] = []
         self.fired_after: Optional[float] = None
@@ -192,8 +192,8 @@ class HangWatchdog:
         while not self._done.wait(self.poll):
             if self.stop.is_set():
                 return
-            ranks_spoke = (self.sink.last_rank_line_at or 0) >= self._started
-            idle = time.time() - max(self._started, self.sink.last_line_at)
+            ranks_spoke = (self.lines.last_rank_line_at or 0) >= self._started
+            idle = time.time() - max(self._started, self.lines.last_line_at)
             # Until a rank has said anything, the ranks are still starting (importing torch on a
             # loaded host can take longer than the hang timeout): they get the rendezvous timeout
             # on top before silence counts as a hang.
@@ -203,7 +203,7 @@ class HangWatchdog:
 
     def _fire(self, idle: float) -> None:
         t0 = time.time()
-        self.sink.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
+        self.lines.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
                        "dumping every rank's stack with py-spy")
         try:
             stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
@@ -221,5 +221,5 @@ class HangWatchdog:
         self.diagnosis = lines
         self.fired_after = time.time() - self._started
         for line in lines:
-            self.sink.note(line)
+            self.lines.note(line)
         self.stop.stop(f"hang: no output from any rank for {idle:.0f}s")

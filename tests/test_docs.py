@@ -8,7 +8,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ddplaunch.spec import ClusterSpec, load_spec
+from ddplaunch.spec import ClusterSpec
+
+from ddplaunch.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -122,7 +122,7 @@ def test_unsupported_collective_is_reported_not_faked(tmp_path):
         hc = importlib.util.module_from_spec(spec); spec.loader.exec_module(hc)
         def missing(*args, **kwargs):
             raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
-        hc._reduce_scatter = missing
+        hc._collectives._reduce_scatter = missing
         rc = hc.run(["--sizes", "4K", "--iters", "1", "--collectives", "{ALL}"])
         assert not dist.is_initialized()
         dist.init_process_group("gloo")  # the job's own group, env://, on the same port

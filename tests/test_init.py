@@ -3,9 +3,7 @@ accident, and the wheel carries everything a first run from an empty directory n
 
 from __future__ import annotations
 
-import inspect
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -16,21 +14,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-import ddplaunch.spec
 from ddplaunch.examples import EXAMPLE_PREFIX, example_path, list_examples
 from ddplaunch.initspec import init_cmd, render_init_spec
-from ddplaunch.spec import load_spec
+from ddplaunch.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# load_spec checks that a local job.script exists in workdir; `example:` scripts validate once
-# spec.py resolves them through ddplaunch.examples (strict: this xfail must go away then).
-SPEC_KNOWS_EXAMPLES = re.search(r"ddplaunch\.examples|from ddplaunch import [\w, ]*\bexamples\b",
-                                inspect.getsource(ddplaunch.spec)) is not None
-needs_spec_examples = pytest.mark.xfail(
-    not SPEC_KNOWS_EXAMPLES, strict=True,
-    reason="spec.load_spec does not resolve job.script: example:NAME yet (local backend)")
-
 
 def _write(tmp_path: Path, text: str, name: str = "cluster.yaml") -> Path:
     path = tmp_path / name
@@ -69,7 +57,6 @@ def test_unknown_example_names_the_known_ones(bad: str) -> None:
 # --------------------------------------------------------------------------- rendering
 
 
-@needs_spec_examples
 def test_local_spec_loads(tmp_path: Path) -> None:
     spec = load_spec(_write(tmp_path, render_init_spec("local")))
     assert (spec.backend, [h.addr for h in spec.hosts], spec.nproc_per_node, spec.dist_backend) == \
@@ -128,15 +115,6 @@ def test_odd_host_names_are_quoted(tmp_path: Path) -> None:
     assert [(h.addr, h.port) for h in spec.hosts] == [("yes", None), ("::1", 2200), ("null", None)]
 
 
-def _preflight_knows_examples() -> bool:
-    import ddplaunch.preflight
-
-    return re.search(r"ddplaunch\.examples|from ddplaunch import [\w, ]*\bexamples\b",
-                     inspect.getsource(ddplaunch.preflight)) is not None
-
-
-@pytest.mark.xfail(not _preflight_knows_examples(), strict=True,
-                   reason="pre-flight looks for example:toy_ddp.py in workdir (preflight.py, hostside/probe.py)")
 def test_ssh_init_spec_passes_the_workdir_probe(tmp_path: Path) -> None:
     """`init --ssh` in an empty directory, then `check`: the example job is staged, not required in workdir."""
     from ddplaunch.hostcmd import parse_answer
@@ -258,8 +236,6 @@ def test_wheel_init_ssh_validates_in_an_empty_dir(wheel_install: tuple[Path, Pat
     assert checked.stdout.startswith("cluster.yaml: ok (ssh, 2 host(s)")
 
 
-@pytest.mark.xfail(not SPEC_KNOWS_EXAMPLES, strict=True,
-                   reason="load_spec rejects job.script: example:toy_ddp.py for backend local (spec.py)")
 def test_wheel_init_then_validate_local(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
     made = _from_wheel(target, tmp_path, "-m", "ddplaunch.initspec")
@@ -270,13 +246,6 @@ def test_wheel_init_then_validate_local(wheel_install: tuple[Path, Path], tmp_pa
     assert checked.stdout.startswith("cluster.yaml: ok (local, 1 host(s), 2 proc per node)")
 
 
-def _cli_has_init() -> bool:
-    from ddplaunch.cli import cli
-
-    return "init" in cli.commands
-
-
-@pytest.mark.xfail(not _cli_has_init(), strict=True, reason="cli.py does not register `init` yet")
 def test_wheel_cli_init(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
     made = _from_wheel(target, tmp_path, "-m", "ddplaunch", "init", "--ssh", "gpu1")
@@ -287,7 +256,6 @@ def test_wheel_cli_init(wheel_install: tuple[Path, Path], tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-@needs_spec_examples
 def test_wheel_up_local_from_an_empty_dir(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     """The whole first contact: init, then up, with nothing but the wheel (health check + toy job)."""
     _, target = wheel_install

@@ -2,15 +2,15 @@
 golden files. Refresh them with `UPDATE_GOLDEN=1 pytest tests/test_plan.py` and review the diff."""
 
 import os
-import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from ddplaunch.launch import UpOptions, dry_run
-from ddplaunch.plan import PORT_RANGE, derive_port, make_plan, render_plan
-from ddplaunch.spec import load_spec
+from ddplaunch.backends.shell import env_text, render_plan, shell_line
+from ddplaunch.plan import PORT_RANGE, HostPath, derive_port, make_plan
+from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +76,8 @@ def test_env_values_never_on_the_command_line_secrets_never_shown(ssh_spec):
     text = dry_run(ssh_spec, UpOptions(run_id="r"))
     assert "s3cret" not in text and "export WANDB_API_KEY=<secret>" in text
     node = make_plan(ssh_spec, "r", "job", 25000).nodes[0]
-    assert "WANDB_API_KEY='s3cret'" in node.env_text() or "WANDB_API_KEY=s3cret" in node.env_text()
-    line = node.shell_line()
+    assert "WANDB_API_KEY='s3cret'" in env_text(node) or "WANDB_API_KEY=s3cret" in env_text(node)
+    line = shell_line(node)
     assert "s3cret" not in line and "pwned" not in line and "WANDB_API_KEY" not in line
 
 
@@ -86,15 +86,15 @@ def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
     from the line; nothing in them is executed."""
     node = make_plan(ssh_spec, "r1", "job", 25000).nodes[1]
     env_file = tmp_path / "env"
-    env_file.write_text(node.env_text())
+    env_file.write_text(env_text(node))
     out = subprocess.run(["bash", "-c", f'. {env_file} && printf "%s\\n" "$NOTE"'], capture_output=True,
                          text=True, timeout=10, env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]})
     assert out.stdout == "$(touch $HOME/pwned); echo\n" and not (tmp_path / "pwned").exists()
-    line = node.shell_line()
+    line = shell_line(node)
     head, _, tail = line.partition(" && exec ")
     words = subprocess.run(["bash", "-c", "printf '%s\\n' " + tail], capture_output=True, text=True, timeout=10,
                            env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]}).stdout.splitlines()
-    want = [w.replace('"$HOME"', str(tmp_path)) for w in node.argv()]
+    want = [word if not isinstance(word, HostPath) else f"{tmp_path}/{word}" for word in node.argv()]
     assert words == want
     assert head.startswith("cd '/srv/work dir' && . \"$HOME\"/.ddplaunch/runs/r1/job-node1.env && "
                            "source /opt/venv/bin/activate && echo $$ >")

@@ -14,7 +14,7 @@ import pytest
 
 from ddplaunch.preflight import Check, evaluate
 from ddplaunch.sim.faults import sim_fault
-from ddplaunch.spec import load_spec
+from ddplaunch.specfile import load_spec
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, run_processes, sim_spec, wait_for
 

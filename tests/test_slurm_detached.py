@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.detached import (MASTER, OutputReader, final_state, follow_output, job_active,
                                                render_detached)
 from ddplaunch.backends.slurm.render import step_request
 from ddplaunch.errors import PlanError
 from ddplaunch.launch import UpOptions, dry_run, plan_stage, stages_of
-from ddplaunch.plan import ENTRY_SOURCE, HEALTHCHECK_SOURCE
-from ddplaunch.spec import load_spec
+from ddplaunch.plan import ENTRY_SOURCE, HEALTHCHECK_SOURCES
+from ddplaunch.results import StopEvent
+from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,16 +59,16 @@ def load(tmp_path, launch="inline", requeue=False):
 
 
 def request_of(spec, run_id="det-1"):
-    backend = SlurmBackend(spec)
-    backend.start_run(run_id, Path("/home/u/.ddplaunch/runs") / run_id, None)
+    backend = SlurmBackend(spec, RunContext(run_id, Path("/home/u/.ddplaunch/runs") / run_id, StopEvent()))
     spec = spec.model_copy(update={"hosts": backend.hosts(allocate=False)})
     plans = [plan_stage(spec, run_id, s, 23456, UpOptions()) for s in stages_of(spec, UpOptions())]
-    return render_detached(spec, plans, backend.output_path(), None), plans
+    return render_detached(spec, plans, backend.alloc.output_path(), None), plans
 
 
 def srun_lines(script: str) -> list[list[str]]:
     """Every stage's srun line of the script (started in the background), as the words bash sees."""
-    return [shlex.split(line.removesuffix(" &")) for line in script.splitlines() if line.startswith("srun ")]
+    return [shlex.split(line.removesuffix(" &")) for line in script.splitlines()
+            if line.startswith("srun ") and "--job-name=ddplaunch-upload" not in line]
 
 
 def test_dry_run_detached_golden(tmp_path):
@@ -147,7 +149,7 @@ def test_the_script_stages_files_and_runs_stages_in_order(tmp_path):
     assert rc == 0, out
     assert log == ["healthcheck n7", "job n7"]
     run_dir = tmp_path / "home" / ".ddplaunch" / "runs" / "det-1"
-    for src in (ENTRY_SOURCE, HEALTHCHECK_SOURCE, ROOT / "jobs" / "toy_ddp.py"):
+    for src in (ENTRY_SOURCE, *HEALTHCHECK_SOURCES, ROOT / "jobs" / "toy_ddp.py"):
         assert hashlib.sha256((run_dir / src.name).read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
     assert out.splitlines()[0] == "DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7,n8"
     assert out.splitlines()[-1] == "DDPLAUNCH_DETACHED_END rc=0"
@@ -194,9 +196,7 @@ def test_shell_backends_refuse_detach_in_one_line(tmp_path):
         assert proc.stderr.count("\n") == 1 and "--detach: backend local has no scheduler" in proc.stderr
     assert not (tmp_path / "state" / "runs").exists()  # refused before anything was recorded
     with pytest.raises(PlanError, match="no scheduler"):
-        from ddplaunch.backends import get_backend
-
-        get_backend(load_spec(spec)).render_detached([])
+        dry_run(load_spec(spec), UpOptions(detach=True))
 
 
 def test_the_time_limit_warning_reaches_the_steps_then_the_job_requeues(tmp_path):
@@ -233,4 +233,4 @@ def test_follow_reads_until_the_job_has_ended(tmp_path):
 def test_detach_inside_an_allocation_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     with pytest.raises(PlanError, match=r"--detach inside an allocation \(SLURM_JOB_ID=99\)"):
-        SlurmBackend(load(tmp_path)).render_detached([])
+        SlurmBackend(load(tmp_path), RunContext("r", tmp_path, StopEvent())).render_detached([])

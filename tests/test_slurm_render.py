@@ -12,16 +12,19 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.client import SlurmClient, describe_sbatch_error
 from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.backends.slurm.render import allocation_request, sbatch_options, step_request
 from ddplaunch.backends.slurm.step import SrunStep
-from ddplaunch.console import LineSink
+from ddplaunch.console import Console
+from ddplaunch.stagelines import StageLines
 from ddplaunch.errors import BackendError
 from ddplaunch.launch import UpOptions, dry_run
 from ddplaunch.plan import make_plan
-from ddplaunch.spec import load_spec
+from ddplaunch.results import StopEvent
+from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +69,9 @@ job: {script: jobs/train.py}
 """,
 }
 
+#: The run a backend is made for, in tests that start nothing.
+RUN = RunContext("r", Path("/nonexistent/run"), StopEvent())
+
 
 def load(tmp_path, name):
     path = tmp_path / f"{name}.yaml"
@@ -102,16 +108,16 @@ def test_sbatch_options_sorted_requeue_signal_and_no_user_value_in_the_script(tm
 def test_hosts_are_the_node_list_and_hostlists_expand(tmp_path):
     assert expand_hostlist("gpu[01-03,07],cpu1") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu1"]
     spec = load(tmp_path, "gpu")
-    backend = SlurmBackend(spec)
+    backend = SlurmBackend(spec, RUN)
     assert [h.label for h in backend.hosts(allocate=False)] == ["gpu01", "gpu02", "gpu03", "gpu07"]
     assert "--nodelist=gpu01,gpu02,gpu03,gpu07" in backend.allocation_text()
     bad = spec.model_copy(update={"slurm": spec.slurm.model_copy(update={"nodes": 2})})
     with pytest.raises(Exception, match="slurm.nodes is 2 but hosts lists 4"):
-        SlurmBackend(bad).hosts(allocate=False)
+        SlurmBackend(bad, RUN).hosts(allocate=False)
 
 
 def test_step_carries_the_env_outside_the_command_line(tmp_path):
-    spec = load(tmp_path, "requeue").model_copy(update={"hosts": SlurmBackend(load(tmp_path, "requeue")).hosts(False)})
+    spec = load(tmp_path, "requeue").model_copy(update={"hosts": SlurmBackend(load(tmp_path, "requeue"), RUN).hosts(False)})
     plan = make_plan(spec, "r", "job", 25000)
     step = step_request(plan, "77")
     argv = " ".join(step.argv)
@@ -151,8 +157,7 @@ def test_sbatch_errors_name_the_spec_key(tmp_path, monkeypatch, stderr, key):
     fake_bin(tmp_path, "sbatch", f"cat >&2 <<'EOF'\n{stderr}\nEOF\nexit 1")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     spec = load(tmp_path, "cpu").model_copy(update={"workdir": str(tmp_path)})
-    backend = SlurmBackend(spec)
-    backend.start_run("r", tmp_path / "run", __import__("threading").Event())
+    backend = SlurmBackend(spec, RunContext("r", tmp_path / "run", StopEvent()))
     with pytest.raises(BackendError) as err:
         backend.hosts()
     first = stderr.splitlines()[0]
@@ -184,7 +189,7 @@ exit 3""")
     import io
 
     out = io.StringIO()
-    step = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], LineSink(out), "x", "7")
+    step = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], StageLines(Console(out)), "x", "7")
     assert step.wait(timeout=30) == 3
     assert step.output[0] == [long] and step.output[1] == ["[n2:3] boom"]
     assert step.ends[1][0] == 3 and step.ends[0][1] == "Terminated" and step.first_failure == 1

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import EnvVar, load_spec, parse_size
+from ddplaunch.spec import EnvVar, parse_size
+from ddplaunch.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,7 @@ def test_host_shorthand_and_defaults(tmp_path):
     ("nproc_per_node: two\n", ":1: nproc_per_node: must be a positive integer or 'auto', got 'two'"),
     ("master:\n  port: 70000\n", ":2: master.port: Input should be less than or equal to 65535, got 70000"),
     ("rdzv_timeout: soon\n", ":1: rdzv_timeout: Input should be a valid integer"),
-    ("backend: kubernetes\n", ":1: backend: Input should be 'local', 'ssh' or 'slurm', got 'kubernetes'"),
+    ("backend: kubernetes\n", ":1: backend: unknown backend 'kubernetes' (registered: local, ssh, slurm)"),
     ("job:\n  script: jobs/nope.py\n", ":2: job.script: 'jobs/nope.py' not found in workdir"),
     ("hosts: [a, b]\n", ":1: hosts: backend 'local' runs on exactly one host"),
     ("healthcheck:\n  sizes: [4K, lots]\n", ":2: healthcheck.sizes: size 'lots' is not a positive byte count"),

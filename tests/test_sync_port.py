@@ -147,7 +147,7 @@ def test_sync_path_that_does_not_exist_is_a_spec_error(tmp_path):
 
 def test_synced_says_where_sync_puts_files(tmp_path):
     """The pre-flight does not look for a job script that `sync:` delivers at launch (after it)."""
-    from ddplaunch.spec import load_spec
+    from ddplaunch.specfile import load_spec
 
     make_payload(tmp_path)
     (tmp_path / "one.py").write_text("")

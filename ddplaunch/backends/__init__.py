@@ -1,22 +1,20 @@
-"""Backends: the only code that executes. `get_backend(spec)` picks one by `spec.backend`."""
+"""Backends: the only code that executes. `make_backend(spec, run)` makes the one the spec names,
+from its registration (ddplaunch/registry.py); it connects to nothing until asked."""
 
 from __future__ import annotations
 
-from ddplaunch.backends.contract import Backend
+from typing import Any, Optional, cast
+
+from ddplaunch.backends.contract import Launcher, RunContext, Scheduler
+from ddplaunch.registry import registration
 from ddplaunch.spec import ClusterSpec
 
 
-def get_backend(spec: ClusterSpec) -> Backend:
-    """The backend that drives `spec.backend`; imported lazily (fabric loads slowly). Making one
-    connects to nothing."""
-    if spec.backend == "local":
-        from ddplaunch.backends.local import LocalBackend
+def make_backend(spec: ClusterSpec, run: RunContext) -> Launcher[Any]:
+    """The backend that drives `spec.backend` for `run` (its module is imported here, not before)."""
+    return cast(Launcher[Any], registration(spec.backend).load()(spec, run))
 
-        return LocalBackend(spec)
-    if spec.backend == "ssh":
-        from ddplaunch.backends.ssh import SshBackend
 
-        return SshBackend(spec)
-    from ddplaunch.backends.slurm import SlurmBackend
-
-    return SlurmBackend(spec)
+def scheduler_of(backend: Launcher[Any]) -> Optional[Scheduler]:
+    """The backend as a Scheduler when it can own a detached run, else None."""
+    return backend if isinstance(backend, Scheduler) else None

@@ -1,28 +1,50 @@
-"""The contract every backend fills: the one door through which ddplaunch executes anything.
+"""The contracts backends fill: the one door through which ddplaunch executes anything.
 
-`up` never asks which backend it holds. It plans a stage (plan.py, pure), asks the backend to
-`render` it into a request (pure: the dry run prints exactly `request.text()`), and has the
-backend `launch` exactly that request; `probe` runs short host programs (pre-flight, stack
-dumps, reaping, restart counts) on every node at once. Run records are data: `status`, `logs`
-and `down` take a record and answer from it. What a backend cannot do is declared in
-spec.BACKEND_LIMITS, so the spec is refused before anything runs.
+Every backend is a `Launcher`. `up` never asks which one it holds: it plans a stage (plan.py,
+pure), asks the backend to `render` it into a request (pure: the dry run prints exactly
+`request.text()`), and has the backend `launch` exactly that request, which returns everything
+the stage produced as a `StageResult`; `probe` runs short host programs (pre-flight, stack dumps,
+reaping) on every host at once; `down` ends what is left of a recorded run. A backend whose
+scheduler can own a whole run without the launcher (Slurm's batch jobs) is also a `Scheduler`
+(TorchX's shape: submit, describe, logs, cancel). A backend is made for one run (`RunContext`)
+by `backends.make_backend`, from its registration (registry.py).
 """
 
 from __future__ import annotations
 
-import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
 
-from ddplaunch.console import LineSink
+from ddplaunch.errors import BackendError
 from ddplaunch.plan import LaunchPlan
-from ddplaunch.results import StageResult
+from ddplaunch.results import StageResult, StopEvent
+from ddplaunch.runs import RunRecord
 from ddplaunch.spec import HostSpec
+from ddplaunch.stagelines import StageLines
 
-#: One host's answer to a short command: (host, (exit status, output) or None, error or None).
-HostResult = tuple[HostSpec, Optional[tuple[int, str]], Optional[Exception]]
+
+class HostResult(NamedTuple):
+    """One host's answer to a short command: (exit status, output), or the error that kept it
+    from answering (its `fix` says what to do)."""
+
+    host: HostSpec
+    answer: Optional[tuple[int, str]]
+    error: Optional[BackendError]
+
+
 #: Builds the short command for one host.
 CommandFor = Callable[[HostSpec], str]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The run a backend is made for: its id, its record's directory (Slurm keeps its allocation
+    there) and the event that ends it (waiting for an allocation stops on it)."""
+
+    run_id: str
+    run_dir: Path
+    stop: StopEvent
 
 
 class Request(Protocol):
@@ -34,31 +56,34 @@ class Request(Protocol):
         """The request as the dry run prints it (secrets as <secret>, values probed at launch marked)."""
 
 
-class Backend(Protocol):
-    """What `up`, `check`, `status`, `logs` and `down` need from a backend."""
+R = TypeVar("R", bound=Request)
+
+
+class Launcher(Protocol[R]):
+    """What `up`, `check` and `down` need from every backend."""
 
     name: str
-    #: How many hosts `probe` and `launch` talk to at once (the pre-flight's master listens long
-    #: enough for every wave of them): SSH 64, local 1, Slurm every node of the step.
-    max_parallel: int
 
-    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
-        """A run begins: where its record lives (Slurm records its allocation there) and the event
-        that ends it (waiting for an allocation stops on it)."""
+    @property
+    def max_parallel(self) -> int:
+        """How many hosts `probe` and `launch` talk to at once (the pre-flight's master listens long
+        enough for every wave of them): SSH 64, local 1, Slurm every node of the step."""
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         """The nodes stages run on (Slurm: the allocation's nodes, allocated on first use; without
         `allocate`, as far as known without asking anyone — for the dry run)."""
 
     def allocation_text(self) -> str:
-        """What the backend does before any stage (Slurm: the allocation request), for the dry run."""
+        """What the backend does before any stage (Slurm: the allocation request; else nothing),
+        for the dry run."""
 
-    def render(self, plan: LaunchPlan) -> Request:
+    def render(self, plan: LaunchPlan) -> R:
         """The request that runs `plan` (pure)."""
 
-    def launch(self, request: Request, sink: LineSink, stop: threading.Event) -> StageResult:
-        """Run every node of the request to the end, lines to `sink`; when one node fails or
-        `stop` is set, end the rest. One outcome per node, never just the first exception."""
+    def launch(self, request: R, lines: StageLines, stop: StopEvent) -> StageResult:
+        """Run every node of the request to the end, lines to `lines`; when one node fails or
+        `stop` is set, end the rest (backends/watch.py). One outcome per node, and everything the
+        stage's ranks reported, in the result."""
 
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
@@ -67,27 +92,33 @@ class Backend(Protocol):
     def port_free(self, addr: str, port: int) -> bool:
         """Whether `port` can be bound on the master host."""
 
-    def render_detached(self, plans: list[LaunchPlan]) -> Request:
-        """The request that hands every stage, in order, to a scheduler that runs them without
-        the launcher (pure: `up --dry-run --detach` prints its text). Backends without a
-        scheduler raise PlanError saying so."""
-
-    def detach(self, request: Request, run_dir: Path) -> str:
-        """Submit a `render_detached` request (the job is recorded in `run_dir`); where it went."""
-
-    def final_state(self, record: dict) -> Optional[str]:
-        """A detached run's final state ("ok", "failed", "cancelled") once its scheduler has
-        finished it; None while it runs, or when the backend detaches nothing."""
-
-    def status(self, record: dict) -> list[str]:
-        """Lines on the live state of a recorded run beyond its record (Slurm: the job)."""
-
-    def logs(self, record: dict, follow: bool) -> Optional[Iterator[str]]:
-        """A run's output lines when the backend keeps them elsewhere than the record (None: use
-        the record's log)."""
-
-    def down(self, record: dict) -> list[str]:
+    def down(self, record: RunRecord) -> list[str]:
         """End every process left of a recorded run; one line per host on what was done."""
 
     def close(self) -> None:
         """Release connections (and an allocation the backend made); once, when the run is over."""
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """A backend whose scheduler can own a whole run, every stage in order, without the launcher."""
+
+    def render_detached(self, plans: list[LaunchPlan]) -> Request:
+        """The request that hands every stage to the scheduler (pure: `up --dry-run --detach`)."""
+
+    def submit(self, request: Request, record: RunRecord) -> str:
+        """Submit a `render_detached` request (the job is recorded in the run's directory); where
+        it went and how to follow it."""
+
+    def final_state(self, record: RunRecord) -> Optional[str]:
+        """A detached run's final state ("ok", "failed", "cancelled") once its scheduler finished
+        it; None while it runs (or for a run that was not detached)."""
+
+    def describe(self, record: RunRecord) -> list[str]:
+        """Lines on the live state of a recorded run's job."""
+
+    def log_lines(self, record: RunRecord, follow: bool) -> Optional[Iterator[str]]:
+        """A detached run's output lines from where its scheduler keeps them (None: the record's log)."""
+
+    def cancel(self, record: RunRecord) -> list[str]:
+        """End the run's job."""

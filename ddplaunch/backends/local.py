@@ -16,34 +16,38 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from ddplaunch.backends.contract import CommandFor, HostResult
-from ddplaunch.backends.shell import SHUTDOWN_GRACE, ShellBackend, ShellRequest, describe_reap
-from ddplaunch.console import LineSink
+from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, shell_line, env_text
+from ddplaunch.backends.watch import SHUTDOWN_GRACE, NodeEnd, follow
 from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
 from ddplaunch.hostside.procs import run_processes
-from ddplaunch.outcomes import finish_outcome
-from ddplaunch.plan import HOST_RUN_ROOT
-from ddplaunch.results import INTERRUPTED, RUNNING, NodeOutcome, StageResult, stop_cause
-from ddplaunch.spec import HostSpec
+from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
+from ddplaunch.results import StageResult, StopEvent
+from ddplaunch.runs import RunRecord
+from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.stagelines import StageLines
 
 
-class LocalBackend(ShellBackend):
+class LocalBackend(ShellLauncher):
     """Runs a one-node plan here."""
 
     name = "local"
     max_parallel = 1
 
+    def __init__(self, spec: ClusterSpec, run: RunContext):
+        super().__init__(spec)
+
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds (ssh.py)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds (hostcmd.port_probe)
             try:
                 s.bind(("", port))
             except OSError:
                 return False
         return True
 
-    def launch(self, request: ShellRequest, sink: LineSink, stop: threading.Event) -> StageResult:
+    def launch(self, request: ShellRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
         (node,) = plan.nodes
         run_dir = Path.home() / HOST_RUN_ROOT / plan.run_id
@@ -51,35 +55,15 @@ class LocalBackend(ShellBackend):
         for src, dst in plan.uploads:
             shutil.copyfile(src, run_dir / dst)
         (run_dir / f"node{node.node_rank}.pid").unlink(missing_ok=True)
-        env_file = run_dir / f"{plan.stage}-node{node.node_rank}.env"
-        env_file.unlink(missing_ok=True)
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the start
+        env_path = run_dir / f"{plan.stage}-node{node.node_rank}.env"
+        env_path.unlink(missing_ok=True)
+        fd = os.open(env_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the start
         with os.fdopen(fd, "w") as f:
-            f.write(node.env_text())
-        outcome = NodeOutcome(node_rank=0, host=node.host_label, state=RUNNING)
-        sink.state(outcome.host, f"running {plan.stage}")
-        result = StageResult(stage=plan.stage, outcomes=[outcome])
-        proc = subprocess.Popen(["bash", "-c", node.shell_line()], stdout=subprocess.PIPE,
+            f.write(env_text(node))
+        proc = subprocess.Popen(["bash", "-c", shell_line(node)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, text=True, errors="replace")
-        reader = threading.Thread(target=_pump, args=(proc, sink, node.host_label), daemon=True)
-        reader.start()
-        while proc.poll() is None:
-            if stop.wait(0.1):
-                result.interrupted = stop_cause(stop) is None  # a hang found by ddplaunch is a failure
-                outcome.state = INTERRUPTED
-                outcome.detail = f"stopped by ddplaunch: {stop_cause(stop) or 'interrupted by the user'}"
-                sink.note(f"stopping {node.host_label}: SIGTERM to torchrun (pid {proc.pid})")
-                sink.mute({0})
-                _terminate(proc, plan.run_id)
-                break
-        proc.wait()
-        reader.join(timeout=5)
-        # Workers live in sessions of their own: end any that outlived torchrun.
-        reaper.reap(plan.run_id)
-        finish_outcome(outcome, sink, proc.returncode)
-        result.ended_at = outcome.ended_at
-        return result
+        return follow(_LocalStage(plan, proc, lines, run_dir), plan, lines, stop)
 
     def close(self) -> None:
         pass
@@ -91,13 +75,14 @@ class LocalBackend(ShellBackend):
             try:
                 proc = subprocess.run(["bash", "-c", command(host)], capture_output=True, text=True,
                                       timeout=timeout, stdin=subprocess.DEVNULL)
-                results.append((host, (proc.returncode, proc.stdout + proc.stderr), None))
+                results.append(HostResult(host, (proc.returncode, proc.stdout + proc.stderr), None))
             except subprocess.TimeoutExpired:
-                results.append((host, None, BackendError(f"{host.label}: command did not finish within {timeout}s")))
+                results.append(HostResult(host, None, BackendError(f"{host.label}: command did not finish "
+                                                                   f"within {timeout}s")))
         return results
 
-    def down(self, record: dict) -> list[str]:
-        run_id = record["run_id"]
+    def down(self, record: RunRecord) -> list[str]:
+        run_id = record.run_id
         before = sorted(run_processes(run_id))
         reaper.term_pidfiles(run_id, [str(p) for p in (Path.home() / HOST_RUN_ROOT / run_id).glob("node*.pid")])
         reaper.reap(run_id)
@@ -105,18 +90,47 @@ class LocalBackend(ShellBackend):
         return [f"localhost: {describe_reap({'before': before, 'left': left})}"]
 
 
-def _pump(proc: subprocess.Popen, sink: LineSink, host: str) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sink.emit(0, host, line)
+class _LocalStage:
+    """The one node's process, followed by backends/watch.py."""
 
+    def __init__(self, plan: LaunchPlan, proc: subprocess.Popen, lines: StageLines, run_dir: Path):
+        self.plan, self.proc, self.run_dir = plan, proc, run_dir
+        self.host = plan.nodes[0].host_label
+        self.reader = threading.Thread(target=self._pump, args=(lines,), daemon=True)
+        self.reader.start()
 
-def _terminate(proc: subprocess.Popen, run_id: str) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=SHUTDOWN_GRACE)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    reaper.reap(run_id, grace=2.0)
+    def _pump(self, lines: StageLines) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            lines.emit(0, self.host, line)
+
+    def poll(self) -> list[NodeEnd]:
+        code = self.proc.poll()
+        return [] if code is None else [NodeEnd(0, code)]
+
+    def stop(self, nodes: list[int]) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # torchrun stops its workers
+        except ProcessLookupError:
+            pass
+
+    def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
+        try:
+            self.proc.wait(timeout=min(timeout, SHUTDOWN_GRACE))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        reaper.reap(self.plan.run_id, grace=2.0)
+        return [NodeEnd(0, self.proc.returncode)]
+
+    def never_started(self, nodes: list[int]) -> set[int]:
+        return set(nodes) - {n for n in nodes if (self.run_dir / f"node{n}.pid").exists()}
+
+    def close(self) -> None:
+        self.proc.wait()
+        self.reader.join(timeout=5)
+        # Workers live in sessions of their own: end any that outlived torchrun.
+        reaper.reap(self.plan.run_id)

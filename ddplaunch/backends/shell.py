@@ -1,25 +1,101 @@
-"""What the shell backends (local, ssh) share: the request they execute and the stop protocol.
+"""Rendering a plan for a shell on the host, and what the shell backends (local, ssh) share.
 
-A `ShellRequest` is a plan whose every node runs `bash -c LINE` on its host after the backend has
-written the node's environment file (0600) there; its text is `render_plan`. Stopping a node is
-explicit: SIGTERM to the recorded torchrun pid (checked to be the run's before the signal), then
-the run's processes are reaped by their tag — never by name.
+A node runs as one `bash -c` line: enter workdir, source the node's environment file (0600,
+written by the backend: values, secrets too, never on a command line), run the setup lines,
+record the shell's pid (which `exec` hands to torchrun) and exec the plan's argv, every word
+quoted. The plan's typed words are resolved here: `HostPath` under the host's `$HOME`, `GpuCount`
+by asking the host's torch (shellword.py). The Slurm backend renders its step with these same
+functions.
+Stopping a node is explicit: SIGTERM to the recorded torchrun pid (checked to be the run's),
+then the run's processes are reaped by their tag — never by name.
 """
 
 from __future__ import annotations
 
-import threading
+import base64
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional
+from typing import Sequence, Union
 
-from ddplaunch.errors import PlanError
 from ddplaunch.hostcmd import host_program
-from ddplaunch.plan import LaunchPlan, Raw, host_run_dir, render_plan
-from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.shellword import Raw, word
+from ddplaunch.spec import SECRET_SHOWN, ClusterSpec, HostSpec
 
-#: Seconds torchrun gets to stop its workers after SIGTERM before the run tag is reaped.
-SHUTDOWN_GRACE = 10.0
+def pid_file(run_id: str, node: Union[int, str]) -> str:
+    """Where a node's shell records its pid (torchrun's, after `exec`); `node` may be a Raw word."""
+    return word(host_run_dir(run_id)) + f"/node{node}.pid"
+
+
+def env_name(stage: str, node: Union[int, str]) -> str:
+    """The name of a node's environment file for one stage in the run directory."""
+    return f"{stage}-node{node}.env"
+
+
+def env_file(run_id: str, stage: str, node: Union[int, str]) -> str:
+    """The node's environment file for one stage; `node` may be a Raw word."""
+    return word(in_run_dir(run_id, env_name(stage, node)))
+
+
+def stage_files(run_id: str, names: Sequence[str], then: Sequence[str] = ()) -> str:
+    """A bash fragment that makes the run directory, runs `then`, and reads one base64 line per
+    file from stdin into it (`stage_bundle`): every file 0600 from the start and renamed into place
+    whole (no rank reads half a file; the environment, secrets included, never on a command line)."""
+    steps = [f"mkdir -p {word(host_run_dir(run_id))}", *then]
+    for name in names:
+        dst = word(in_run_dir(run_id, name))
+        steps.append(f'IFS= read -r b && printf %s "$b" | base64 -d > {dst}.tmp && mv {dst}.tmp {dst}')
+    return "(umask 077 && " + " && ".join(steps) + ")"
+
+
+def stage_bundle(contents: Sequence[bytes]) -> str:
+    """What `stage_files` reads: one base64 line per file, in order."""
+    return "".join(base64.b64encode(data).decode() + "\n" for data in contents)
+
+
+def env_text(node: NodeCommand, secrets: frozenset[str] = frozenset(), mask: bool = False) -> str:
+    """The node's environment file: `export K='v'` lines (secrets shown as <secret> with mask)."""
+    lines = []
+    for k, v in node.env:
+        shown = Raw(SECRET_SHOWN) if mask and k in secrets else v
+        lines.append(f"export {k}={word(shown)}")
+    return "\n".join(lines) + "\n"
+
+
+def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, str, None] = None) -> str:
+    """The one command line for `bash -c` on the host; every user value is quoted. `node_id`
+    names the node's files when the shell finds its number itself (a Slurm step: a Raw word).
+
+    `echo $$` records the shell's PID, which `exec` hands to torchrun; with a pty that makes
+    torchrun the session leader, so a dropped connection HUPs it.
+    """
+    node_id = node.node_rank if node_id is None else node_id
+    parts = [f"cd {word(node.workdir)}"]
+    if env_source:
+        parts.append(f". {env_file(node.run_id, node.stage, node_id)}")
+    parts += list(node.setup)
+    parts.append(f"echo $$ > {pid_file(node.run_id, node_id)}")
+    parts.append("exec " + " ".join(word(a) for a in node.argv()))
+    return " && ".join(parts)
+
+
+def render_plan(plans: list[LaunchPlan]) -> str:
+    """The dry-run text of shell backends: for each stage and node, the environment file the
+    backend writes (secret values shown as <secret>) and the exact line it executes."""
+    out = []
+    for plan in plans:
+        world = plan.world_size if plan.world_size is not None else "auto"
+        port_note = " (port derived from the run id, checked free at launch)"
+        out.append(f"# run {plan.run_id} stage {plan.stage}: backend {plan.backend}, "
+                   f"{plan.nnodes} node(s) x {plan.nproc_per_node} proc = world {world}, "
+                   f"master {plan.master_addr}:{plan.master_port}{port_note}")
+        for src, dst in plan.uploads:
+            out.append(f"# upload {src} -> <host run dir>/{dst}")
+        for node in plan.nodes:
+            out.append(f"# node {node.node_rank} on {node.host_label}: "
+                       f"{env_file(plan.run_id, plan.stage, node.node_rank)} (mode 0600) holds")
+            out += [f"#   {line}" for line in env_text(node, plan.secrets, mask=True).splitlines()]
+            out.append(shell_line(node))
+    return "\n".join(out) + "\n"
 
 
 @dataclass(frozen=True)
@@ -32,17 +108,14 @@ class ShellRequest:
         return render_plan([self.plan])
 
 
-class ShellBackend:
-    """The part of the contract the shell backends fill alike: the spec's hosts as they are, no
-    allocation, no scheduler; the run record holds everything `status` and `logs` show."""
+class ShellLauncher:
+    """What the shell backends fill alike: the spec's hosts as they are (no allocation), and the
+    request they execute."""
 
     name = "shell"
 
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
-
-    def start_run(self, run_id: str, run_dir: Path, stop: threading.Event) -> None:
-        pass
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return list(self.spec.hosts)
@@ -53,25 +126,6 @@ class ShellBackend:
     def render(self, plan: LaunchPlan) -> ShellRequest:
         return ShellRequest(plan)
 
-    def status(self, record: dict) -> list[str]:
-        return []
-
-    def logs(self, record: dict, follow: bool) -> Optional[list[str]]:
-        return None
-
-    def render_detached(self, plans: list[LaunchPlan]) -> ShellRequest:
-        raise self._no_scheduler()
-
-    def detach(self, request: ShellRequest, run_dir: Path) -> str:
-        raise self._no_scheduler()
-
-    def _no_scheduler(self) -> PlanError:
-        return PlanError(f"--detach: backend {self.name} has no scheduler to own a run; run `ddplaunch up` "
-                         "under nohup, tmux or screen instead (or use backend: slurm)")
-
-    def final_state(self, record: dict) -> Optional[str]:
-        return None
-
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False) -> tuple[str, str]:
     """(command, nonce) of the reaper for `run_id`: optionally SIGTERM the pids in the run's pid
@@ -80,7 +134,7 @@ def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = 
     if kill:
         args.append("--kill")
     if term_pid_files:
-        args += ["--term", Raw(f"{host_run_dir(run_id)}/node*.pid")]
+        args += ["--term", Raw(pid_file(run_id, "*"))]
     return host_program("reaper", python, *args)
 
 

@@ -14,7 +14,9 @@ Python's own order), stdout and stderr are flushed, one ``DDPLAUNCH_RANKEXIT_JSO
 "code": C}`` line is printed, and the process leaves with ``os._exit(C)``: without interpreter
 finalization, where torch's C++ threads (Gloo, DDP) sometimes abort a finished process
 ("terminate called without an active exception"). ``--finalize`` (``job.fast_exit: false``)
-finalizes normally instead. A rank that dies after that line had finished its script.
+finalizes normally instead. A rank that dies after that line had finished its script. A
+worker that torchrun restarted (``job.max_restarts``) first prints ``DDPLAUNCH_RANKSTART_JSON
+{"rank": R, "restart": N}``.
 """
 
 import atexit
@@ -141,7 +143,18 @@ def leave(code: int, finalize: bool) -> None:
     os._exit(code)
 
 
+def say_restart() -> None:
+    """Under torchrun, a restarted worker says which restart it is (`job.max_restarts`): the
+    launcher counts each node's restarts from these lines. The first start says nothing."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart.isdigit() and int(restart) > 0:
+        rank = int(os.environ.get("RANK", "0"))
+        sys.stdout.write("DDPLAUNCH_RANKSTART_JSON " + json.dumps({"rank": rank, "restart": int(restart)}) + "\n")
+        sys.stdout.flush()
+
+
 def main(argv: list) -> None:
+    say_restart()
     try:
         opts, healthcheck, finalize, script_argv = split_argv(argv)
     except ValueError as exc:

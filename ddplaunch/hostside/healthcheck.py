@@ -5,6 +5,8 @@ Run it like any job (``python -m torch.distributed.run ... healthcheck.py``), or
 monitored barrier, exact collective results and bandwidth (``--collectives``), optionally
 busbw between host pairs (``--pairwise``), then rank 0 prints a table, a verdict line and one
 machine-readable ``DDPLAUNCH_HEALTHCHECK_JSON`` line. Exit status: 0 healthy, 1 on any failure.
+The collectives are collectives.py, the pair algorithm pairs.py: staged beside this file and
+loaded from here under names no job's own modules can shadow.
 
 It uses a process group of its own on the key prefix ``ddplaunch/healthcheck/<restart>`` of
 torchrun's store and destroys it at the end, so the process is clean for the job's own
@@ -12,11 +14,11 @@ torchrun's store and destroys it at the end, so the process is clean for the job
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -25,22 +27,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FAULT_ENV = "DDPLAUNCH_HC_FAULT_RANK"  # test hook: this rank corrupts its collective results
 STALL_ENV = "DDPLAUNCH_HC_STALL_RANK"  # test hook: this rank misses the barrier
 SLOW_ENV = "DDPLAUNCH_HC_SLOW_HOST"  # test hook: this host's pair transfers are slowed down
-SLOW_DELAY_S = 0.25  # the slow host waits this long before each pair all_reduce
 HOST_ENV = "DDPLAUNCH_HOST"  # the host label the launcher knows the host by
 STORE_PREFIX = "ddplaunch/healthcheck"
-CHECK_NUMEL = 4096  # small integers in float32 stay exact through a SUM
-CHECK_MOD = 1021  # position pattern modulus: sums stay below 2**24 for thousands of ranks
 GATE_MIN_BYTES = 1 << 20  # smaller messages measure latency, not bandwidth
-PAIR_ITERS = 3  # timed all_reduces per pair (+1 warm-up)
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_UNSUPPORTED_RE = re.compile(r"not supported|unsupported|does not support|not implemented", re.I)
+
+
+def load_sibling(name: str):
+    """The module ``name``.py beside this file, as ``ddplaunch_hostside_<name>`` (once)."""
+    full = f"ddplaunch_hostside_{name}"
+    if full not in sys.modules:
+        spec = importlib.util.spec_from_file_location(full, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                         f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+    return sys.modules[full]
+
+
+_collectives = load_sibling("collectives")
+_pairs = load_sibling("pairs")
+COLLECTIVES = _collectives.COLLECTIVES
 
 
 class CheckFailed(Exception):
@@ -183,210 +192,10 @@ def barrier(backend: str, timeout: timedelta) -> None:
                                      f"{timeout.total_seconds():g}s (healthcheck.timeout)", culprits) from exc
 
 
-def _first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor):
-    """One failure tuple for the first wrong element, or None when ``got`` is exact."""
-    bad = (got != expected).nonzero()
-    if not bad.numel():
-        return None
-    i = int(bad[0])
-    return (name, f"{name} result wrong: got {got[i].item()} expected {expected[i].item()} at index {i}")
-
-
-def _faulty(rank: int) -> bool:
-    return os.environ.get(FAULT_ENV, "").strip() == str(rank)
-
-
-def _check_all_reduce(device, rank, world):
-    pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
-    # rank+1 everywhere plus a position pattern, so a swapped or dropped chunk shows.
-    tensor = pattern + (rank + 1)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    if _faulty(rank):
-        tensor.mul_(4)  # test hook: only this rank sees a wrong result
-    return _first_mismatch("all_reduce", tensor, pattern * world + world * (world + 1) / 2)
-
-
-def _check_all_gather(device, rank, world):
-    chunk = max(1, CHECK_NUMEL // world)
-    pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
-    out = torch.full((world * chunk,), -1.0, device=device)
-    _all_gather(out, pattern[rank * chunk:(rank + 1) * chunk].clone())
-    if _faulty(rank):
-        out.mul_(4).add_(1)
-    return _first_mismatch("all_gather", out, pattern)
-
-
-def _check_reduce_scatter(device, rank, world):
-    chunk = max(1, CHECK_NUMEL // world)
-    pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
-    out = torch.full((chunk,), -1.0, device=device)
-    _reduce_scatter(out, pattern + (rank + 1), op=dist.ReduceOp.SUM)
-    if _faulty(rank):
-        out.mul_(4).add_(1)
-    mine = pattern[rank * chunk:(rank + 1) * chunk]
-    return _first_mismatch("reduce_scatter", out, mine * world + world * (world + 1) / 2)
-
-
-_CHECKS = {"all_reduce": _check_all_reduce, "all_gather": _check_all_gather,
-           "reduce_scatter": _check_reduce_scatter}
-
-
-def check_collectives(device: torch.device, collectives=("all_reduce",)) -> tuple:
-    """Verifies each collective's result (and broadcast) exactly on this rank.
-
-    Returns:
-        (failures, unsupported): failures as (check, message) tuples; unsupported maps a
-        collective this backend lacks to the error it raised.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    failures, unsupported = [], {}
-    for name in collectives:
-        try:
-            wrong = _CHECKS[name](device, rank, world)
-        except (RuntimeError, NotImplementedError, ValueError) as exc:
-            if not _UNSUPPORTED_RE.search(str(exc)):
-                raise
-            unsupported[name] = str(exc).strip().splitlines()[0][:300]
-            continue
-        if wrong:
-            failures.append(wrong)
-    pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
-    sent = pattern * 3 + 7 if rank == 0 else torch.zeros_like(pattern)
-    dist.broadcast(sent, src=0)
-    if _faulty(rank) and rank != 0:
-        sent = sent * 2  # the test hook: a receiver whose copy arrives corrupted
-    bad = (sent != pattern * 3 + 7).nonzero()
-    if bad.numel():
-        i = int(bad[0])
-        failures.append(("broadcast", f"broadcast from rank 0 wrong: got {sent[i].item()} "
-                                      f"expected {(i * 3 + 7):.1f} at index {i}"))
-    return failures, unsupported
-
-
-def bus_factor(collective: str, world: int) -> float:
-    """busbw / algbw as nccl-tests defines it."""
-    if collective == "all_reduce":
-        return 2 * (world - 1) / world
-    return (world - 1) / world  # all_gather, reduce_scatter
-
-
-def _timed_op(collective: str, size: int, world: int, device: torch.device):
-    """Returns (count, op): ``count`` float32 elements in nccl-tests' sense of the size.
-
-    nccl-tests' size is the whole buffer: all_reduce's tensor, all_gather's output (each rank
-    sends size/n), reduce_scatter's input (each rank keeps size/n).
-    """
-    if collective == "all_reduce":
-        count = size // 4
-        tensor = torch.ones(count, dtype=torch.float32, device=device)
-        return count, lambda: dist.all_reduce(tensor)
-    count = max(world, (size // 4) // world * world)
-    full = torch.ones(count, dtype=torch.float32, device=device)
-    part = torch.ones(count // world, dtype=torch.float32, device=device)
-    if collective == "all_gather":
-        return count, lambda: _all_gather(full, part)
-    return count, lambda: _reduce_scatter(part, full)
-
-
-def measure_bandwidth(sizes: list, iters: int, device: torch.device, collectives=("all_reduce",)) -> list:
-    """Times each collective per size; the slowest rank's time counts, like nccl-tests."""
-    world = dist.get_world_size()
-    rows = []
-    for collective in collectives:
-        for size in sizes:
-            count, op = _timed_op(collective, size, world, device)
-            op()  # warm-up: the pair connections' buffers and the op's own allocations
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(iters):
-                op()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            per_op = elapsed.item() / iters
-            nbytes = count * 4
-            algbw = nbytes / per_op / 1e9
-            rows.append({"collective": collective, "bytes": nbytes, "count": count, "iters": iters,
-                         "time_us": per_op * 1e6, "algbw_gbps": algbw,
-                         "busbw_gbps": algbw * bus_factor(collective, world)})
-    return rows
-
-
 # ---------------------------------------------------------------- pair gate
 
-def healthy_median(speeds: list):
-    """The median of the faster half of the pairs (as ddplaunch/localize.py computes it)."""
-    if not speeds:
-        return None
-    top = sorted(speeds, reverse=True)[: (len(speeds) + 1) // 2]
-    return statistics.median(top)
-
-
-def schedule(pairs: list, parallelism: int) -> list:
-    """Splits pair indices into waves of disjoint pairs, at most ``parallelism`` each (0: any)."""
-    waves, left = [], list(range(len(pairs)))
-    while left:
-        wave, busy = [], set()
-        for i in list(left):
-            if busy.isdisjoint(pairs[i]) and (not parallelism or len(wave) < parallelism):
-                wave.append(i)
-                busy.update(pairs[i])
-                left.remove(i)
-        waves.append(wave)
-    return waves
-
-
-def _measure_pair(group, size: int, device: torch.device, slow: bool) -> tuple:
-    """One pair probe on this rank: (busbw_gbps or None, detail)."""
-    try:
-        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(tensor, group=group)  # warm-up: connections, buffers
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(PAIR_ITERS):
-            if slow:
-                time.sleep(SLOW_DELAY_S)  # test hook: this host transfers slowly
-            dist.all_reduce(tensor, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        algbw = (size // 4) * 4 / (elapsed.item() / PAIR_ITERS) / 1e9
-        return algbw * bus_factor("all_reduce", 2), ""
-    except Exception as exc:  # the partner sees its own error; the probe is failed either way
-        return None, f"all_reduce failed: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}"
-
-
-def _run_round(pairs: list, leaders: dict, args, device: torch.device) -> list:
-    """Measures every pair (host labels) in waves; every rank returns the same probe list."""
-    me = dist.get_rank()
-    backend = dist.get_backend()
-    groups = [dist.new_group([leaders[a], leaders[b]], backend=backend) for a, b in pairs]
-    slow = os.environ.get(SLOW_ENV, "").strip() == host_label()
-    mine = {}
-    for wave in schedule(pairs, args.pair_parallelism):
-        for i in wave:
-            if me in (leaders[pairs[i][0]], leaders[pairs[i][1]]):
-                mine[i] = _measure_pair(groups[i], args.pair_size, device, slow)
-        dist.barrier()  # waves never overlap
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    probes = []
-    for i, (a, b) in enumerate(pairs):
-        seen = [everyone[leaders[h]].get(i, (None, "no result")) for h in (a, b)]
-        failed = [detail for bw, detail in seen if bw is None]
-        busbw = None if failed else min(bw for bw, _ in seen)
-        probes.append({"hosts": [a, b], "ok": not failed, "busbw_gbps": busbw,
-                       "detail": failed[0] if failed else ""})
-    return probes
-
-
 def pair_gate(args, device: torch.device, facts: list) -> dict:
-    """Disjoint host pairs, then suspects re-paired with known-good hosts (localize.py's method).
+    """Disjoint host pairs, then suspects re-paired with known-good hosts (pairs.py).
 
     One rank per host (LOCAL_RANK 0). Every rank takes part in creating every subgroup and
     returns the same verdict, in the shape of ``localize.Localization.to_dict()``.
@@ -395,40 +204,13 @@ def pair_gate(args, device: torch.device, facts: list) -> dict:
     for f in facts:
         if f["local_rank"] == 0:
             leaders.setdefault(f["label"], f["rank"])
-    hosts = list(leaders)
-    loc = {"singles": [], "pairs": [], "repairs": [], "median_busbw_gbps": None,
-           "bad_hosts": [], "reasons": {}}
-    if len(hosts) < 2:
-        return loc
-    pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
-    if len(hosts) % 2:  # the odd one out pairs with the first host
-        pairs.append((hosts[-1], hosts[0]))
-    loc["pairs"] = _run_round(pairs, leaders, args, device)
-    med = healthy_median([p["busbw_gbps"] for p in loc["pairs"] if p["busbw_gbps"] is not None])
-    loc["median_busbw_gbps"] = med
-    floor = (med or 0) * args.min_busbw_fraction
-    for p in loc["pairs"]:
-        p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
-    good = [h for h in hosts if all(p["ok"] for p in loc["pairs"] if h in p["hosts"])]
-    suspects = [h for h in hosts if h not in good]
-    if suspects and good:
-        repairs = [(s, good[i % len(good)]) for i, s in enumerate(suspects)]
-        loc["repairs"] = _run_round(repairs, leaders, args, device)
-        for p in loc["repairs"]:
-            p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
-            if p["ok"]:
-                continue
-            suspect, partner = p["hosts"]
-            if p["busbw_gbps"] is None:
-                why = f"failed with known-good host {partner}: {p['detail']}"
-            else:
-                why = (f"slow with known-good host {partner}: busbw {p['busbw_gbps']:.3f} GB/s is below "
-                       f"healthcheck.min_busbw_fraction {args.min_busbw_fraction:g} x median {med:.3f} GB/s")
-            loc["reasons"][suspect] = why
-    elif suspects:
-        for s in suspects:
-            loc["reasons"][s] = "every pair is slow or failed: no known-good host to compare with"
-    loc["bad_hosts"] = [h for h in hosts if h in loc["reasons"]]
+    slow = os.environ.get(SLOW_ENV, "").strip() == host_label()
+
+    def measure(pairs: list) -> list:
+        waves = _pairs.schedule(pairs, args.pair_parallelism)
+        return _collectives.run_round(pairs, leaders, waves, args.pair_size, device, slow)
+
+    loc = dict(_pairs.judge(list(leaders), measure, args.min_busbw_fraction), singles=[])
     verdict = [loc]
     dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict is everyone's
     return verdict[0]
@@ -510,7 +292,7 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
         time.sleep(2 * args.timeout)  # test hook: arrive after the barrier gave up
     barrier(backend, timeout)
     try:
-        mine = check_collectives(device, args.collectives)
+        mine = _collectives.check_collectives(device, args.collectives)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     except Exception as exc:
@@ -525,7 +307,7 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
         return
     measured = [c for c in args.collectives if c not in result["unsupported"]]
     try:
-        result["bandwidth"] = measure_bandwidth(args.sizes, args.iters, device, measured)
+        result["bandwidth"] = _collectives.measure_bandwidth(args.sizes, args.iters, device, measured)
     except Exception as exc:
         raise CheckFailed("bandwidth", f"bandwidth sweep raised: {exc}") from exc
     gate = args.min_busbw_gbps
@@ -636,16 +418,11 @@ def run(argv: list) -> int:
     return 0 if result["ok"] else 1
 
 
-def main(argv=None) -> int:
-    """Script entry: ``run`` on the command line (kept for callers of the old name)."""
-    return run(sys.argv[1:] if argv is None else list(argv))
-
-
 if __name__ == "__main__":
     # Started as its own program (`check`, `healthcheck.launch: separate`): the verdict is printed
     # and written, so leave without the interpreter's teardown of torch (over a second per rank on
     # a loaded host, and Gloo's occasional abort at exit), as entry.py does after a job.
-    code = main()
+    code = run(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

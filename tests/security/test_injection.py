@@ -13,6 +13,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddplaunch.backends.shell import env_text, shell_line
 from ddplaunch.backends.slurm.render import step_request
 from ddplaunch.plan import make_plan
 from ddplaunch.spec import ClusterSpec
@@ -57,10 +58,10 @@ def test_values_round_trip_through_every_renderer(tmp_path_factory, arg, env_val
     node = plan.nodes[1]
     run_dir = tmp / ".ddplaunch" / "runs" / "r1"
     run_dir.mkdir(parents=True)
-    (run_dir / "job-node1.env").write_text(node.env_text())
+    (run_dir / "job-node1.env").write_text(env_text(node))
     out = tmp / "out.json"
     # local and ssh: the one shell line the backend runs
-    shell = run_bash(node.shell_line(), tmp, {"STUB_OUT": str(out)})
+    shell = run_bash(shell_line(node), tmp, {"STUB_OUT": str(out)})
     assert shell.returncode == 0, shell.stderr
     got = json.loads(out.read_text())
     assert got["argv"][-4:] == ["job.py", arg, "--x", arg] or got["argv"][-3:] == [arg, "--x", arg]

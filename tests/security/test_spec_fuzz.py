@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import ClusterSpec, load_spec
+from ddplaunch.spec import ClusterSpec
+from ddplaunch.specfile import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = {"documents": 0, "specs": 0, "errors": 0, "slowest_cpu_s": 0.0, "slowest_wall_s": 0.0,

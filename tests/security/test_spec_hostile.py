@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import BACKEND_LIMITS, ClusterSpec, EnvVar, is_secret_name, load_spec
+from ddplaunch.spec import ClusterSpec, EnvVar, is_secret_name
+from ddplaunch.specfile import backend_limits, load_spec
 from ddplaunch.yamlsafe import MAX_BYTES, MAX_DEPTH, MAX_NODES, show
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -400,8 +401,10 @@ def test_backend_limits_ignore_defaults_and_the_table_is_data(tmp_path):
     spec = load_spec(spec_file(tmp_path, "backend: slurm\nhosts: [a]\nsync: []\nmaster: {addr: null}\n"
                                          "ssh: {port: 22}\nhosts: [b]\n".replace("hosts: [b]\n", "")))
     assert spec.backend == "slurm"
-    assert set(BACKEND_LIMITS) == {"local", "ssh", "slurm"}
-    assert all(isinstance(r, str) and r for limits in BACKEND_LIMITS.values() for r in limits.values())
+    limits = {name: backend_limits(name) for name in ("local", "ssh", "slurm")}
+    assert limits["ssh"] == {"slurm": "only used by backend: slurm"}  # a section another backend owns
+    assert limits["local"]["ssh"] == "only used by backend: ssh" and "sync" in limits["slurm"]
+    assert all(isinstance(r, str) and r for table in limits.values() for r in table.values())
 
 
 # --------------------------------------------------------------------------- without libyaml

@@ -8,7 +8,6 @@ the script (`scontrol show hostnames`), so the plan's master address is a shell 
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import re
 import shlex
@@ -19,10 +18,12 @@ from typing import Callable, Iterator, Mapping, Optional
 
 import jinja2
 
-from ddplaunch.backends.slurm.render import StepRequest, sbatch_options, step_request, template_dir
+from ddplaunch.backends.shell import stage_bundle
+from ddplaunch.backends.slurm.render import StepRequest, sbatch_options, step_request, template_dir, upload_step
 from ddplaunch.backends.slurm.step import LabelledLines
-from ddplaunch.plan import SECRET_SHOWN, LaunchPlan, Raw, quote
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.plan import LaunchPlan
+from ddplaunch.shellword import Raw, word
+from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
 from ddplaunch.torchrun_logs import PAYLOAD_RE
 
 DETACHED_TEMPLATE = "detached.sbatch.j2"
@@ -44,11 +45,10 @@ _END_RE = re.compile(r"^DDPLAUNCH_DETACHED_END rc=(\d+)(?: (.*))?$")
 
 @dataclass(frozen=True)
 class Payload:
-    """A file staged in every node's run directory: decoded from base64 in the script and fed to
-    an upload step (`srun --input=all`), so it needs no shared file system."""
+    """A file staged in every node's run directory: one base64 line in the script, fed to the
+    upload step (`srun --input=all`), so it needs no shared file system."""
 
     source: str
-    argv: tuple[str, ...]
     data: str
 
     def shown(self) -> str:
@@ -79,7 +79,7 @@ class DetachedRequest:
                "in one batch job (script on sbatch's stdin)", shlex.join(self.argv),
                "# environment of the job (sbatch's process environment, never in the script):"]
         out.append(f"#   {', '.join(INHERITED)}: this shell's (when set; slurm.conf overrides SLURM_CONF)")
-        out += [f"#   {k}={quote(Raw(SECRET_SHOWN) if k in secrets else v)}" for k, v in self.env]
+        out += [f"#   {k}={word(Raw(SECRET_SHOWN) if k in secrets else v)}" for k, v in self.env]
         out += [f"#   | {line}" for line in self.shown_script.splitlines()]
         return "\n".join(out) + "\n"
 
@@ -115,7 +115,7 @@ def _stage_exports(steps: list[StepRequest], common: dict[str, str]) -> list[lis
         env = dict(step.env)
         if any(k in step.plan.secrets for k in names):
             raise ValueError("a secret differs between stages; it would have to be written into the script")
-        out.append([f"export {k}={quote(env[k])}" if k in env else f"unset {k}" for k in names])
+        out.append([f"export {k}={word(env[k])}" if k in env else f"unset {k}" for k in names])
     return out
 
 
@@ -126,12 +126,12 @@ def render_detached(spec: ClusterSpec, plans: list[LaunchPlan], output_path: str
     common = dict(steps[0].env)
     for s in steps[1:]:
         common = {k: v for k, v in common.items() if dict(s.env).get(k) == v}
-    payloads, seen = [], set()
-    for s in steps:
-        for src, argv in s.uploads:
-            if argv not in seen:
-                seen.add(argv)
-                payloads.append(Payload(src, argv, base64.encodebytes(Path(src).read_bytes()).decode()))
+    staged: dict[str, str] = {}  # every stage's files, each once: name in the run dir -> source
+    for p in plans:
+        for src, dst in p.uploads:
+            staged.setdefault(dst, src)
+    payloads = [Payload(src, stage_bundle([Path(src).read_bytes()]).rstrip("\n")) for src in staged.values()]
+    upload = inside_job(upload_step(steps[0].argv[:-3], plans[0].run_id, list(staged)))
     exports = _stage_exports(steps, common)
     stages = [{"name": s.plan.stage, "exports": e, "srun": inside_job(s.argv, kill_on_bad_exit=True)}
               for s, e in zip(steps, exports)]
@@ -143,9 +143,8 @@ def render_detached(spec: ClusterSpec, plans: list[LaunchPlan], output_path: str
     template = env.get_template(DETACHED_TEMPLATE)
 
     def script(data: Callable[[Payload], str]) -> str:
-        uploads = [{"name": shlex.quote(Path(p.source).name), "srun": inside_job(p.argv),
-                    "data": data(p).rstrip("\n")} for p in payloads]
-        return template.render(run_id=plans[0].run_id, uploads=uploads, stages=stages,
+        return template.render(run_id=plans[0].run_id, upload=upload, payloads=[data(p) for p in payloads],
+                               names=", ".join(shlex.quote(Path(p.source).name) for p in payloads), stages=stages,
                                requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
 
     return DetachedRequest(plans=tuple(plans), argv=("sbatch", "--parsable", *sorted(opts)),

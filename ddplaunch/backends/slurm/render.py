@@ -10,14 +10,16 @@ environment in the step's process environment (secrets never on a command line).
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import jinja2
 
-from ddplaunch.plan import LaunchPlan, NodeCommand, Raw, host_run_dir, quote
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.backends.shell import pid_file, shell_line, stage_files
+from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.shellword import Raw, word
+from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
 
 ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
 #: How a value known only once the allocation exists appears in a dry run.
@@ -98,6 +100,10 @@ def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:
     return replace(plan, nodes=tuple(renumbered), master_addr=master)
 
 
+#: A step's node number, as the step's shell sees it.
+NODE_ID = Raw("$SLURM_NODEID")
+
+
 def step_template(plan: LaunchPlan) -> NodeCommand:
     """The one command an srun step runs on every node of `plan`: node 0's command with the node
     rank and host taken from the step."""
@@ -110,9 +116,8 @@ def step_template(plan: LaunchPlan) -> NodeCommand:
         env["RANK"] = env["GROUP_RANK"] = Raw('"$SLURM_NODEID"')
     torchrun = node.torchrun and replace(
         node.torchrun, node_rank=Raw('"$SLURM_NODEID"'),
-        log_dir=Raw(f'{node.run_dir}/torchrun-{plan.stage}-node"$SLURM_NODEID"'))
-    return replace(node, node_rank=Raw('"$SLURM_NODEID"'), host_label=host, env=tuple(sorted(env.items())),
-                   torchrun=torchrun, host=None)
+        log_dir=Raw(word(in_run_dir(plan.run_id, f"torchrun-{plan.stage}-node")) + '"$SLURM_NODEID"'))
+    return replace(node, host_label=host, env=tuple(sorted(env.items())), torchrun=torchrun, host=None)
 
 
 @dataclass(frozen=True)
@@ -124,8 +129,13 @@ class StepRequest:
     job: str
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
-    #: (local file, srun argv that writes its stdin into each node's run directory)
-    uploads: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
+    #: The srun argv that stages the plan's files in each node's run directory, reading
+    #: `shell.stage_bundle` of them on its stdin (empty: nothing to stage).
+    upload: tuple[str, ...] = ()
+
+    def staged(self) -> list[str]:
+        """The local files the upload step stages, in the order it reads them."""
+        return [src for src, _ in self.plan.uploads]
 
     def text(self) -> str:
         plan = self.plan
@@ -133,16 +143,14 @@ class StepRequest:
         out = [f"# run {plan.run_id} stage {plan.stage}: backend slurm, {plan.nnodes} node(s) x "
                f"{plan.nproc_per_node} proc = world {world}, master {plan.master_addr}:{plan.master_port} "
                f"(port derived from the run id, checked free at launch)"]
-        for src, argv in self.uploads:
-            out.append(f"# upload {Path(src).name} to every node (on the stdin of:)")
-            out.append(shlex.join(_marked(argv)))
+        if self.upload:
+            names = ", ".join(Path(src).name for src in self.staged())
+            out.append(f"# upload {names} to every node (one base64 line each, on the stdin of:)")
+            out.append(shlex.join(_marked(self.upload)))
         out.append("# environment of every node (srun's process environment, never its command line):")
-        out += [f"#   {k}={quote(SHOWN if k in plan.secrets else v)}" for k, v in self.env]
+        out += [f"#   {k}={word(Raw(SECRET_SHOWN) if k in plan.secrets else v)}" for k, v in self.env]
         out.append(shlex.join(_marked(self.argv)))
         return "\n".join(out) + "\n"
-
-
-SHOWN = Raw("<secret>")
 
 
 def _marked(argv: tuple[str, ...]) -> list[str]:
@@ -150,24 +158,28 @@ def _marked(argv: tuple[str, ...]) -> list[str]:
     return [f"--jobid={AT_LAUNCH}" if a.startswith("--jobid=") else a for a in argv]
 
 
+def upload_step(srun: Sequence[str], run_id: str, names: Sequence[str]) -> tuple[str, ...]:
+    """The srun argv (from a stage step's own options) that stages the files `names` in every
+    node's run directory, reading them as base64 lines on its stdin (`shell.stage_bundle`)."""
+    base = [a for a in srun if not a.startswith(("--job-name", "--kill", "--label"))]
+    return tuple(base + ["--input=all", "--job-name=ddplaunch-upload", "bash", "-c", stage_files(run_id, names)])
+
+
 def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None) -> StepRequest:
     """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run)."""
     node = step_template(plan)
     per_node = {k: v for k, v in node.env if isinstance(v, Raw)}
     common = tuple((k, v) for k, v in node.env if not isinstance(v, Raw))
-    run_dir = host_run_dir(plan.run_id)
-    body = [f"(umask 077 && mkdir -p {run_dir} && rm -f {node.pid_file})"]
+    run_dir = word(host_run_dir(plan.run_id))
+    body = [f"(umask 077 && mkdir -p {run_dir} && rm -f {pid_file(plan.run_id, NODE_ID)})"]
     body.append("export " + " ".join(f"{k}={v}" for k, v in sorted(per_node.items())))
-    body.append(node.shell_line(env_source=False))
+    body.append(shell_line(node, env_source=False, node_id=NODE_ID))
     nodes = ",".join(plan.hosts)
     srun = ["srun", f"--jobid={job}", f"--nodes={plan.nnodes}", f"--ntasks={plan.nnodes}",
             "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=0", "--label", "--overlap",
             f"--job-name=ddplaunch-{plan.stage}", "--export=ALL"]
     if cpus_per_task:
         srun.append(f"--cpus-per-task={cpus_per_task}")
-    base = [a for a in srun if not a.startswith(("--job-name", "--kill", "--label"))]
-    uploads = tuple((src, tuple(base + ["--input=all", "--job-name=ddplaunch-upload", "bash", "-c",
-                                        f"(umask 077 && mkdir -p {run_dir} && cat > {run_dir}/{dst})"]))
-                    for src, dst in plan.uploads)
+    upload = upload_step(srun, plan.run_id, [dst for _, dst in plan.uploads]) if plan.uploads else ()
     return StepRequest(plan=plan, job=job, argv=tuple(srun + ["bash", "-c", " && ".join(body)]), env=common,
-                       uploads=uploads)
+                       upload=upload)

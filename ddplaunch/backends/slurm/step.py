@@ -1,9 +1,10 @@
-"""Running one srun step and following it: labelled lines to the sink, one outcome per node.
+"""Running one srun step and following it: labelled lines to the stage's lines, how each node ended.
 
 srun labels each line with the task (= node) index and cuts lines into 1024-byte pieces (joined
 again here). Its own messages say how each failing node ended (`srun: error: HOST: task N: Exited
 with exit code C`). A stop (a failed node, Ctrl-C, a hang) is graceful: SIGTERM to the step's tasks (torchrun stops its workers), then srun is ended. srun dies
 with the launcher (PR_SET_PDEATHSIG), so even a SIGKILLed ddplaunch cancels its steps.
+`SrunStage` is what backends/watch.py follows.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import time
 from typing import Callable, Optional
 
 from ddplaunch.backends.slurm.client import SlurmClient
-from ddplaunch.console import LineSink
+from ddplaunch.backends.watch import SHUTDOWN_GRACE, NodeEnd
+from ddplaunch.stagelines import StageLines
 
 SRUN_PIECE = 1024
-#: Seconds torchrun gets to stop its workers after SIGTERM before srun is ended.
-SHUTDOWN_GRACE = 10.0
 _LABEL_RE = re.compile(r"^\s*(\d+): ?(.*)$")
 _LAUNCH_FAILED_RE = re.compile(r"^srun: error: Task launch for \S+ failed on node (\S+): (.*)$")
 _TASK_END_RE = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated|.*)$")
@@ -65,8 +65,8 @@ class SrunStep:
     """One srun process: its lines, and how each of its nodes ended."""
 
     def __init__(self, client: SlurmClient, argv: list[str], env: dict[str, str], hosts: list[str],
-                 sink: Optional[LineSink], name: str, job: str, stdin: Optional[str] = None):
-        self.client, self.hosts, self.sink, self.name, self.job = client, hosts, sink, name, job
+                 lines: Optional[StageLines], name: str, job: str, stdin: Optional[str] = None):
+        self.client, self.hosts, self.lines, self.name, self.job = client, hosts, lines, name, job
         self.ends: dict[int, tuple[Optional[int], str, float]] = {}  # node -> (exit code, how, when)
         self.output: dict[int, list[str]] = {}
         #: Nodes Slurm could not start the step on: host -> srun's reason.
@@ -102,8 +102,8 @@ class SrunStep:
 
     def _emit(self, node: int, text: str) -> None:
         self.output.setdefault(node, []).append(text)
-        if self.sink is not None:
-            self.sink.emit(node, self.host(node), text)
+        if self.lines is not None:
+            self.lines.emit(node, self.host(node), text)
 
     def _srun_message(self, text: str) -> None:
         launch = _LAUNCH_FAILED_RE.match(text)
@@ -117,8 +117,8 @@ class SrunStep:
                 self.ends.setdefault(node, (code, how, time.time()))
                 if code is not None and code != 0 and self.first_failure is None:
                     self.first_failure = node
-        if self.sink is not None and not text.startswith("srun: error: ") and text.strip():
-            self.sink.emit(-1, "srun", text)
+        if self.lines is not None and not text.startswith("srun: error: ") and text.strip():
+            self.lines.emit(-1, "srun", text)
 
     def host(self, node: int) -> str:
         return self.hosts[node] if 0 <= node < len(self.hosts) else f"node{node}"
@@ -140,16 +140,56 @@ class SrunStep:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def wait(self, timeout: Optional[float] = None, stop: Optional[Callable[[], bool]] = None) -> Optional[int]:
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.proc.poll() is None:
-            if stop is not None and stop():
-                return None
             if deadline is not None and time.monotonic() > deadline:
                 return None
             time.sleep(0.1)
         self._reader.join(timeout=5)
         return self.proc.returncode
+
+
+class SrunStage:
+    """A stage's step, for backends/watch.py: srun's words on how each node ended, and once srun
+    itself has ended, every node it said nothing of (exit 0 when srun exited 0)."""
+
+    def __init__(self, step: SrunStep, never_started: Callable[[list[int]], set[int]]):
+        self.step, self._never_started = step, never_started
+        self._seen: set[int] = set()
+        self.rc: Optional[int] = None
+
+    def poll(self) -> list[NodeEnd]:
+        out = []
+        done = self.step.poll() is not None
+        if done:
+            self.rc = self.step.wait(timeout=60)  # its reader has taken srun's last words
+        for node, (code, how, when) in list(self.step.ends.items()):
+            if node not in self._seen:
+                self._seen.add(node)
+                out.append(NodeEnd(node, code, how=how, at=when))
+        if done:
+            for node in range(len(self.step.hosts)):
+                if node not in self._seen:
+                    self._seen.add(node)
+                    out.append(NodeEnd(node, 0 if self.rc == 0 else None,
+                                       how=f"srun ended with {self.rc}: no exit status for this node"))
+        return out
+
+    def stop(self, nodes: list[int]) -> None:
+        self.step.stop()  # a step stops as a whole: SIGTERM to every task, then srun ends
+
+    def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
+        self.step.wait(timeout=timeout)
+        return self.poll()
+
+    def never_started(self, nodes: list[int]) -> set[int]:
+        return self._never_started(nodes) if nodes and self.rc != 0 else set()
+
+    def close(self) -> None:
+        if self.step.poll() is None:
+            self.step.proc.kill()
+        self.rc = self.step.wait(timeout=60)
 
 
 def _task_ids(text: str) -> list[int]:

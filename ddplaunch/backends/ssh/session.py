@@ -1,0 +1,152 @@
+"""One node's SSH session during a stage: the protocol that prepares it, and following it.
+
+A node's stage is one session with a pty. Its shell turns echo and line editing off, says it
+listens, takes the run's files as base64 lines on stdin (the environment, secrets included, never
+on a command line; not over SFTP, which a login shell that prints breaks), renames each into place
+whole, enters workdir, says it is ready and waits for "go" — sent once every node got this far —
+then runs the node's line. Every answer is a nonce-marked line, so whatever the host's rc files
+print is never mistaken for one. `SshStage` is what backends/watch.py follows: the channels'
+exits, and the node stops the backend does for it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import paramiko
+
+from ddplaunch.backends.shell import env_name, env_text, pid_file, shell_line, stage_bundle, stage_files
+from ddplaunch.backends.watch import NodeEnd
+from ddplaunch.plan import LaunchPlan, NodeCommand
+from ddplaunch.shellword import word
+from ddplaunch.stagelines import StageLines
+
+
+def session_command(plan: LaunchPlan, node: NodeCommand) -> tuple[str, str, str]:
+    """(the node's command, what to send it once it says it listens, the nonce of its markers).
+
+    Any step failing ends the shell before torchrun, with the reason on the channel. A pid file
+    an earlier stage left is dropped (it would hide a torchrun that never starts in this one).
+    """
+    nonce = secrets.token_hex(6)
+    names = [env_name(plan.stage, node.node_rank), *(dst for _, dst in plan.uploads)]
+    contents = [env_text(node).encode(), *(Path(src).read_bytes() for src, _ in plan.uploads)]
+    staged = stage_files(plan.run_id, names, then=[f"rm -f {pid_file(plan.run_id, node.node_rank)}"])
+    script = (f"stty -echo -icanon && echo {nonce} listening && {staged} && cd {word(node.workdir)} && "
+              f'echo {nonce} ready && IFS= read -r go && [ "$go" = go ] && stty sane && {shell_line(node)}')
+    return "bash -c " + shlex.quote(script), stage_bundle(contents), nonce
+
+
+class NoMarker(Exception):
+    """The node's shell ended, or went silent, before it printed the marker."""
+
+
+def await_marker(ch: paramiko.Channel, marker: str, timeout: float) -> list[str]:
+    """Read the channel up to the line `marker`; the lines before it (what the host's rc files
+    printed). Raises NoMarker with the output's tail if the shell ends or the time runs out."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    want = marker.encode()
+    while True:
+        lines = data.replace(b"\r", b"").split(b"\n")
+        if want in lines[:-1]:
+            before = lines[:lines.index(want)]
+            return [raw.decode("utf-8", "replace") for raw in before if raw.strip()]
+        left = deadline - time.monotonic()
+        said = "\n".join(raw.decode("utf-8", "replace") for raw in lines
+                         if raw.strip() and not raw.startswith(want.split()[0]))[-300:]
+        if left <= 0:
+            raise NoMarker(f"no answer within {timeout:.0f}s: {said}")
+        ch.settimeout(left)
+        try:
+            chunk = ch.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            raise NoMarker(said or "its shell ended without a word")
+        data += chunk
+
+
+def exit_status(ch: paramiko.Channel) -> Optional[int]:
+    """The remote exit status, or None when the connection died without one."""
+    if ch.exit_status_ready():
+        status = ch.recv_exit_status()
+        return None if status == -1 else status
+    return None
+
+
+def _pump(ch: paramiko.Channel, lines: StageLines, node_rank: int, host: str) -> None:
+    """Forward whole lines from a node's channel until the channel ends."""
+    pending = b""
+    try:
+        while data := ch.recv(65536):
+            *whole, pending = (pending + data).split(b"\n")
+            for raw in whole:
+                lines.emit(node_rank, host, raw.decode("utf-8", "replace"))
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
+    if pending:
+        lines.emit(node_rank, host, pending.decode("utf-8", "replace"))
+
+
+class SshStage:
+    """Every node's session of a started stage, for backends/watch.py.
+
+    `term(nodes)` SIGTERMs the nodes' torchruns and returns those without a pid file (their
+    shell never got to `exec torchrun`); `reap()` ends what is left of the run on every host.
+    """
+
+    def __init__(self, plan: LaunchPlan, channels: list[paramiko.Channel], lines: StageLines,
+                 term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[], None]):
+        self.plan, self.channels, self._term, self._reap = plan, channels, term, reap
+        self._never: set[int] = set()
+        self._seen: set[int] = set()
+        self.readers = [threading.Thread(target=_pump, args=(ch, lines, n.node_rank, n.host_label), daemon=True)
+                        for ch, n in zip(channels, plan.nodes)]
+        for r in self.readers:
+            r.start()
+
+    def _ended(self, node: int) -> Optional[NodeEnd]:
+        ch = self.channels[node]
+        if not (ch.exit_status_ready() or ch.closed or not ch.get_transport().is_active()):
+            return None
+        code = exit_status(ch)
+        return NodeEnd(node, code, how="SSH connection lost" if code is None else "", lost=code is None)
+
+    def poll(self) -> list[NodeEnd]:
+        out = []
+        for node in range(len(self.channels)):
+            if node not in self._seen and (end := self._ended(node)) is not None:
+                self._seen.add(node)
+                out.append(end)
+        return out
+
+    def stop(self, nodes: list[int]) -> None:
+        self._never = self._term([self.plan.nodes[n] for n in nodes])
+        for n in self._never:  # its setup lines are still running: hanging up the pty ends them
+            self.channels[n].close()
+
+    def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
+        deadline = time.time() + timeout
+        out: list[NodeEnd] = []
+        while time.time() < deadline and not nodes <= self._seen:
+            for end in self.poll():
+                out.append(end)
+            time.sleep(0.1)
+        return out
+
+    def never_started(self, nodes: list[int]) -> set[int]:
+        return self._never & set(nodes)
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.join(timeout=5)
+        for ch in self.channels:
+            ch.close()
+        self._reap()

@@ -1,0 +1,190 @@
+"""The fail-fast watcher: how every backend follows a started stage to its end, written once.
+
+A backend starts a stage its own way (SSH sessions, one srun step, a local process) and hands
+`follow` a `RunningStage`: which nodes have ended, how to stop the others, which never got as far
+as torchrun. The policy is here: when a node fails, the others get `REPORT_GRACE` seconds to
+report a failure of their own (a rank that failed at the same time is then told apart from one
+that only saw its peer die), then they are stopped; Ctrl-C or a hang stops everyone. Every node
+is classified with one vocabulary on every backend (results.py): ok, failed (its code, or its
+torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from ddplaunch.plan import LaunchPlan
+from ddplaunch.results import FAILED, INTERRUPTED, LOST, OK, RUNNING, UNREACHABLE, NodeOutcome, StageResult, StopEvent
+from ddplaunch.stagelines import StageLines
+from ddplaunch.torchrun_logs import culprit, parse_torchrun_failures, rank_cause
+
+#: After a node failed, how long the others may report their own failure before they are stopped.
+REPORT_GRACE = 2.0
+#: Seconds torchrun gets to stop its workers after SIGTERM before the run's processes are killed.
+SHUTDOWN_GRACE = 10.0
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class NodeEnd:
+    """A node's command ended: its exit status, or None when it left none."""
+
+    node: int
+    code: Optional[int]
+    #: What the backend knows of the end (srun's words, "SSH connection lost").
+    how: str = ""
+    #: The host itself is gone (its connection or its Slurm node died), not just its command.
+    lost: bool = False
+    at: float = field(default_factory=time.time)
+
+
+class RunningStage(Protocol):
+    """A stage a backend has started on every node of its plan."""
+
+    def poll(self) -> list[NodeEnd]:
+        """The nodes that ended since the last call (never blocks)."""
+
+    def stop(self, nodes: list[int]) -> None:
+        """Ask these nodes to end: SIGTERM to their torchrun, which stops its workers."""
+
+    def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
+        """Wait up to `timeout` for stopped nodes to end; their ends (the rest are ended by
+        `close`)."""
+
+    def never_started(self, nodes: list[int]) -> set[int]:
+        """Of these stopped nodes, those whose torchrun never started (setup lines still running)."""
+
+    def close(self) -> None:
+        """Release the stage's sessions and end whatever of the run is left on its hosts."""
+
+
+def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageResult:
+    """The result of a stage that started nowhere: the nodes in `details` in `state` (unreachable,
+    or failed staging), the others never started."""
+    now = time.time()
+    outcomes = [NodeOutcome(node_rank=n.node_rank, host=n.host_label) for n in plan.nodes]
+    for o in outcomes:
+        if o.node_rank in details:
+            o.state, o.detail, o.ended_at = state, details[o.node_rank], now
+    return StageResult(stage=plan.stage, outcomes=outcomes, ran_healthcheck=plan.healthcheck, ended_at=now)
+
+
+def follow(stage: RunningStage, plan: LaunchPlan, lines: StageLines, stop: StopEvent,
+           grace: float = REPORT_GRACE) -> StageResult:
+    """Follow `stage` until every node ended; fail fast; one outcome per node, never just the first."""
+    watch = _Watch(plan, lines)
+    try:
+        cause = watch.wait(stage, stop, grace)
+        if cause is not None:
+            watch.stop_rest(stage, cause)
+    finally:
+        stage.close()
+    return watch.finish()
+
+
+class _Watch:
+    def __init__(self, plan: LaunchPlan, lines: StageLines):
+        self.plan, self.lines = plan, lines
+        self.result = StageResult(stage=plan.stage, ran_healthcheck=plan.healthcheck,
+                                  outcomes=[NodeOutcome(node_rank=n.node_rank, host=n.host_label, state=RUNNING)
+                                            for n in plan.nodes])
+        self.ended: dict[int, NodeEnd] = {}
+        self.first_bad: Optional[NodeEnd] = None
+        self.stopped: set[int] = set()
+        for o in self.result.outcomes:
+            lines.state(o.host, f"running {plan.stage}")
+
+    def host(self, node: int) -> str:
+        return self.result.outcomes[node].host
+
+    def take(self, ends: list[NodeEnd]) -> None:
+        for end in ends:
+            if end.node in self.ended or not 0 <= end.node < len(self.result.outcomes):
+                continue
+            self.ended[end.node] = end
+            if end.code != 0 and self.first_bad is None and end.node not in self.stopped:
+                self.first_bad = end
+
+    def wait(self, stage: RunningStage, stop: StopEvent, grace: float) -> Optional[str]:
+        """Until every node ended (None), or the cause to stop the rest for."""
+        nodes = len(self.result.outcomes)
+        failed_at: Optional[float] = None
+        while len(self.ended) < nodes:
+            self.take(stage.poll())
+            if self.first_bad is not None and failed_at is None:
+                failed_at = time.time()
+                end = self.first_bad
+                what = ("lost its connection" if end.lost else f"exited with {end.code}" if end.code is not None
+                        else f"ended without an exit status ({end.how})" if end.how else "ended without an exit status")
+                self.lines.note(f"{self.host(end.node)} (node {end.node}) {what}: stopping every other node")
+            if len(self.ended) == nodes:
+                return None
+            if stop.is_set():
+                self.result.interrupted = stop.by_user
+                cause = stop.cause or "interrupted by the user"
+                self.lines.note(f"{cause}: stopping every node")
+                return cause
+            if failed_at is not None and time.time() - failed_at >= grace:
+                assert self.first_bad is not None
+                return f"{self.host(self.first_bad.node)} (node {self.first_bad.node}) failed"
+            time.sleep(POLL_S)
+        return None
+
+    def stop_rest(self, stage: RunningStage, cause: str) -> None:
+        rest = [n for n in range(len(self.result.outcomes)) if n not in self.ended]
+        self.stopped = set(rest)
+        self.lines.mute(set(rest))
+        for n in rest:
+            o = self.result.outcomes[n]
+            o.state, o.detail = INTERRUPTED, f"stopped by ddplaunch: {cause}"
+        stage.stop(rest)
+        self.take(stage.settle(set(rest), SHUTDOWN_GRACE + 5))
+        ran = time.time() - self.result.started_at
+        for n in sorted(stage.never_started(rest)):
+            o = self.result.outcomes[n]
+            o.state, o.never_started = FAILED, True
+            o.detail = f"its setup lines were still running {ran:.0f}s after the launch"
+            self.lines.note(f"{o.host} (node {n}): torchrun never started (blocked before launch)")
+
+    def finish(self) -> StageResult:
+        bad = self.first_bad
+        for o in self.result.outcomes:
+            end = self.ended.get(o.node_rank)
+            o.ended_at = end.at if end is not None else time.time()
+            if o.never_started or end is None:
+                finish_outcome(o, self.lines, None)
+                continue
+            if end.code is None and o.state != INTERRUPTED:
+                if end.lost or bad is None or bad.node == o.node_rank:
+                    o.state, o.detail = LOST, end.how or "no exit status"
+                else:
+                    o.state = INTERRUPTED
+                    o.detail = f"ended after {self.host(bad.node)} (node {bad.node}) failed"
+            finish_outcome(o, self.lines, end.code)
+        self.result.ended_at = time.time()
+        return self.lines.fill(self.result)
+
+
+def finish_outcome(outcome: NodeOutcome, lines: StageLines, exit_code: Optional[int]) -> NodeOutcome:
+    """Fill an outcome from its exit code and the node's last lines: which rank failed, and why.
+
+    The failing rank comes from torchrun's "Root Cause" block; its cause from that rank's own
+    last lines (its exception), not from torchrun's ChildFailedError report.
+    """
+    outcome.ended_at = outcome.ended_at or time.time()
+    outcome.tail = lines.tail(outcome.node_rank)
+    outcome.exit_code = exit_code
+    if outcome.state in (INTERRUPTED, LOST, UNREACHABLE):
+        lines.state(outcome.host, f"{outcome.state} (exit {exit_code})")
+        return outcome
+    if not outcome.never_started:
+        outcome.state = OK if exit_code == 0 else FAILED
+    if exit_code != 0:
+        found = culprit(parse_torchrun_failures(outcome.tail), lines.rank_tail)
+        if found:
+            outcome.failed_rank, outcome.failed_local_rank, outcome.rank_exit_code = found
+            outcome.cause = rank_cause(lines.rank_tail(outcome.failed_rank))
+    lines.state(outcome.host, f"{outcome.state} (exit {exit_code})")
+    return outcome

@@ -1,0 +1,87 @@
+"""Which backends exist: one registration each, as data, read by the spec and by `make_backend`.
+
+A registration names the backend (`backend:` in a spec), where its class lives (imported only
+when a run needs it: Fabric loads slowly), the spec sections only it reads (`ssh:`, `slurm:`;
+another backend's spec setting them is refused), the keys it cannot honour and why (refused by
+`validate` before anything runs), and how many hosts it can drive. Adding a backend is its own
+module plus one `register(...)` line; nothing else asks which backend it holds. Data only: this
+module imports nothing of ddplaunch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One backend."""
+
+    name: str
+    #: The class (or any callable) `(spec, run) -> Launcher`, or "module:attribute" to import it lazily.
+    factory: Union[str, Callable[..., Any]]
+    #: Spec sections only this backend reads.
+    sections: tuple[str, ...] = ()
+    #: Key path (dotted; `hosts[]` is every host; a section name is every key in it) -> why this
+    #: backend cannot honour it and what to do. Refused only when set to a non-default value.
+    limits: Mapping[str, str] = field(default_factory=dict)
+    #: At most this many hosts (None: any number).
+    max_hosts: Optional[int] = None
+    #: Runs on this machine: its files are checked here when the spec is read.
+    runs_here: bool = False
+    one_line: str = ""
+
+    def load(self) -> Callable[..., Any]:
+        if not isinstance(self.factory, str):
+            return self.factory
+        module, _, attr = self.factory.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_REGISTRY: dict[str, Registration] = {}
+
+
+def register(registration: Registration) -> Registration:
+    """Make a backend known (a later registration of the same name replaces the earlier one)."""
+    _REGISTRY[registration.name] = registration
+    return registration
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registration(name: str) -> Registration:
+    """The backend called `name`. Raises KeyError naming the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown backend {name!r}; known: {', '.join(names())}") from None
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def section_owner(section: str) -> Optional[str]:
+    """The backend whose section this is, if any."""
+    return next((r.name for r in _REGISTRY.values() if section in r.sections), None)
+
+
+register(Registration(
+    "local", "ddplaunch.backends.local:LocalBackend", max_hosts=1, runs_here=True,
+    one_line="this machine, one process group",
+    limits={"sync": "the local backend runs in place: the files are already here"}))
+register(Registration(
+    "ssh", "ddplaunch.backends.ssh:SshBackend", sections=("ssh",),
+    one_line="Fabric, one connection per host"))
+register(Registration(
+    "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",),
+    one_line="srun steps of one allocation",
+    limits={"sync": "Slurm jobs read the shared file system: put the files there",
+            "hosts[].user": "Slurm starts every step as the submitting user",
+            "hosts[].port": "Slurm reaches its nodes itself; no SSH port is used",
+            "hosts[].python": "use `python:` for every node",
+            "master.addr": "Slurm's first allocated node is the master"}))

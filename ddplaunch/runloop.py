@@ -1,0 +1,216 @@
+"""One `up` in progress: the stages, their gates, and the run's record kept up to date.
+
+`RunLoop` asks the backend for its hosts (Slurm: the allocation), runs the pre-flight gate, then
+each stage: plan (pure) -> `backend.render` -> `backend.launch`, the job under the hang watchdog,
+the health check followed by its gate (which may stop the run or drop hosts). Everything a stage
+produced comes back in its `StageResult`; the console only displays. Hosts given back by a
+scheduler (a requeued allocation) run every stage again. The stage planning `up`, `check` and
+the dry run share is here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ddplaunch.backends.contract import Launcher
+from ddplaunch.console import Console
+from ddplaunch.errors import PlanError
+from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
+from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
+from ddplaunch.report import RunReport
+from ddplaunch.results import StageResult, StopEvent, describe_exit
+from ddplaunch.runs import RunRecord, write_private
+from ddplaunch.spec import ClusterSpec
+from ddplaunch.stagelines import StageLines
+from ddplaunch.torchrun_logs import mismatch_lines, store_errors
+from ddplaunch.watchdog import HangWatchdog
+
+PORT_ATTEMPTS = 20
+
+
+@dataclass
+class UpOptions:
+    """What the `up`/`check` command line adds to the spec."""
+
+    skip_healthcheck: bool = False
+    healthcheck_only: bool = False
+    job_args: Optional[list[str]] = None
+    run_id: Optional[str] = None
+    detach: bool = False
+    exclude: list[str] = field(default_factory=list)
+    verbose: bool = False
+
+
+def healthcheck_wanted(spec: ClusterSpec, opts: UpOptions) -> bool:
+    return spec.healthcheck.enabled and not opts.skip_healthcheck
+
+
+def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
+    """The launches `up` makes, in order: one ("job", the health check inline) unless the spec
+    asks for the health check as a launch of its own (`healthcheck.launch: separate`)."""
+    if opts.healthcheck_only:
+        if not healthcheck_wanted(spec, opts):
+            raise PlanError("nothing to run: the health check is disabled (healthcheck.enabled: false) "
+                            "and `check` runs no job")
+        return ["healthcheck"]
+    if healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "separate":
+        return ["healthcheck", "job"]
+    return ["job"]
+
+
+def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions) -> LaunchPlan:
+    """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`.
+
+    `check` with one process per host starts the health check directly (the torchrun env contract
+    set by the launcher, as the localization launches do): a torchrun agent would import torch a
+    second time on every host, about 40 % of a 4-host check here, to start one process. The
+    pre-flight has already checked torch and the master's port; `up` always runs torchrun.
+    """
+    inline = stage == "job" and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
+    direct = opts.healthcheck_only and spec.nproc_per_node == 1
+    return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
+                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise)
+
+
+class RunLoop:
+    """One `up` in progress: the stages, their gates, and the record kept up to date."""
+
+    def __init__(self, spec: ClusterSpec, backend: Launcher[Any], opts: UpOptions, console: Console,
+                 stop: StopEvent, record: RunRecord, report: RunReport):
+        self.spec, self.backend, self.opts, self.console, self.stop = spec, backend, opts, console, stop
+        self.record, self.report, self.run_id = record, report, record.run_id
+        self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
+        #: (stage, master, port) the pre-flight just found free (the master listened on it): that
+        #: launch takes it without probing it again
+        self._proven: Optional[tuple[str, str, int]] = None
+
+    def run(self) -> None:
+        rescheduled = 0
+        while True:
+            spec = self._gated_spec()
+            if spec is None or not self._stages(spec):
+                return
+            rescheduled += 1
+            self.console.note(f"allocation requeued (restart {rescheduled}): every stage runs again")
+            self.report.stages = []
+
+    def _gated_spec(self) -> Optional[ClusterSpec]:
+        """The spec on the backend's hosts, through the pre-flight gate (None: stop)."""
+        hosts = self.backend.hosts()
+        spec = self.spec.model_copy(update={"hosts": hosts})
+        if [h.label for h in hosts] != self.record.hosts:
+            self.record.hosts = [h.label for h in hosts]
+            self.console.note(f"hosts: {', '.join(self.record.hosts)}")
+        text = self.backend.allocation_text()
+        if text and not self.record.plan_text:
+            self.record.plan_text = text
+        if not preflight_wanted(spec, self.opts.healthcheck_only):
+            return spec
+        # a derived port is probed (and moved on when busy) first, so the pre-flight tests the
+        # port the launch uses; an explicit master.port is the pre-flight's to report
+        stage = stages_of(spec, self.opts)[0]
+        first = spec.master.port or self._free_port(spec, stage)
+        gated, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console, self.record.dir)
+        self.report.preflight = pf.to_dict()
+        if gated is None:
+            self.report.blocked = "pre-flight"
+            return None
+        self._proven = (stage, master_addr(gated), first)
+        return gated
+
+    def _stages(self, spec: ClusterSpec) -> bool:
+        """Every launch in order; True when the backend's hosts were rescheduled under one (start
+        over). A launch that ran the health check is gated: stop, go on, or launch again without
+        the hosts it found bad (`healthcheck.on_fail: exclude`)."""
+        stages = stages_of(spec, self.opts)
+        while stages:
+            stage = stages[0]
+            result = self._launch(spec, plan_stage(spec, self.run_id, stage, self._free_port(spec, stage), self.opts))
+            if result.rescheduled:
+                return True
+            if result.ran_healthcheck and not (stage == "job" and result.healthcheck and result.healthcheck.get("ok")):
+                gated = self._healthcheck_gate(spec, result)
+                if gated is None:
+                    return False
+                if gated is not spec:
+                    spec = gated
+                    if stage == "job":  # the job never started: launch it again on the hosts left
+                        continue
+            elif not result.ok:
+                return False
+            stages = stages[1:]
+        return False
+
+    def _healthcheck_gate(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
+        """After a launch that ran the health check: the spec to go on with (None: stop)."""
+        gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.console,
+                                      self.record.dir)
+        self.report.localization = loc.to_dict() if loc else self.report.localization
+        if gated is None:
+            self.report.blocked = self.report.blocked or "health check"
+        elif gated is not spec:
+            self.report.excluded += [h.label for h in spec.hosts if h not in gated.hosts]
+            self.record.plan_text += "# re-planned without excluded hosts\n"
+        return gated
+
+    def _launch(self, spec: ClusterSpec, plan: LaunchPlan) -> StageResult:
+        """Render and launch one stage (the job under the hang watchdog); record what it produced."""
+        request = self.backend.render(plan)
+        self.record.plan_text += request.text()
+        self.record.save()
+        self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
+        lines = StageLines(self.console)
+        watchdog = None
+        if plan.stage == "job" and spec.job.hang_timeout:
+            watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
+                                    spec.job.hang_timeout)
+        with watchdog or contextlib.nullcontext():
+            result = self.backend.launch(request, lines, self.stop)
+        result.diagnosis += watchdog.diagnosis if watchdog else []
+        result.diagnosis += _aborted_after_return(result)
+        result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)
+        if result.ran_healthcheck:
+            self.report.healthcheck = result.healthcheck
+            if result.healthcheck is not None:
+                write_private(self.record.dir / "healthcheck.json",
+                              json.dumps(result.healthcheck, indent=2, sort_keys=True))
+        self.report.stages.append(result)
+        self.record.stages.append(result.to_dict())
+        self.record.save()
+        return result
+
+    def _free_port(self, spec: ClusterSpec, stage: str) -> int:
+        addr = master_addr(spec)
+        proven, self._proven = self._proven, None
+        if proven is not None and proven[:2] == (stage, addr):
+            return proven[2]
+        if spec.master.port:
+            if not self.backend.port_free(addr, spec.master.port):
+                raise PlanError(f"master.port {spec.master.port} is already in use on {addr}; free it or "
+                                "remove master.port so ddplaunch picks a free one")
+            return spec.master.port
+        key = stage_port_key(self.run_id, stage)
+        for attempt in range(PORT_ATTEMPTS):
+            port = derive_port(key, attempt)
+            if self.backend.port_free(addr, port):
+                if attempt and (stage, port) not in self._moved:
+                    self._moved.add((stage, port))
+                    self.console.note(f"master port {derive_port(key)} is in use on {addr}: using port {port}")
+                return port
+        raise PlanError(f"no free master port on {addr} after {PORT_ATTEMPTS} tries; set master.port")
+
+
+def _aborted_after_return(result: StageResult) -> list[str]:
+    """Ranks whose script had returned (the entry script said so) yet died by a signal: the job
+    finished, the process did not (torch's threads at interpreter exit)."""
+    finished = {e.get("rank"): e.get("code") for e in result.rank_exits}
+    out = []
+    for o in result.outcomes:
+        if o.failed_rank is not None and o.rank_exit_code is not None and o.rank_exit_code < 0 \
+                and finished.get(o.failed_rank) == 0:
+            out.append(f"rank {o.failed_rank} on {o.host} finished its script (exit 0), then died at "
+                       f"interpreter exit ({describe_exit(o.rank_exit_code)}): the job's work is done")
+    return out

@@ -1,0 +1,134 @@
+"""One launch's lines: what its nodes printed, read as data while it is shown.
+
+Backends feed every line of a stage into its `StageLines` (`emit(node, host, line)`). It keeps
+what the stage's result needs — each node's and each rank's last lines, the machine-readable
+payload lines ranks print (`DDPLAUNCH_<NAME>_JSON {...}`: the health check's verdict, each
+rank's start and exit), PyTorch's findings — and the clock of the hang watchdog, and passes each
+line to the console: shown unless it is noise, a payload, or from a node ddplaunch is stopping
+on purpose (`verbose` shows everything; the log has every line). `fill(result)` hands it all to
+the `StageResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from typing import Any, Optional
+
+from ddplaunch.console import Console
+from ddplaunch.results import StageResult
+from ddplaunch.torchrun_logs import FINDING_RE, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, rank_of
+
+TAIL_LINES = 40
+
+
+class StageLines:
+    """Every line of one launch, from every node."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self._lock = threading.Lock()
+        self._tails: dict[int, deque[str]] = {}
+        self._rank_tails: dict[int, deque[str]] = {}
+        self._muted: set[int] = set()
+        #: Nodes whose torchrun agent began its own error report (the summary has the cause).
+        self._agent_failing: set[int] = set()
+        self._payloads: dict[str, list[tuple[int, str]]] = {}
+        self.findings: list[str] = []
+        #: When the last line from any node arrived (the hang watchdog's clock), and from any rank.
+        self.last_line_at = time.time()
+        self.last_rank_line_at: Optional[float] = None
+
+    # ------------------------------------------------------------------ from the backends
+
+    def emit(self, node_rank: int, host: str, line: str) -> None:
+        """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get `[host] `)."""
+        line = line.rstrip("\r\n")
+        if not line.startswith(f"[{host}:"):
+            line = f"[{host}] {line}"
+        marker = PAYLOAD_RE.search(line)
+        with self._lock:
+            self.last_line_at = time.time()
+            if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
+                self.findings.append(line)
+            if marker:  # machine-readable: kept and logged, not shown
+                self._payloads.setdefault(marker.group(1), []).append((node_rank, marker.group(2)))
+                shown = False
+            else:
+                self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
+                ranked = rank_of(line)
+                if ranked is not None:
+                    self.last_rank_line_at = self.last_line_at
+                    self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
+                shown = self._shown(node_rank, line)
+        self.console.line(line, shown)
+
+    def note(self, text: str) -> None:
+        self.console.note(text)
+
+    def state(self, host: str, text: str) -> None:
+        self.console.state(host, text)
+
+    def mute(self, node_ranks: set[int]) -> None:
+        """Keep these nodes' further lines off the terminal (ddplaunch is stopping them on
+        purpose: their SignalException tracebacks belong in the log, not on screen)."""
+        with self._lock:
+            self._muted |= node_ranks
+
+    def _shown(self, node_rank: int, line: str) -> bool:
+        if self.console.verbose:
+            return True
+        if node_rank in self._muted:
+            return False
+        if line.endswith("] ") and line.count("[") == 1 and ":" not in line:  # a blank line of torchrun's
+            return False
+        if rank_of(line) is None:  # torchrun's own lines (the agent): its failure report stays in the log
+            if node_rank in self._agent_failing:
+                return False
+            if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
+                self._agent_failing.add(node_rank)
+                return False
+        if NOISE_RE.search(line):
+            return "OMP_NUM_THREADS" in line and self.console.first_time("omp-banner")
+        return True
+
+    # ------------------------------------------------------------------ for the result
+
+    def tail(self, node_rank: int) -> list[str]:
+        with self._lock:
+            return list(self._tails.get(node_rank, ()))
+
+    def rank_tail(self, rank: int) -> list[str]:
+        """The last lines of one global rank (its own output, from torchrun's `[host:rank]` prefix)."""
+        with self._lock:
+            return list(self._rank_tails.get(rank, ()))
+
+    def payloads(self, name: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every `DDPLAUNCH_<NAME>_JSON` payload seen, parsed, with the node that printed it."""
+        with self._lock:
+            raw = list(self._payloads.get(name, ()))
+        out = []
+        for node, text in raw:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                out.append((node, value))
+        return out
+
+    def fill(self, result: StageResult) -> StageResult:
+        """Hand the stage's reports to its result: the health check's verdict, the ranks' exits,
+        the findings, and each node's worker restarts (the highest restart count its ranks
+        started with: torchrun's TORCHELASTIC_RESTART_COUNT)."""
+        verdicts = self.payloads("HEALTHCHECK")
+        result.healthcheck = verdicts[-1][1] if verdicts else None
+        result.rank_exits = [p for _, p in self.payloads("RANKEXIT")]
+        result.findings = list(self.findings)
+        for node, start in self.payloads("RANKSTART"):
+            restart = start.get("restart")
+            if isinstance(restart, int) and 0 <= node < len(result.outcomes):
+                result.outcomes[node].restarts = max(result.outcomes[node].restarts, restart)
+        return result
