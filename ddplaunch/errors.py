@@ -49,9 +49,3 @@ class RunNotFoundError(DdplaunchError):
     """A run id that has no run record."""
 
     exit_code = EXIT_BAD_INPUT
-
-
-class Interrupted(DdplaunchError):
-    """The user stopped the run (Ctrl-C or SIGTERM); everything started was ended."""
-
-    exit_code = EXIT_INTERRUPTED

@@ -146,13 +146,16 @@ class MasterSpec(_Strict):
     port: Optional[int] = Field(default=None, ge=1, le=65535)
 
 
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter"]
+
+
 class HealthcheckSpec(_Strict):
     """The all_reduce health check that runs before the job."""
 
     enabled: bool = True
     #: a latency size and a bandwidth size: every size costs O(world) per collective on Gloo; a
     #: sweep (``[4K, 64K, 1M, 8M]``) is for when the table is the point
-    sizes: list[Union[int, str]] = Field(default_factory=lambda: ["4K", "8M"])
+    sizes: list[Union[int, str]] = Field(default_factory=lambda: list[Union[int, str]](["4K", "8M"]))
     iterations: int = Field(default=3, ge=1)
     timeout: int = Field(default=60, ge=1, description="seconds for init and each collective")
     min_busbw_gbps: Optional[float] = Field(default=None, gt=0)
@@ -162,8 +165,8 @@ class HealthcheckSpec(_Strict):
     min_busbw_fraction: float = Field(default=0.5, gt=0, le=1)
     on_fail: Literal["stop", "exclude"] = "stop"
     #: Checked exactly and timed (FSDP's traffic is all_gather and reduce_scatter).
-    collectives: list[Literal["all_reduce", "all_gather", "reduce_scatter"]] = \
-        Field(default_factory=lambda: ["all_reduce"], min_length=1)
+    collectives: list[Collective] = \
+        Field(default_factory=lambda: list[Collective](["all_reduce"]), min_length=1)
     #: inline: every worker runs the health check, then the job, in one torchrun launch;
     #: separate: the health check is a launch of its own before the job's.
     launch: Literal["inline", "separate"] = "inline"

@@ -152,7 +152,8 @@ def _quoted(loc: tuple, node: Any) -> str:
 
 def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
     """Local paths ddplaunch expands must expand (`~nosuchuser`, names too long for the OS)."""
-    paths = [(("workdir",), spec.workdir), (("ssh", "key"), spec.ssh.key),
+    paths: list[tuple[tuple[Union[str, int], ...], Optional[str]]] = [
+        (("workdir",), spec.workdir), (("ssh", "key"), spec.ssh.key),
              (("ssh", "known_hosts"), spec.ssh.known_hosts), (("slurm", "conf"), spec.slurm.conf)]
     paths += [(("sync", i), p) for i, p in enumerate(spec.sync)]
     for loc, value in paths:

@@ -30,12 +30,6 @@ VICTIM_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remo
                        r"Broken pipe|DistBackendError|failed to recv|Socket Timeout")
 
 
-def parse_torchrun_failure(lines: list[str]) -> Optional[tuple[int, int, Optional[int]]]:
-    """(global rank, local rank, exit code) of torchrun's "Root Cause" report, if present."""
-    failures = parse_torchrun_failures(lines)
-    return failures[0] if failures else None
-
-
 def parse_torchrun_failures(lines: list[str]) -> list[tuple[int, int, Optional[int]]]:
     """Every failed rank torchrun reports, its "Root Cause" first: (global rank, local rank, exit code)."""
     start = next((i for i, line in enumerate(lines) if "Root Cause" in line), None)

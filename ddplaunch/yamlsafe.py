@@ -14,7 +14,7 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import yaml
 from yaml.composer import Composer
@@ -191,12 +191,14 @@ class _Constructor(SafeConstructor):
             raise _Problem(node.start_mark, "number too large; quote it if it is text") from None
 
 
-_Constructor.add_constructor(_CORE + "int", _Constructor.construct_yaml_int)
-_Constructor.add_constructor(_CORE + "float", _Constructor.construct_yaml_float)
+_Constructor.add_constructor(_CORE + "int", _Constructor.construct_yaml_int)  # type: ignore[type-var]
+_Constructor.add_constructor(_CORE + "float", _Constructor.construct_yaml_float)  # type: ignore[type-var]
 
 
 class _BoundedComposer(Composer):
     """Composer with a depth limit, alias-expansion accounting and no recursive aliases."""
+
+    peek_event: Callable[[], Any]  # the parser's, in the loader classes below
 
     def __init__(self) -> None:
         super().__init__()
@@ -238,7 +240,7 @@ class _BoundedComposer(Composer):
                 if self._depth + height > MAX_DEPTH:
                     raise _Problem(event.start_mark, f"alias *{show(event.anchor, 40)} nests values deeper "
                                                      f"than {MAX_DEPTH} levels")
-            return super().compose_node(parent, index)
+            return _composed(super().compose_node(parent, index))
         self._nodes += 1
         if self._nodes > MAX_NODES:
             raise _Problem(event.start_mark, f"more than {MAX_NODES} values; a spec needs far fewer")
@@ -256,7 +258,9 @@ class _BoundedComposer(Composer):
             node = super().compose_node(parent, index)
         finally:
             self._depth -= 1
-            self._open_anchors.discard(anchor)  # type: ignore[arg-type]
+            if anchor is not None:
+                self._open_anchors.discard(anchor)
+        node = _composed(node)
         if node.tag not in _ALLOWED_TAGS:
             raise _Problem(node.start_mark, f"tag {show(node.tag.replace(_CORE, '!!'), 60)} is not allowed "
                                             "in a spec; remove it")
@@ -265,12 +269,18 @@ class _BoundedComposer(Composer):
         return node
 
 
+def _composed(node: Optional[Node]) -> Node:
+    """A node the composer returned (always one while events remain)."""
+    assert node is not None
+    return node
+
+
 def _loader_class(libyaml: bool = LIBYAML) -> type:
     """The loader: libyaml's C parser when PyYAML has it (every wheel does), else pure Python."""
     if libyaml:
         from yaml._yaml import CParser  # libyaml scans and parses; composing stays in Python
 
-        class _CLoader(_BoundedComposer, CParser, _Constructor, _Resolver):  # type: ignore[misc]
+        class _CLoader(_BoundedComposer, CParser, _Constructor, _Resolver):
             def __init__(self, stream: str) -> None:
                 CParser.__init__(self, stream)
                 _BoundedComposer.__init__(self)
@@ -282,7 +292,7 @@ def _loader_class(libyaml: bool = LIBYAML) -> type:
     from yaml.reader import Reader
     from yaml.scanner import Scanner
 
-    class _PyLoader(Reader, Scanner, Parser, _BoundedComposer, _Constructor, _Resolver):  # type: ignore[misc]
+    class _PyLoader(Reader, Scanner, Parser, _BoundedComposer, _Constructor, _Resolver):
         def __init__(self, stream: str) -> None:
             Reader.__init__(self, stream)
             Scanner.__init__(self)

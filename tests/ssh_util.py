@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
-from tests.torchrun_util import wait_for as poll
+from ddplaunch.hostside import procs
+from tests.torchrun_util import poll, wait_for  # noqa: F401  (re-exported for the sim tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,28 +88,10 @@ def kill_run(run_id: str) -> None:
 
 
 def run_processes(run_id: str) -> dict[int, dict[str, str]]:
-    """pid -> environment of every live process tagged with this run id."""
-    tag = f"DDPLAUNCH_RUN_ID={run_id}".encode()
-    found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{name}/environ").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if tag in raw.split(b"\0") and state != "Z":
-            found[int(name)] = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-    return found
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
-    """Poll until predicate() is truthy; returns its value, or raises after timeout seconds."""
-    value = poll(predicate, timeout, interval)
-    if not value:
-        raise TimeoutError(f"condition not met within {timeout}s")
-    return value
+    """pid -> environment of every live process tagged with this run id, on every sim host: the
+    hosts' one definition of a run's processes (hostside/procs.py), in every network namespace."""
+    return {pid: {k.decode(errors="replace"): v.decode(errors="replace") for k, v in env.items()}
+            for pid, env in procs.run_processes(run_id, any_netns=True).items()}
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:

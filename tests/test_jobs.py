@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # torchrun_util sits beside us, whatever the import mode
-from torchrun_util import JOBS, run_torchrun, start_torchrun, stop_torchrun, wait_for  # noqa: E402
+from torchrun_util import JOBS, poll, run_torchrun, start_torchrun, stop_torchrun  # noqa: E402
 
 TRAIN = JOBS / "train.py"
 
@@ -57,7 +57,7 @@ def test_train_detects_a_diverged_replica(tmp_path):
 def test_train_killed_midway_resumes_to_identical_weights(tmp_path, baseline):
     proc = start_torchrun(TRAIN, "--ckpt-dir", tmp_path, "--ckpt-every", "5", "--step-sleep", "0.1")
     try:
-        assert wait_for(lambda: list(tmp_path.glob("ckpt_step*.pt")), timeout=90), "no checkpoint appeared"
+        assert poll(lambda: list(tmp_path.glob("ckpt_step*.pt")), timeout=90), "no checkpoint appeared"
     finally:
         out = stop_torchrun(proc)
     assert "final_weights_sha256" not in out and not (tmp_path / "ckpt_step48.pt").exists(), out

@@ -24,7 +24,8 @@ from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster,
                            check_state_dir, load_cluster, render_spec, secure_state_dir, sim_down, sim_fault,
                            sim_status, sim_up)
 from ddplaunch.sim import cli as sim_cli
-from ddplaunch.sim.cluster import noisy_rc_text, prefix_lock
+from ddplaunch.sim.cluster import noisy_rc_text
+from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import nsswitch_text
 from ddplaunch.sim.proc import pid_alive
 from ddplaunch.sim.sshd import sshd_config_text

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddplaunch.hostside.procs import proc_alive
+
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "jobs"
 HEALTHCHECK = ROOT / "ddplaunch" / "hostside" / "healthcheck.py"
@@ -88,7 +90,7 @@ def stop_torchrun(proc: subprocess.Popen, timeout: float = 30) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=timeout)
     for pid in workers:  # belt and braces: never leave a worker training behind
-        if wait_for(lambda: not _alive(pid), timeout=10) is None:
+        if poll(lambda: not proc_alive(pid), timeout=10) is None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -96,16 +98,7 @@ def stop_torchrun(proc: subprocess.Popen, timeout: float = 30) -> str:
     return out
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie or a vanished /proc entry counts as dead)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.05):
+def poll(predicate, timeout: float, interval: float = 0.05):
     """Polls ``predicate`` until it returns something truthy; returns it, or None at the deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -114,3 +107,11 @@ def wait_for(predicate, timeout: float, interval: float = 0.05):
             return value
         time.sleep(interval)
     return None
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05):
+    """`poll`, but the deadline raises TimeoutError: for conditions the test cannot go on without."""
+    value = poll(predicate, timeout, interval)
+    if not value:
+        raise TimeoutError(f"condition not met within {timeout}s")
+    return value

@@ -43,7 +43,10 @@ def stage_files(run_id: str, names: Sequence[str], then: Sequence[str] = ()) -> 
     steps = [f"mkdir -p {word(host_run_dir(run_id))}", *then]
     for name in names:
         dst = word(in_run_dir(run_id, name))
-        steps.append(f'IFS= read -r b && printf %s "$b" | base64 -d > {dst}.tmp && mv {dst}.tmp {dst}')
+        # the temporary name is the writer's own: hosts that share the file system (a shared home)
+        # stage the same files at once, and each renames a whole copy into place
+        tmp = f'{dst}."$HOSTNAME".$$.tmp'
+        steps.append(f'IFS= read -r b && printf %s "$b" | base64 -d > {tmp} && mv {tmp} {dst}')
     return "(umask 077 && " + " && ".join(steps) + ")"
 
 

@@ -55,6 +55,7 @@ def load_healthcheck():
     """Imports healthcheck.py from this file's directory under a name no job can shadow."""
     spec = importlib.util.spec_from_file_location("ddplaunch_hostside_healthcheck",
                                                   os.path.join(HERE, "healthcheck.py"))
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -41,6 +41,7 @@ def load_sibling(name: str):
     if full not in sys.modules:
         spec = importlib.util.spec_from_file_location(full, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                          f"{name}.py"))
+        assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[full] = module
         spec.loader.exec_module(module)
@@ -194,16 +195,22 @@ def barrier(backend: str, timeout: timedelta) -> None:
 
 # ---------------------------------------------------------------- pair gate
 
+def host_leaders(facts: list) -> dict:
+    """Each host's first rank (LOCAL_RANK 0), by the host's label: the rank that speaks for it."""
+    leaders: dict = {}
+    for f in facts:
+        if f["local_rank"] == 0:
+            leaders.setdefault(f["label"], f["rank"])
+    return leaders
+
+
 def pair_gate(args, device: torch.device, facts: list) -> dict:
     """Disjoint host pairs, then suspects re-paired with known-good hosts (pairs.py).
 
     One rank per host (LOCAL_RANK 0). Every rank takes part in creating every subgroup and
     returns the same verdict, in the shape of ``localize.Localization.to_dict()``.
     """
-    leaders = {}
-    for f in facts:
-        if f["local_rank"] == 0:
-            leaders.setdefault(f["label"], f["rank"])
+    leaders = host_leaders(facts)
     slow = os.environ.get(SLOW_ENV, "").strip() == host_label()
 
     def measure(pairs: list) -> list:
@@ -283,7 +290,7 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
     """Runs every step, filling ``result``; every rank takes the same collectives."""
     timeout = timedelta(seconds=args.timeout)
     try:
-        facts = [None] * dist.get_world_size()
+        facts: list = [None] * dist.get_world_size()
         dist.all_gather_object(facts, local_facts(backend, device))
     except Exception as exc:
         raise CheckFailed("facts", f"all_gather_object of rank facts failed: {exc}") from exc
@@ -291,9 +298,26 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
     if os.environ.get(STALL_ENV, "").strip() == str(dist.get_rank()):
         time.sleep(2 * args.timeout)  # test hook: arrive after the barrier gave up
     barrier(backend, timeout)
+    _check_results(args, device, facts, result)
+    if result["failures"]:  # every rank saw the same gathered list, so all skip together
+        return
+    _check_bandwidth(args, device, result)
+    if args.pairwise:
+        try:
+            result["pairs"] = pair_gate(args, device, facts)
+        except Exception as exc:
+            raise CheckFailed("pair", f"pair probes raised: {exc}") from exc
+        leaders = host_leaders(facts)
+        for host in result["pairs"]["bad_hosts"]:
+            result["failures"].append({"rank": leaders[host], "host": host, "check": "pair", "message":
+                                       f"host {host} is bad: {result['pairs']['reasons'][host]}"})
+
+
+def _check_results(args, device: torch.device, facts: list, result: dict) -> None:
+    """Every collective's exact result on every rank; each wrong one a failure naming its rank."""
     try:
         mine = _collectives.check_collectives(device, args.collectives)
-        everyone = [None] * dist.get_world_size()
+        everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     except Exception as exc:
         raise CheckFailed("collectives", f"correctness collectives raised: {exc}") from exc
@@ -303,8 +327,10 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
         for check, message in failures:
             result["failures"].append({"rank": rank, "host": facts[rank]["host"],
                                        "check": check, "message": message})
-    if result["failures"]:  # every rank saw the same gathered list, so all skip together
-        return
+
+
+def _check_bandwidth(args, device: torch.device, result: dict) -> None:
+    """Every supported collective timed at every size; the gate reads the largest."""
     measured = [c for c in args.collectives if c not in result["unsupported"]]
     try:
         result["bandwidth"] = _collectives.measure_bandwidth(args.sizes, args.iters, device, measured)
@@ -319,18 +345,6 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
                                        f"{collective} busbw {largest['busbw_gbps']:.3f} GB/s at "
                                        f"{format_size(largest['bytes'])} is below "
                                        f"healthcheck.min_busbw_gbps {gate:g}"})
-    if args.pairwise:
-        try:
-            result["pairs"] = pair_gate(args, device, facts)
-        except Exception as exc:
-            raise CheckFailed("pair", f"pair probes raised: {exc}") from exc
-        leaders = {}
-        for f in facts:
-            if f["local_rank"] == 0:
-                leaders.setdefault(f["label"], f["rank"])
-        for host in result["pairs"]["bad_hosts"]:
-            result["failures"].append({"rank": leaders[host], "host": host, "check": "pair", "message":
-                                       f"host {host} is bad: {result['pairs']['reasons'][host]}"})
 
 
 _KEEP: list = []

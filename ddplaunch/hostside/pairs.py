@@ -8,6 +8,7 @@ host known to be good. A host that is still slow with a good host is bad.
 """
 
 import statistics
+from typing import Any, Callable, Optional
 
 
 def first_pairs(hosts: list) -> list:
@@ -18,7 +19,7 @@ def first_pairs(hosts: list) -> list:
     return pairs
 
 
-def healthy_median(speeds: list):
+def healthy_median(speeds: list) -> Optional[float]:
     """The median of the faster half of the pairs: what this cluster's links can do.
 
     A plain median is dragged down as soon as half the pairs are slow — with 4 hosts one slow
@@ -35,7 +36,8 @@ def schedule(pairs: list, parallelism: int) -> list:
     """Splits pair indices into waves of disjoint pairs, at most ``parallelism`` each (0: any)."""
     waves, left = [], list(range(len(pairs)))
     while left:
-        wave, busy = [], set()
+        wave: list[int] = []
+        busy: set[str] = set()
         for i in list(left):
             if busy.isdisjoint(pairs[i]) and (not parallelism or len(wave) < parallelism):
                 wave.append(i)
@@ -45,7 +47,7 @@ def schedule(pairs: list, parallelism: int) -> list:
     return waves
 
 
-def judge(hosts: list, measure, min_fraction: float) -> dict:
+def judge(hosts: list, measure: Callable[[list], list], min_fraction: float) -> dict:
     """Pairs, then re-pairs of the suspects with good hosts, and the verdict.
 
     Args:
@@ -56,31 +58,32 @@ def judge(hosts: list, measure, min_fraction: float) -> dict:
     Returns:
         ``{"pairs", "repairs", "median_busbw_gbps", "bad_hosts", "reasons"}`` (reasons by host).
     """
-    out = {"pairs": [], "repairs": [], "median_busbw_gbps": None, "bad_hosts": [], "reasons": {}}
+    reasons: dict[str, str] = {}
+    out: dict[str, Any] = {"pairs": [], "repairs": [], "median_busbw_gbps": None, "bad_hosts": [], "reasons": reasons}
     if len(hosts) < 2:
         return out
-    out["pairs"] = measure(first_pairs(hosts))
-    med = healthy_median([p["busbw_gbps"] for p in out["pairs"] if p["busbw_gbps"] is not None])
+    pairs = out["pairs"] = measure(first_pairs(hosts))
+    med = healthy_median([p["busbw_gbps"] for p in pairs if p["busbw_gbps"] is not None])
     out["median_busbw_gbps"] = med
     floor = (med or 0) * min_fraction
-    for p in out["pairs"]:
+    for p in pairs:
         p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
-    good = [h for h in hosts if all(p["ok"] for p in out["pairs"] if h in p["hosts"])]
+    good = [h for h in hosts if all(p["ok"] for p in pairs if h in p["hosts"])]
     suspects = [h for h in hosts if h not in good]
     if suspects and good:
-        out["repairs"] = measure([(s, good[i % len(good)]) for i, s in enumerate(suspects)])
-        for p in out["repairs"]:
+        repairs = out["repairs"] = measure([(s, good[i % len(good)]) for i, s in enumerate(suspects)])
+        for p in repairs:
             p["ok"] = p["ok"] and p["busbw_gbps"] is not None and p["busbw_gbps"] >= floor
             if not p["ok"]:
-                out["reasons"][p["hosts"][0]] = _why(p, med, min_fraction)
+                reasons[p["hosts"][0]] = _why(p, med, min_fraction)
     else:
         for s in suspects:
-            out["reasons"][s] = "every pair is slow or failed: no known-good host to compare with"
-    out["bad_hosts"] = [h for h in hosts if h in out["reasons"]]
+            reasons[s] = "every pair is slow or failed: no known-good host to compare with"
+    out["bad_hosts"] = [h for h in hosts if h in reasons]
     return out
 
 
-def _why(probe: dict, med, min_fraction: float) -> str:
+def _why(probe: dict, med: Optional[float], min_fraction: float) -> str:
     partner = probe["hosts"][1]
     if probe["busbw_gbps"] is None:
         return f"failed with known-good host {partner}: {probe['detail']}"

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 try:
     from ddplaunch.hostside.procs import run_processes
@@ -34,10 +35,10 @@ def torch_facts():
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return {"torch": None, "torch_error": f"No module named 'torch' for {sys.executable}"}
-    facts = {"torch": None, "cuda": None, "nccl": None}
+    facts: dict[str, Any] = {"torch": None, "cuda": None, "nccl": None}
     version_file = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
     try:
-        scope = {}
+        scope: dict[str, Any] = {}
         with open(version_file) as f:
             exec(compile(f.read(), version_file, "exec"), scope)  # noqa: S102 - torch's own constants
         facts["torch"], facts["cuda"] = scope.get("__version__"), scope.get("cuda")
@@ -70,7 +71,7 @@ def gpu_facts(need):
 
 def leftovers(current_run):
     """Other ddplaunch runs of this user still alive here: {run_id: [pids]} (see procs.py)."""
-    found = {}
+    found: dict[str, list[int]] = {}
     for pid, env in run_processes(None).items():
         rid = env[b"DDPLAUNCH_RUN_ID"].decode(errors="replace")
         if rid != current_run:
@@ -92,7 +93,7 @@ def iface_of(ip):
 
 
 def network_facts(master, port):
-    facts = {"master_ips": [], "route_ip": None, "route_iface": None}
+    facts: dict[str, Any] = {"master_ips": [], "route_ip": None, "route_iface": None}
     try:
         facts["master_ips"] = sorted({a[4][0] for a in socket.getaddrinfo(master, None, socket.AF_INET)})
     except OSError as err:
@@ -151,7 +152,8 @@ def connect(master, port, deadline, me):
 
 def main():
     nonce, args = sys.argv[1], json.loads(sys.argv[2])
-    out = {"hostname": socket.gethostname(), "python": sys.version.split()[0], "executable": sys.executable}
+    out: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.version.split()[0],
+                           "executable": sys.executable}
     out["time"] = time.time()  # first: what the launcher compares its own clock with
     threads = []
     if args.get("port"):

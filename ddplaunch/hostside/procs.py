@@ -28,16 +28,17 @@ def proc_alive(pid):
         return False
 
 
-def run_processes(run_id=None):
+def run_processes(run_id=None, any_netns=False):
     """{pid: environ dict (bytes -> bytes)} of the run's live processes on this host (any run
-    when `run_id` is None), owned by this user, in this network namespace, not this process."""
+    when `run_id` is None), owned by this user, in this network namespace (in any, with
+    `any_netns`: hosts that share this kernel, seen from outside them), not this process."""
     me, uid, here = os.getpid(), os.getuid(), _netns("self")
     found = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
         try:
-            if os.stat(f"/proc/{name}").st_uid != uid or _netns(name) != here:
+            if os.stat(f"/proc/{name}").st_uid != uid or not any_netns and _netns(name) != here:
                 continue
             env = dict(kv.split(b"=", 1) for kv in _environ(name) if b"=" in kv)
         except OSError:

@@ -9,10 +9,12 @@ With `SimConfig(slurm=True)` the hosts also form a real Slurm cluster (see slurm
     sim_down(cluster.state_dir)
 """
 
-from ddplaunch.sim.cluster import (DEFAULT_PREFIX, DEFAULT_SUBNET, RC_NOISE_STDERR, RC_NOISE_STDOUT,
-                                   DownResult, Fault, SimCluster, SimConfig, SimHost, check_requirements,
-                                   check_state_dir, default_state_dir, host_exec_argv, load_cluster,
-                                   render_slurm_spec, render_spec, secure_state_dir, sim_down, sim_up)
+from ddplaunch.sim.cluster import (RC_NOISE_STDERR, RC_NOISE_STDOUT, DownResult, check_requirements, sim_down,
+                                   sim_up)
+from ddplaunch.sim.specs import render_slurm_spec, render_spec
+from ddplaunch.sim.state import (DEFAULT_PREFIX, DEFAULT_SUBNET, Fault, SimCluster, SimConfig, SimHost,
+                                 default_state_dir, host_exec_argv, load_cluster)
+from ddplaunch.sim.statedir import check_state_dir, secure_state_dir
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.netns import Naming
 from ddplaunch.sim.proc import SimError

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 from ddplaunch.sim import sshd
-from ddplaunch.sim.cluster import Fault, SimCluster, SimHost, load_cluster, prefix_lock, save_state
+from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
+from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import NETNS_DIR
 from ddplaunch.sim.proc import SimError, require_root, run
 

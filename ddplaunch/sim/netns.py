@@ -170,9 +170,9 @@ def pids_by_netns(names: Sequence[str]) -> dict[str, list[int]]:
             st = os.stat(f"/proc/{entry.name}/ns/net")
         except OSError:
             continue  # gone, or a kernel thread
-        ns = inodes.get((st.st_dev, st.st_ino))
-        if ns is not None:
-            out[ns].append(int(entry.name))
+        owner = inodes.get((st.st_dev, st.st_ino))
+        if owner is not None:
+            out[owner].append(int(entry.name))
     return out
 
 

@@ -151,3 +151,12 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def read_pid(path: Path) -> int | None:
+    """The PID a daemon wrote to `path`, or None (no file, or not a number yet)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -13,15 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ddplaunch.sim.proc import SimError, pid_alive, pid_cmdline, require_tool, run, stop_pids, wait_until
+from ddplaunch.sim.proc import SimError, pid_alive, pid_cmdline, read_pid, require_tool, run, stop_pids, wait_until
 
-if TYPE_CHECKING:
-    from ddplaunch.sim.cluster import SimCluster
 
 SLURMCTLD, SLURMD, MUNGED = "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged"
 SLURM_FIX = "install Slurm and munge: apt-get install slurm-wlm munge (or scripts/bootstrap.sh --test)"
@@ -136,53 +134,6 @@ def slurm_conf_text(*, cluster_name: str, controller: tuple[str, str], nodes: Se
 
 # ----------------------------------------------------------------------------- up
 
-def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> SlurmState:
-    """Write slurm.conf, start munged, slurmctld and every slurmd; wait until all nodes are idle.
-
-    `cluster.slurm` must hold a fresh SlurmState (conf/spec paths, controller names); its
-    PIDs are filled in and `save()` is called after each start, so `sim down` finds every
-    daemon even when a later one fails.
-
-    Raises:
-        SimError: a daemon failed to start or the nodes were not idle in time (names the logs).
-    """
-    st = cluster.slurm
-    assert st is not None
-    base = st.base
-    shutil.rmtree(base, ignore_errors=True)   # old controller state would resurrect old jobs
-    spools = [base / "nodes" / h.name / "spool" for h in cluster.hosts]
-    for d in (base / "ctl" / "state", base / "jobs", *spools):
-        d.mkdir(parents=True, exist_ok=True)
-    os.chmod(base / "jobs", 0o1777)            # jobs of non-root users write their output here
-    st.conf.write_text(slurm_conf_text(
-        cluster_name=cluster.prefix, controller=(st.controller_name, st.controller_addr),
-        nodes=[(h.name, h.addr) for h in cluster.hosts], base=base, munge_socket=st.munge_socket,
-        partition=st.partition))
-
-    st.munged_pid = start_munged(cluster.state_dir)
-    save()
-    ctl_enter = cluster_enter_controller(cluster)
-    st.slurmctld_pid = _spawn([*ctl_enter, SLURMCTLD, "-D", "-f", str(st.conf)],
-                              base / "ctl" / "slurmctld.out")
-    save()
-    for h in cluster.hosts:
-        st.slurmd_pids[h.name] = _spawn(
-            [*cluster.enter_prefix(h), SLURMD, "-D", "-N", h.name, "-f", str(st.conf)],
-            base / "nodes" / h.name / "slurmd.out")
-    save()
-    wait_nodes_idle(st, [h.name for h in cluster.hosts])
-    return st
-
-
-def cluster_enter_controller(cluster: SimCluster) -> list[str]:
-    """argv prefix that runs a command in the controller namespace (pure)."""
-    from ddplaunch.sim import netns
-
-    st = cluster.slurm
-    assert st is not None
-    return netns.enter_prefix(st.controller_ns, st.controller_name, cluster.hosts_file, cluster.resolv_conf)
-
-
 def start_munged(state_dir: Path) -> int:
     """Start a private munged (own key, socket under `state_dir`/munge, user munge); its PID.
 
@@ -210,9 +161,9 @@ def start_munged(state_dir: Path) -> int:
     os.chmod(state_dir, os.stat(state_dir).st_mode & 0o777 | 0o711)
     run(["runuser", "-u", MUNGE_USER, "--", MUNGED, f"--socket={socket}", f"--key-file={key}",
          f"--log-file={d / 'munged.log'}", f"--pid-file={pid_file}", f"--seed-file={d / 'munged.seed'}"])
-    if not wait_until(lambda: socket.is_socket() and _read_pid(pid_file) is not None, 10.0):
+    if not wait_until(lambda: socket.is_socket() and read_pid(pid_file) is not None, 10.0):
         raise SimError(f"munged made no socket {socket} within 10s: see {d / 'munged.log'}")
-    pid = _read_pid(pid_file)
+    pid = read_pid(pid_file)
     assert pid is not None
     return pid
 
@@ -236,7 +187,7 @@ def wait_nodes_idle(st: SlurmState, names: Sequence[str], timeout: float = IDLE_
                        f"see {st.base}/ctl/slurmctld.log and {st.base}/nodes/*/slurmd.log")
 
 
-def _spawn(argv: Sequence[str], out: Path) -> int:
+def spawn(argv: Sequence[str], out: Path) -> int:
     """Start a foreground (-D) daemon in its own session, output to `out`; its PID.
 
     The host wrapper only execs, so this PID is the daemon's own.
@@ -288,19 +239,11 @@ def stop_munged(state_dir: Path) -> int | None:
     """Stop the munged of `state_dir` (found by its pid file, checked by its socket path);
     returns its PID, or None when none ran."""
     d = munge_dir(state_dir)
-    pid = _read_pid(d / "munged.pid")
+    pid = read_pid(d / "munged.pid")
     if pid is None or not pid_alive(pid) or str(d / "munge.socket.2") not in pid_cmdline(pid):
         return None
     stop_pids([pid])
     return pid
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def _last_log_line(st: SlurmState, label: str) -> str:

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddplaunch.sim.proc import (SimError, pid_alive, pid_cmdline, require_tool, run, run_concurrently,
+from ddplaunch.sim.proc import (SimError, pid_alive, pid_cmdline, read_pid, require_tool, run, run_concurrently,
                                 stop_pids, wait_until)
 
 SSHD = "/usr/sbin/sshd"
@@ -153,10 +153,10 @@ def start_sshds(hosts: Sequence[tuple[Path, Sequence[str]]]) -> list[int]:
                        None) for host_dir, enter in hosts])
     pid_files = [host_dir / "sshd.pid" for host_dir, _ in hosts]
     timeout = START_TIMEOUT_S + 0.05 * len(hosts)
-    if not wait_until(lambda: all(_read_pid(f) is not None for f in pid_files), timeout, interval=0.05):
-        late = next(h for (h, _), f in zip(hosts, pid_files) if _read_pid(f) is None)
+    if not wait_until(lambda: all(read_pid(f) is not None for f in pid_files), timeout, interval=0.05):
+        late = next(h for (h, _), f in zip(hosts, pid_files) if read_pid(f) is None)
         raise SimError(f"sshd for {late.name} wrote no pid file within {timeout:g}s: see {late / 'sshd.log'}")
-    pids = [_read_pid(f) for f in pid_files]
+    pids = [read_pid(f) for f in pid_files]
     for (host_dir, _), pid in zip(hosts, pids):
         if not pid_alive(pid):
             raise SimError(f"sshd for {host_dir.name} exited right after start: see {host_dir / 'sshd.log'}")
@@ -190,11 +190,3 @@ def is_our_sshd(pid: int | None, host_dir: Path) -> bool:
 def mkdir_privsep() -> None:
     """sshd needs its privilege-separation dir, which systemd would normally create."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-
-
-def _read_pid(pid_file: Path) -> int | None:
-    try:
-        text = pid_file.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddplaunch.sim import netns, slurm, sshd
-from ddplaunch.sim.cluster import load_cluster
+from ddplaunch.sim.state import load_cluster
 from ddplaunch.sim.proc import require_root, run
 
 

@@ -17,8 +17,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from ddplaunch.sim.cluster import (RC_NOISE_STDERR, RC_NOISE_STDOUT, SimCluster, SimConfig,  # noqa: F401
-                                   check_requirements, prefix_lock, sim_down, sim_up)
+from ddplaunch.sim.cluster import check_requirements, sim_down, sim_up
+from ddplaunch.sim.state import SimCluster, SimConfig
+from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.proc import SimError, run, wait_until
 from ddplaunch.sim.slurm import SlurmState
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.hostside.procs import proc_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,13 +25,6 @@ def _record(home: Path, run_id: str) -> None:
         "run_id": run_id, "spec_path": "x", "backend": "local", "hosts": ["localhost"],
         "spec": {"backend": "local"}, "plan_text": "", "state": "running", "launcher_pid": 1,
         "launcher_start": 1, "launcher_host": socket.gethostname()}))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.root
@@ -49,8 +44,8 @@ def test_down_spares_other_users_and_untagged_pids(tmp_path):
                               text=True, timeout=60, cwd=ROOT, env=env)
         assert down.returncode == 0, down.stderr
         assert mine.wait(timeout=15) is not None  # ours: ended
-        assert _alive(theirs.pid), "down ended another user's process"
-        assert _alive(bystander.pid), "down signalled the pid of a stale pid file"
+        assert proc_alive(theirs.pid), "down ended another user's process"
+        assert proc_alive(bystander.pid), "down signalled the pid of a stale pid file"
         assert f"ended pids {mine.pid}" in down.stdout
     finally:
         for p in (mine, theirs, bystander):

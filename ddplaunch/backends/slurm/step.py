@@ -93,10 +93,13 @@ class SrunStep:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             line = self._lines.feed(raw.rstrip(b"\n"))
-            if line is not None and line[0] is None:
-                self._srun_message(line[1])
-            elif line is not None:
-                self._emit(line[0], line[1])
+            if line is None:
+                continue
+            node, text = line
+            if node is None:
+                self._srun_message(text)
+            else:
+                self._emit(node, text)
         for node, text in self._lines.rest():
             self._emit(node, text)
 

@@ -13,7 +13,7 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import paramiko
 from fabric import Connection
@@ -69,8 +69,8 @@ class SshBackend(ShellLauncher):
         if conn is not None and conn.is_connected:
             return conn
         ssh = self.spec.ssh
-        kwargs = {"timeout": ssh.connect_timeout, "banner_timeout": ssh.connect_timeout,
-                  "auth_timeout": ssh.connect_timeout}
+        kwargs: dict[str, Any] = {"timeout": ssh.connect_timeout, "banner_timeout": ssh.connect_timeout,
+                                  "auth_timeout": ssh.connect_timeout}
         if ssh.key:
             kwargs.update(key_filename=[str(self.spec.resolve(ssh.key))], look_for_keys=False,
                           allow_agent=False)

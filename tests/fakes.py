@@ -1,0 +1,216 @@
+"""A scripted backend for unit tests of the run loop: the Launcher contract filled without a host.
+
+`FakeBackend` plays each launch from a `StageScript` (when each node ends and how, what its ranks
+print: the health check's verdict, restarts) through the real fail-fast watcher and the real
+line reading, and answers pre-flight probes with a healthy host's facts (or an unreachable
+host's error). `fake_registered(script)` registers it as backend `fake` for one test: no file of
+ddplaunch knows it, which is the point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from ddplaunch import registry
+from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.watch import NodeEnd, follow
+from ddplaunch.errors import BackendError
+from ddplaunch.plan import LaunchPlan
+from ddplaunch.results import StageResult, StopEvent
+from ddplaunch.runs import RunRecord
+from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.stagelines import StageLines
+
+#: How long nodes of a failed stage get to report their own failure (the real backends: 2 s).
+GRACE = 0.05
+
+
+@dataclass
+class NodeScript:
+    """How one node's launch goes: its exit code after `after` seconds (None: its host is lost)."""
+
+    code: Optional[int] = 0
+    after: float = 0.0
+    lines: tuple[str, ...] = ()
+    #: Stopped before its torchrun started (its setup lines still running).
+    never_started: bool = False
+    #: Never ends by itself (only when stopped).
+    hangs: bool = False
+    restarts: int = 0
+
+
+@dataclass
+class StageScript:
+    """One launch: per host label, how its node goes (default: ok at once)."""
+
+    nodes: dict[str, NodeScript] = field(default_factory=dict)
+    #: What rank 0 reports when the launch runs the health check (default: ok).
+    healthcheck: Optional[dict[str, Any]] = None
+    rescheduled: bool = False
+
+
+@dataclass
+class FakeScript:
+    """Every launch of a run, in order, and what the pre-flight finds."""
+
+    stages: list[StageScript] = field(default_factory=list)
+    unreachable: set[str] = field(default_factory=set)
+    #: Host labels the backend offers on each call of hosts() (a scheduler's allocation): cycles.
+    host_sets: list[list[str]] = field(default_factory=list)
+    launched: list[LaunchPlan] = field(default_factory=list)
+    probes: int = 0
+    #: Set on this event during the named launch (index), after its nodes started.
+    interrupt_in: Optional[int] = None
+
+
+def healthy_facts(host: HostSpec, master_ip: str = "10.0.0.1") -> dict[str, Any]:
+    """What hostside/probe.py reports on a healthy host."""
+    return {"hostname": host.label, "python": "3.11.2", "executable": "/usr/bin/python3", "torch": "2.13.0",
+            "cuda": None, "nccl": None, "gpus": None, "gpu_procs": [], "leftovers": {}, "master_ips": [master_ip],
+            "route_iface": "eth0", "route_ip": host.addr, "time": time.time(), "disk_free_gb": 100.0,
+            "script_ok": True, "workdir_ok": True}
+
+
+class FakeBackend:
+    """Fills the Launcher contract from a FakeScript."""
+
+    name = "fake"
+    max_parallel = 8
+
+    def __init__(self, spec: ClusterSpec, run: RunContext, script: FakeScript):
+        self.spec, self.run, self.script = spec, run, script
+        self._hosts_calls = 0
+        self._current = list(spec.hosts)
+
+    def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        if not self.script.host_sets or not allocate:
+            return list(self._current)
+        labels = self.script.host_sets[min(self._hosts_calls, len(self.script.host_sets) - 1)]
+        self._hosts_calls += 1
+        self._current = [HostSpec(addr=label, name=label) for label in labels]
+        return list(self._current)
+
+    def allocation_text(self) -> str:
+        return ""
+
+    def render(self, plan: LaunchPlan) -> "FakeRequest":
+        return FakeRequest(plan)
+
+    def launch(self, request: "FakeRequest", lines: StageLines, stop: StopEvent) -> StageResult:
+        index = len(self.script.launched)
+        self.script.launched.append(request.plan)
+        stage = self.script.stages[index] if index < len(self.script.stages) else StageScript()
+        if self.script.interrupt_in == index:
+            stop.set()
+        result = follow(FakeStage(request.plan, stage, lines), request.plan, lines, stop, grace=GRACE)
+        result.rescheduled = stage.rescheduled
+        return result
+
+    def probe(self, command: CommandFor, timeout: float = 30,
+              hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
+        self.script.probes += 1
+        out = []
+        for host in self._current if hosts is None else hosts:
+            text = command(host)
+            if host.label in self.script.unreachable:
+                out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
+                continue
+            answers = "".join(f"DDPLAUNCH_ANSWER_{nonce} {json.dumps(healthy_facts(host))}\n"
+                              for nonce in re.findall(r"(?<![0-9a-f])[0-9a-f]{12}(?![0-9a-f])", text))
+            out.append(HostResult(host, (0, answers), None))
+        return out
+
+    def port_free(self, addr: str, port: int) -> bool:
+        return True
+
+    def down(self, record: RunRecord) -> list[str]:
+        return [f"{h}: nothing left" for h in record.hosts]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class FakeRequest:
+    plan: LaunchPlan
+
+    def text(self) -> str:
+        return f"# fake launch of {self.plan.stage} on {', '.join(self.plan.hosts)}\n"
+
+
+class FakeStage:
+    """A RunningStage whose nodes end as scripted, printing their scripted lines first."""
+
+    def __init__(self, plan: LaunchPlan, script: StageScript, lines: StageLines):
+        self.plan, self.script, self.lines = plan, script, lines
+        self.t0 = time.monotonic()
+        self.done: set[int] = set()
+        self.stopped: set[int] = set()
+        for node in plan.nodes:
+            mine = self.node(node.node_rank)
+            if mine.restarts:
+                self.say(node.node_rank, f'DDPLAUNCH_RANKSTART_JSON {{"rank": {node.node_rank}, '
+                                         f'"restart": {mine.restarts}}}')
+        if plan.healthcheck:
+            verdict = script.healthcheck or {"ok": True, "world_size": len(plan.nodes), "failures": []}
+            self.say(0, "DDPLAUNCH_HEALTHCHECK_JSON " + json.dumps(verdict))
+
+    def node(self, rank: int) -> NodeScript:
+        return self.script.nodes.get(self.plan.nodes[rank].host_label, NodeScript())
+
+    def say(self, rank: int, text: str) -> None:
+        host = self.plan.nodes[rank].host_label
+        self.lines.emit(rank, host, f"[{host}:{rank}] {text}")
+
+    def poll(self) -> list[NodeEnd]:
+        out = []
+        for node in self.plan.nodes:
+            rank, mine = node.node_rank, self.node(node.node_rank)
+            if rank in self.done or mine.hangs or time.monotonic() - self.t0 < mine.after:
+                continue
+            for text in mine.lines:  # as printed: a rank's lines carry their [host:rank] prefix
+                self.lines.emit(rank, node.host_label, text)
+            self.done.add(rank)
+            out.append(NodeEnd(rank, mine.code, how="" if mine.code is not None else "host lost",
+                               lost=mine.code is None))
+        return out
+
+    def stop(self, nodes: list[int]) -> None:
+        self.stopped |= set(nodes)
+
+    def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
+        ends = [NodeEnd(n, 143) for n in sorted(nodes - self.done)]
+        self.done |= nodes
+        return ends
+
+    def never_started(self, nodes: list[int]) -> set[int]:
+        return {n for n in nodes if self.node(n).never_started}
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def fake_registered(script: FakeScript) -> Iterator[FakeScript]:
+    """Backend `fake` plays `script` while the block runs (one registration, nothing else)."""
+    registry.register(registry.Registration("fake", lambda spec, run: FakeBackend(spec, run, script)))
+    try:
+        yield script
+    finally:
+        registry.unregister("fake")
+
+
+def fake_spec(tmp_path: Path, hosts: int = 3, **sections: Any) -> Path:
+    """A spec file for backend `fake` with hosts f1..fN."""
+    import yaml
+
+    data = {"name": "fake", "backend": "fake", "hosts": [f"f{i + 1}" for i in range(hosts)], **sections}
+    path = tmp_path / "fake.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -1,0 +1,177 @@
+"""The run loop without the world: a scripted backend (tests/fakes.py) registered for the test
+drives `up` through the real pre-flight gate, health gate, exclusion, reschedules, restart counts
+and the fail-fast watcher, in milliseconds. The backend is added with one registration: no file
+of ddplaunch names it."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from ddplaunch.cli import cli
+from ddplaunch.errors import SpecError
+from ddplaunch.launch import UpOptions, up
+from ddplaunch.specfile import load_spec
+from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
+
+
+@pytest.fixture(autouse=True)
+def _state(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPLAUNCH_HOME", str(tmp_path / "state"))
+
+
+def run(tmp_path, script: FakeScript, opts: UpOptions | None = None, **sections):
+    with fake_registered(script):
+        spec = load_spec(fake_spec(tmp_path, **sections))
+        out = io.StringIO()
+        t0 = time.monotonic()
+        report = up(spec, "fake.yaml", opts or UpOptions(), stream=out)
+        return report, out.getvalue(), time.monotonic() - t0
+
+
+def bad_pair_verdict(host: str) -> dict:
+    pairs = {"singles": [], "pairs": [{"hosts": ["f1", host], "ok": False, "busbw_gbps": 0.1, "detail": ""}],
+             "repairs": [], "median_busbw_gbps": 1.0, "bad_hosts": [host], "reasons": {host: "slow"}}
+    return {"ok": False, "world_size": 3, "failures": [{"rank": 1, "host": host, "check": "pair",
+                                                        "message": f"host {host} is bad"}], "pairs": pairs}
+
+
+def failed_rank(rank: int, code: int, error: str) -> tuple[str, ...]:
+    """A rank's traceback, then its node's torchrun agent naming it as the root cause."""
+    return (f"[f{rank + 1}:{rank}] Traceback (most recent call last):", f"[f{rank + 1}:{rank}] {error}",
+            "Root Cause (first observed failure):", f"  rank      : {rank} (local_rank: 0)",
+            f"  exitcode  : {code} (pid: 1)")
+
+
+def test_healthy_run_is_one_launch_with_the_health_check_inline(tmp_path):
+    script = FakeScript()
+    report, out, took = run(tmp_path, script)
+    assert report.exit_code == 0 and [p.stage for p in script.launched] == ["job"]
+    assert script.launched[0].healthcheck and report.healthcheck == {"ok": True, "world_size": 3, "failures": []}
+    assert script.probes >= 1  # the pre-flight ran (remote hosts)
+    assert "stage job: ok on all 3 node(s)" in out and took < 5
+
+
+def test_preflight_gate_stops_before_anything_is_launched(tmp_path):
+    script = FakeScript(unreachable={"f2"})
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 1 and report.blocked == "pre-flight" and script.launched == []
+    assert "f2 (f2): reach: no answer -> fix: plug it in" in out
+    assert "stopped by the pre-flight gate: no job was started" in out
+
+
+def test_preflight_exclude_goes_on_without_the_unreachable_host(tmp_path):
+    script = FakeScript(unreachable={"f2"})
+    report, out, _ = run(tmp_path, script, healthcheck={"on_fail": "exclude"})
+    assert report.exit_code == 0 and [p.hosts for p in script.launched] == [["f1", "f3"]]
+
+
+def test_health_gate_stops_on_a_bad_host(tmp_path):
+    script = FakeScript(stages=[StageScript(healthcheck=bad_pair_verdict("f2"),
+                                            nodes={h: NodeScript(code=1) for h in ("f1", "f2", "f3")})])
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 1 and report.blocked == "health check" and len(script.launched) == 1
+    assert "the health check failed on f2: stopping" in out
+
+
+def test_health_gate_excludes_the_bad_host_and_launches_again(tmp_path):
+    script = FakeScript(stages=[StageScript(healthcheck=bad_pair_verdict("f2"),
+                                            nodes={h: NodeScript(code=1) for h in ("f1", "f2", "f3")})])
+    report, out, _ = run(tmp_path, script, healthcheck={"on_fail": "exclude"})
+    assert report.exit_code == 0 and report.excluded == ["f2"]
+    assert [p.hosts for p in script.launched] == [["f1", "f2", "f3"], ["f1", "f3"]]
+    assert [p.nnodes for p in script.launched] == [3, 2]
+    assert "EXCLUDED them (healthcheck.on_fail: exclude)" in out
+
+
+def test_separate_health_check_is_its_own_launch_and_gates_the_job(tmp_path):
+    script = FakeScript(stages=[StageScript(healthcheck={"ok": False, "failures": []},
+                                            nodes={"f1": NodeScript(code=1)})])
+    report, _, _ = run(tmp_path, script, healthcheck={"launch": "separate"})
+    assert [p.stage for p in script.launched][0] == "healthcheck" and report.exit_code == 1
+    assert all(p.stage != "job" for p in script.launched)  # the job never started
+
+
+def test_rescheduled_hosts_run_every_stage_again(tmp_path):
+    script = FakeScript(stages=[StageScript(rescheduled=True, nodes={"f1": NodeScript(code=143)})],
+                        host_sets=[["f1", "f2", "f3"], ["f4", "f5", "f6"]])
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 0 and len(script.launched) == 2
+    assert script.launched[1].hosts == ["f4", "f5", "f6"] and len(report.stages) == 1
+    assert "allocation requeued (restart 1): every stage runs again" in out and "hosts: f4, f5, f6" in out
+
+
+def test_restart_counts_come_from_the_ranks_own_lines(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(restarts=2)})])
+    report, out, _ = run(tmp_path, script)
+    assert [o.restarts for o in report.stages[0].outcomes] == [0, 2, 0]
+    assert "workers restarted: f2 2x" in out
+
+
+def test_first_failure_is_the_node_that_failed_by_itself_and_the_rest_are_stopped(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={
+        "f1": NodeScript(code=1, after=0.01, lines=failed_rank(0, 1, "RuntimeError: Connection closed by peer")),
+        "f2": NodeScript(code=3, after=0.02, lines=failed_rank(1, 3, "ValueError: boom")),
+        "f3": NodeScript(hangs=True)})])
+    report, out, _ = run(tmp_path, script, healthcheck={"enabled": False})
+    stage = report.stages[0]
+    assert report.exit_code == 1
+    assert [o.state for o in stage.outcomes] == ["failed", "failed", "interrupted"]
+    assert stage.first_failure is not None and stage.first_failure.host == "f2"  # f1 only saw its peer die
+    assert "f1 (node 0) exited with 1: stopping every other node" in out
+    assert "stopped by ddplaunch: f1 (node 0) failed" in stage.outcomes[2].detail
+
+
+def test_a_node_that_never_started_is_failed_and_named(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={"f1": NodeScript(code=1), "f3": NodeScript(hangs=True,
+                                                                                          never_started=True)})])
+    report, out, _ = run(tmp_path, script, healthcheck={"enabled": False})
+    f3 = report.stages[0].outcomes[2]
+    assert f3.state == "failed" and f3.never_started
+    assert "missing host: f3 (node 2): torchrun never started (blocked before launch)" in out
+
+
+def test_lost_host_is_lost_not_failed(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(code=None, after=0.01),
+                                                   "f1": NodeScript(hangs=True), "f3": NodeScript(hangs=True)})])
+    report, out, _ = run(tmp_path, script, healthcheck={"enabled": False})
+    stage = report.stages[0]
+    assert [o.state for o in stage.outcomes] == ["interrupted", "lost", "interrupted"]
+    assert [o.host for o in stage.lost_hosts] == ["f2"] and report.exit_code == 1
+    assert "f2 (node 1) lost its connection: stopping every other node" in out
+
+
+def test_user_interrupt_stops_every_node_and_exits_130(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={h: NodeScript(hangs=True) for h in ("f1", "f2", "f3")})],
+                        interrupt_in=0)
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 130 and report.stages[0].interrupted
+    assert {o.state for o in report.stages[0].outcomes} == {"interrupted"}
+    assert "interrupted by the user: stopping every node" in out
+
+
+def test_run_record_and_healthcheck_json_come_from_the_result(tmp_path):
+    script = FakeScript()
+    report, _, _ = run(tmp_path, script, opts=UpOptions(run_id="fake-rec"))
+    run_dir = tmp_path / "state" / "runs" / "fake-rec"
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["state"] == "ok" and record["stages"][0]["healthcheck"]["ok"] is True
+    assert json.loads((run_dir / "healthcheck.json").read_text())["world_size"] == 3
+
+
+def test_a_backend_is_one_registration_away(tmp_path):
+    """Registered in this test only: the spec accepts it, the CLI runs it; unregistered, it is an
+    unknown backend again."""
+    path = fake_spec(tmp_path)
+    with fake_registered(FakeScript()):
+        validated = CliRunner().invoke(cli, ["validate", str(path)])
+        assert validated.exit_code == 0 and "ok (fake, 3 host(s)" in validated.output
+        launched = CliRunner().invoke(cli, ["up", str(path), "--run-id", "fake-cli"])
+        assert launched.exit_code == 0, launched.output
+        assert "run fake-cli: ok (exit 0)" in launched.output
+    with pytest.raises(SpecError, match="unknown backend 'fake'"):
+        load_spec(path)
