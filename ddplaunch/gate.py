@@ -18,7 +18,7 @@ from ddplaunch.localize import Localization, localize, render_html
 from ddplaunch.preflight import PreflightReport, render_table, run_preflight
 from ddplaunch.results import StageResult, StopEvent
 from ddplaunch.runs import write_private
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec import ClusterSpec, HostSpec
 
 
 def exclude_hosts(spec: ClusterSpec, labels: list[str]) -> ClusterSpec:
@@ -48,16 +48,26 @@ def preflight_wanted(spec: ClusterSpec, check_only: bool) -> bool:
 
 
 def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
-                   console: Console, run_dir: Path) -> tuple[Optional[ClusterSpec], PreflightReport]:
-    """Run the pre-flight checks; the spec to go on with (None: stop)."""
-    report = run_preflight(spec, backend, run_id, port)
+                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None
+                   ) -> tuple[Optional[ClusterSpec], list[HostSpec], PreflightReport]:
+    """Run the pre-flight checks on the hosts and the spares at once; the spec to go on with (None:
+    stop) and the spares that passed (a spare that fails is named and dropped; the run goes on)."""
+    spares = list(spares or [])
+    probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
+    report = run_preflight(probed, backend, run_id, port)
     console.block(render_table(report))
     write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
     if report.socket_ifname and not spec.socket_ifname:
         spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
-    if report.ok:
-        return spec, report
-    return _exclude_or_stop(spec, report.bad_hosts, "pre-flight", console), report
+    bad = set(report.bad_hosts)
+    dropped = [s.label for s in spares if s.label in bad]
+    if dropped:
+        console.note(f"spare {', '.join(dropped)} failed the pre-flight: dropped (the run goes on without it)")
+    spares = [s for s in spares if s.label not in bad]
+    bad_hosts = [h.label for h in spec.hosts if h.label in bad]
+    if not bad_hosts:
+        return spec, spares, report
+    return _exclude_or_stop(spec, bad_hosts, "pre-flight", console), spares, report
 
 
 def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, result: StageResult,

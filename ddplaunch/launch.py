@@ -132,7 +132,8 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
     record.state = {0: "ok", EXIT_INTERRUPTED: "interrupted"}.get(report.exit_code, "failed")
     record.ended_at = time.time()
     record.save()
-    stream.write(summarize(run_id, report.stages, report.exit_code, report.blocked) + "\n")
+    report.wall_s = time.time() - record.started_at
+    stream.write(summarize(report) + "\n")
     stream.flush()
     return report
 

@@ -205,7 +205,7 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
 def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
               job_args: Optional[list[str]] = None, direct: bool = False,
               environ: Optional[Mapping[str, str]] = None, inline_healthcheck: bool = False,
-              pairwise: bool = False) -> LaunchPlan:
+              pairwise: bool = False, recovery: int = 0) -> LaunchPlan:
     """Build the launch plan of one stage.
 
     Args:
@@ -219,6 +219,8 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         environ: the launcher's environment, for `env: {X: {from_env: Y}}` (None: os.environ).
         inline_healthcheck: the job's workers run the health check first, in the same launch.
         pairwise: the health check also tests host pairs in-process (and names slow hosts).
+        recovery: how many host failures the run has survived: a relaunch after one tells the
+            job (DDPLAUNCH_RECOVERY=N) so it knows to resume from its latest checkpoint.
     Returns:
         The plan; a backend's `render(plan).text()` is its dry-run text.
     """
@@ -231,6 +233,8 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     for rank, host in enumerate(spec.hosts):
         python = host_python(spec, host)
         env = node_env(spec, run_id, stage, host.label, user_env)
+        if recovery:
+            env["DDPLAUNCH_RECOVERY"] = str(recovery)
         torchrun = None
         if direct:
             env = dict(env, RANK=str(rank), LOCAL_RANK="0", GROUP_RANK=str(rank),

@@ -110,7 +110,7 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
         text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel)
         return text
 
-    results = backend.probe(command, timeout=listen_seconds(spec, parallel) + PROBE_SLACK)
+    results = backend.probe(command, timeout=listen_seconds(spec, parallel) + PROBE_SLACK, hosts=list(spec.hosts))
     t1 = time.time()
     raw: dict[str, Any] = {}
     for host, res, err in results:

@@ -31,6 +31,8 @@ class Registration:
     max_hosts: Optional[int] = None
     #: Runs on this machine: its files are checked here when the spec is read.
     runs_here: bool = False
+    #: Its nodes come from an allocation it makes: spares may be a count of extra nodes.
+    allocates: bool = False
     one_line: str = ""
 
     def load(self) -> Callable[..., Any]:
@@ -73,12 +75,13 @@ def section_owner(section: str) -> Optional[str]:
 register(Registration(
     "local", "ddplaunch.backends.local:LocalBackend", max_hosts=1, runs_here=True,
     one_line="this machine, one process group",
-    limits={"sync": "the local backend runs in place: the files are already here"}))
+    limits={"sync": "the local backend runs in place: the files are already here",
+            "recovery": "one host, this machine: there is no other to go on with"}))
 register(Registration(
     "ssh", "ddplaunch.backends.ssh:SshBackend", sections=("ssh",),
     one_line="Fabric, one connection per host"))
 register(Registration(
-    "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",),
+    "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",), allocates=True,
     one_line="srun steps of one allocation",
     limits={"sync": "Slurm jobs read the shared file system: put the files there",
             "hosts[].user": "Slurm starts every step as the submitting user",

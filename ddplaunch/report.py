@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
+from ddplaunch.recovery import Recovery
 from ddplaunch.results import STATE_ORDER, StageResult
 
 
@@ -28,6 +29,11 @@ class RunReport:
     excluded: list[str] = field(default_factory=list)
     #: What stopped the run before its last stage ("pre-flight", "health check"), if anything.
     blocked: Optional[str] = None
+    #: Host failures the run survived (recovery.Recovery), and why it did not survive one.
+    recoveries: list[Recovery] = field(default_factory=list)
+    unrecovered: Optional[str] = None
+    #: Wall time of the run, and the time its job spent between first and last completed step.
+    wall_s: float = 0.0
 
     @property
     def exit_code(self) -> int:
@@ -44,38 +50,66 @@ def exit_code(stages: list[StageResult], final_stage: str = "job", blocked: Opti
     return EXIT_OK if stages[-1].ok else EXIT_FAILURE
 
 
-def summarize(run_id: str, stages: list[StageResult], code: int, blocked: Optional[str] = None,
-              tail_lines: int = 10) -> str:
+def summarize(report: RunReport, tail_lines: int = 10) -> str:
     """The human summary of a run, worst news first."""
-    out = [f"stopped by the {blocked} gate: no job was started"] if blocked else []
-    for stage in stages:
-        bad = [o for o in stage.outcomes if o.state != "ok"]
-        took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
-        restarts = ", ".join(f"{o.host} {o.restarts}x" for o in stage.outcomes if o.restarts)
-        restarts = f"; workers restarted: {restarts}" if restarts else ""
-        if stage.ok:
-            out.append(f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}{restarts}")
-            continue
-        verdict = "INTERRUPTED" if stage.interrupted else "FAILED"
-        out.append(f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}")
-        out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
-        out += [f"  {line}" for line in stage.diagnosis]
-        first = stage.first_failure
-        if first is not None:
-            out.append(f"  first failure: {first.describe()}")
-            if first.cause:
-                out.append(f"  rank {first.failed_rank} on {first.host} said:")
-                out += [f"    {line}" for line in first.cause[-tail_lines:]]
-            elif first.tail:
-                out.append(f"  last lines from {first.host}:")
-                out += [f"    {line}" for line in first.tail[-tail_lines:]]
-        out.append("  every node:")
-        for o in sorted(stage.outcomes, key=lambda o: (STATE_ORDER.index(o.state)
-                                                        if o.state in STATE_ORDER else 0, o.node_rank)):
-            out.append(f"    {o.describe()}")
-    out.append(f"run {run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
+    out = [f"stopped by the {report.blocked} gate: no job was started"] if report.blocked else []
+    for stage in report.stages:
+        out += _stage_lines(stage, tail_lines)
+    if report.recoveries:
+        n = len(report.recoveries)
+        out.append(f"recovered from {n} host failure{'s' if n > 1 else ''}:")
+        out += [f"  {r.describe()}" for r in report.recoveries]
+    if report.unrecovered:
+        out.append(f"not recovered: {report.unrecovered}")
+    training = sum(s.progress.training_s for s in report.stages if s.progress is not None)
+    if training >= 1 and report.wall_s:
+        out.append(f"training time: {_duration(training)} of {_duration(report.wall_s)} wall "
+                   f"({100 * training / report.wall_s:.0f}% effective)")
+    code = report.exit_code
+    out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")
     return "\n".join(out)
+
+
+def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
+    """One stage's part of the summary: one line when it went well (or was recovered)."""
+    took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
+    restarts = ", ".join(f"{o.host} {o.restarts}x" for o in stage.outcomes if o.restarts)
+    restarts = f"; workers restarted: {restarts}" if restarts else ""
+    if stage.ok:
+        return [f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}{restarts}"]
+    if stage.recovered:
+        lost = ", ".join(f"{o.host} (node {o.node_rank})" for o in stage.lost_hosts)
+        return [f"stage {stage.stage}: lost {lost}{took}: recovered (recovery {stage.recovered})"]
+    bad = [o for o in stage.outcomes if o.state != "ok"]
+    verdict = "INTERRUPTED" if stage.interrupted else "FAILED"
+    out = [f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
+    out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
+    out += [f"  {line}" for line in stage.diagnosis]
+    first = stage.first_failure
+    if first is not None:
+        out.append(f"  first failure: {first.describe()}")
+        if first.cause:
+            out.append(f"  rank {first.failed_rank} on {first.host} said:")
+            out += [f"    {line}" for line in first.cause[-tail_lines:]]
+        elif first.tail:
+            out.append(f"  last lines from {first.host}:")
+            out += [f"    {line}" for line in first.tail[-tail_lines:]]
+    out.append("  every node:")
+    for o in sorted(stage.outcomes, key=lambda o: (STATE_ORDER.index(o.state)
+                                                    if o.state in STATE_ORDER else 0, o.node_rank)):
+        out.append(f"    {o.describe()}")
+    return out
+
+
+def _duration(seconds: float) -> str:
+    """`41s`, `3m10s`, `2h05m`."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def summary_json(report: RunReport) -> str:
@@ -83,4 +117,5 @@ def summary_json(report: RunReport) -> str:
     return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
                        "preflight": report.preflight, "healthcheck": report.healthcheck,
                        "localization": report.localization, "excluded": report.excluded,
+                       "recoveries": [r.to_dict() for r in report.recoveries], "unrecovered": report.unrecovered,
                        "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

@@ -41,6 +41,8 @@ class NodeOutcome:
     restarts: int = 0
     #: The run ended before this node's torchrun started (its setup lines were still running).
     never_started: bool = False
+    #: For a lost host: when it was last heard from (its last heartbeat or line).
+    last_heard_at: Optional[float] = None
 
     def describe(self) -> str:
         """One line: host, node, state, exit code or signal, failing rank."""
@@ -82,6 +84,10 @@ class StageResult:
     rank_exits: list[dict[str, Any]] = field(default_factory=list)
     #: Lines worth repeating however far they scrolled (collective mismatches, store errors).
     findings: list[str] = field(default_factory=list)
+    #: The job's progress as its ranks printed it (torchrun_logs.STEP_RE), if they did.
+    progress: Optional["Progress"] = None
+    #: The hosts it lost were replaced and the stage launched again (the number of that recovery).
+    recovered: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -99,8 +105,34 @@ class StageResult:
         """Nodes whose host was lost or unreachable (not a failure of the job's own code)."""
         return [o for o in self.outcomes if o.state in HOST_STATES]
 
+    @property
+    def host_failure(self) -> bool:
+        """The stage failed because hosts were lost, not because the job failed: some host is
+        lost, and every node that failed only saw a peer die (its rank's own words), never
+        started, or was stopped. A rank that failed by itself on a host that answers is the
+        job's failure, whatever else happened."""
+        if not self.lost_hosts or self.interrupted:
+            return False
+        return all(o.state != FAILED or o.never_started or _victim(o) for o in self.outcomes)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Progress:
+    """When a launch's job completed steps: its first and last `step=N` lines, and the step a
+    resumed job said it resumed from."""
+
+    first_at: float
+    first_step: int
+    last_at: float
+    last_step: int
+    resumed_from: Optional[int] = None
+
+    @property
+    def training_s(self) -> float:
+        return self.last_at - self.first_at
 
 
 def _victim(outcome: NodeOutcome) -> bool:

@@ -4,8 +4,9 @@
 each stage: plan (pure) -> `backend.render` -> `backend.launch`, the job under the hang watchdog,
 the health check followed by its gate (which may stop the run or drop hosts). Everything a stage
 produced comes back in its `StageResult`; the console only displays. Hosts given back by a
-scheduler (a requeued allocation) run every stage again. The stage planning `up`, `check` and
-the dry run share is here too.
+scheduler (a requeued allocation) run every stage again. A launch that lost hosts is launched
+again on the survivors and spares while `recovery.max_host_failures` lasts (recovery.py). The
+stage planning `up`, `check` and the dry run share is here too.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from ddplaunch.console import Console
 from ddplaunch.errors import PlanError
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
+from ddplaunch.recovery import RecoveryBudget
 from ddplaunch.report import RunReport
-from ddplaunch.results import StageResult, StopEvent, describe_exit
+from ddplaunch.results import Progress, StageResult, StopEvent, describe_exit
 from ddplaunch.runs import RunRecord, write_private
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.stagelines import StageLines
@@ -61,7 +63,8 @@ def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
     return ["job"]
 
 
-def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions) -> LaunchPlan:
+def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions,
+               recovery: int = 0) -> LaunchPlan:
     """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`.
 
     `check` with one process per host starts the health check directly (the torchrun env contract
@@ -72,7 +75,7 @@ def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOp
     inline = stage == "job" and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
     direct = opts.healthcheck_only and spec.nproc_per_node == 1
     return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
-                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise)
+                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery)
 
 
 class RunLoop:
@@ -86,6 +89,7 @@ class RunLoop:
         #: (stage, master, port) the pre-flight just found free (the master listened on it): that
         #: launch takes it without probing it again
         self._proven: Optional[tuple[str, str, int]] = None
+        self.budget = RecoveryBudget(spec.recovery, [])
 
     def run(self) -> None:
         rescheduled = 0
@@ -107,13 +111,16 @@ class RunLoop:
         text = self.backend.allocation_text()
         if text and not self.record.plan_text:
             self.record.plan_text = text
+        spares = self.backend.spares()
+        self.budget.spares = spares
         if not preflight_wanted(spec, self.opts.healthcheck_only):
             return spec
         # a derived port is probed (and moved on when busy) first, so the pre-flight tests the
         # port the launch uses; an explicit master.port is the pre-flight's to report
         stage = stages_of(spec, self.opts)[0]
         first = spec.master.port or self._free_port(spec, stage)
-        gated, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console, self.record.dir)
+        gated, self.budget.spares, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console,
+                                                       self.record.dir, spares)
         self.report.preflight = pf.to_dict()
         if gated is None:
             self.report.blocked = "pre-flight"
@@ -128,9 +135,19 @@ class RunLoop:
         stages = stages_of(spec, self.opts)
         while stages:
             stage = stages[0]
-            result = self._launch(spec, plan_stage(spec, self.run_id, stage, self._free_port(spec, stage), self.opts))
+            recovery = len(self.budget.done)
+            port = self._free_port(spec, stage, recovery)
+            result = self._launch(spec, plan_stage(spec, self.run_id, stage, port, self.opts, recovery))
+            if recovery:
+                self._resumed(result)
             if result.rescheduled:
                 return True
+            if result.host_failure:
+                recovered = self._recover(spec, result)
+                if recovered is None:
+                    return False
+                spec = recovered
+                continue
             if result.ran_healthcheck and not (stage == "job" and result.healthcheck and result.healthcheck.get("ok")):
                 gated = self._healthcheck_gate(spec, result)
                 if gated is None:
@@ -143,6 +160,35 @@ class RunLoop:
                 return False
             stages = stages[1:]
         return False
+
+    def _recover(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
+        """After a launch that lost hosts: the spec to launch again with (None: the run ends, and
+        the summary says why)."""
+        hosts, why = self.budget.next_hosts(spec.hosts, result, spec.master.addr)
+        if hosts is None:
+            self.console.note(f"not recovering: {why}")
+            self.report.unrecovered = why
+            return None
+        recovery = self.budget.done[-1]
+        result.recovered = recovery.number
+        self.record.stages[-1] = result.to_dict()
+        self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
+                          f"relaunching on {', '.join(h.label for h in hosts)}")
+        self.report.recoveries.append(recovery)
+        self.record.hosts = [h.label for h in hosts]
+        self._save_recoveries()
+        return spec.model_copy(update={"hosts": hosts})
+
+    def _resumed(self, result: StageResult) -> None:
+        """The launch after a recovery: when its job completed its first step, from which step."""
+        recovery = self.budget.done[-1]
+        if recovery.resumed_after_s is None:
+            recovery.resumed(result.progress)
+        self._save_recoveries()
+
+    def _save_recoveries(self) -> None:
+        self.record.extra["recoveries"] = [r.to_dict() for r in self.report.recoveries]
+        self.record.save()
 
     def _healthcheck_gate(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
         """After a launch that ran the health check: the spec to go on with (None: stop)."""
@@ -162,7 +208,7 @@ class RunLoop:
         self.record.plan_text += request.text()
         self.record.save()
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
-        lines = StageLines(self.console)
+        lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None)
         watchdog = None
         if plan.stage == "job" and spec.job.hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
@@ -182,7 +228,18 @@ class RunLoop:
         self.record.save()
         return result
 
-    def _free_port(self, spec: ClusterSpec, stage: str) -> int:
+    def _first_step(self, progress: Progress) -> None:
+        """The relaunched job completed a step: say when training resumed, live."""
+        recovery = self.budget.done[-1]
+        if recovery.resumed_after_s is None:
+            recovery.resumed(progress)
+            step = f" at step {recovery.resumed_from}" if recovery.resumed_from is not None else ""
+            self.console.note(f"training resumed{step}, {recovery.resumed_after_s:.0f}s after "
+                              f"{', '.join(recovery.lost)} was last heard from")
+
+    def _free_port(self, spec: ClusterSpec, stage: str, recovery: int = 0) -> int:
+        """A free master port for `stage`: the one the pre-flight proved, `master.port`, or one
+        derived from the run id (and the recovery: a relaunch takes a fresh port)."""
         addr = master_addr(spec)
         proven, self._proven = self._proven, None
         if proven is not None and proven[:2] == (stage, addr):
@@ -192,7 +249,7 @@ class RunLoop:
                 raise PlanError(f"master.port {spec.master.port} is already in use on {addr}; free it or "
                                 "remove master.port so ddplaunch picks a free one")
             return spec.master.port
-        key = stage_port_key(self.run_id, stage)
+        key = stage_port_key(self.run_id, stage) + (f":recovery{recovery}" if recovery else "")
         for attempt in range(PORT_ATTEMPTS):
             port = derive_port(key, attempt)
             if self.backend.port_free(addr, port):

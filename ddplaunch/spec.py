@@ -217,6 +217,37 @@ class JobSpec(_Strict):
             if isinstance(args, list) else args
 
 
+class RecoverySpec(_Strict):
+    """Self-healing: how many host losses a run survives, and with what (runloop.py, recovery.py)."""
+
+    #: host losses a run survives; 0: the run fails and names the lost host
+    max_host_failures: int = Field(default=0, ge=0)
+    #: hosts held in reserve, pre-flighted with the others; a backend that allocates its nodes
+    #: (slurm) also takes a count of extra nodes for the allocation to hold
+    spares: Union[int, list[HostSpec]] = Field(default_factory=list)
+    #: without a spare left, go on with the survivors while at least this many remain
+    min_hosts: Optional[int] = Field(default=None, ge=1)
+    #: seconds a node may say nothing (its shell's heartbeat comes every second) before its host
+    #: is probed, and lost if it does not answer
+    detect_timeout: float = Field(default=6.0, gt=0, le=600)
+
+    @field_validator("spares", mode="before")
+    @classmethod
+    def _spare_lists(cls, spares: Any) -> Any:
+        if isinstance(spares, bool) or isinstance(spares, int) and spares < 0:
+            raise ValueError("must be a list of hosts or (slurm) a count of extra nodes >= 0")
+        if not isinstance(spares, list):
+            return spares
+        out: list[Any] = []
+        for h in spares:
+            out += expand_hostlist(h) if isinstance(h, str) and "[" in h else [h]
+        return out
+
+    @property
+    def spare_count(self) -> int:
+        return self.spares if isinstance(self.spares, int) else len(self.spares)
+
+
 class SshSpec(_Strict):
     """How to reach the hosts of `backend: ssh`."""
 
@@ -307,6 +338,7 @@ class ClusterSpec(_Strict):
     preflight: PreflightSpec = Field(default_factory=PreflightSpec)
     healthcheck: HealthcheckSpec = Field(default_factory=HealthcheckSpec)
     job: JobSpec = Field(default_factory=JobSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     sync: list[Line] = Field(default_factory=list)
@@ -339,10 +371,15 @@ class ClusterSpec(_Strict):
             raise ValueError(f"hosts: backend {self.backend!r} runs on "
                              + ("exactly one host" if limit == 1 else f"at most {limit} hosts")
                              + f"; use backend {others} for several")
-        labels = [h.label for h in self.hosts]
+        spares = self.recovery.spares if isinstance(self.recovery.spares, list) else []
+        labels = [h.label for h in self.hosts] + [h.label for h in spares]
         dupes = sorted({x for x in labels if labels.count(x) > 1})
         if dupes:
-            raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))}")
+            raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))} (a spare must not be a host too)")
+        if isinstance(self.recovery.spares, int) and self.recovery.spares and \
+                not registry.registration(self.backend).allocates:
+            raise ValueError(f"recovery.spares: backend {self.backend!r} allocates no nodes: list the spare "
+                             "hosts by name or address, as under hosts:")
         return self
 
     def resolve(self, path: str) -> Path:

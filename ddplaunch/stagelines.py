@@ -3,10 +3,11 @@
 Backends feed every line of a stage into its `StageLines` (`emit(node, host, line)`). It keeps
 what the stage's result needs — each node's and each rank's last lines, the machine-readable
 payload lines ranks print (`DDPLAUNCH_<NAME>_JSON {...}`: the health check's verdict, each
-rank's start and exit), PyTorch's findings — and the clock of the hang watchdog, and passes each
-line to the console: shown unless it is noise, a payload, or from a node ddplaunch is stopping
-on purpose (`verbose` shows everything; the log has every line). `fill(result)` hands it all to
-the `StageResult`.
+rank's start and exit), PyTorch's findings, the job's progress — the clock of the hang watchdog,
+and each node's heartbeat (the watcher's sign that its host lives; never shown or logged), and
+passes each line to the console: shown unless it is noise, a payload, or from a node ddplaunch
+is stopping on purpose (`verbose` shows everything; the log has every line). `fill(result)` hands
+it all to the `StageResult`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import json
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ddplaunch.console import Console
-from ddplaunch.results import StageResult
-from ddplaunch.torchrun_logs import FINDING_RE, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, rank_of
+from ddplaunch.results import Progress, StageResult
+from ddplaunch.torchrun_logs import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE,
+                                     rank_of)
 
 TAIL_LINES = 40
 
@@ -27,8 +29,9 @@ TAIL_LINES = 40
 class StageLines:
     """Every line of one launch, from every node."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None):
         self.console = console
+        self._on_first_step = on_first_step
         self._lock = threading.Lock()
         self._tails: dict[int, deque[str]] = {}
         self._rank_tails: dict[int, deque[str]] = {}
@@ -40,17 +43,27 @@ class StageLines:
         #: When the last line from any node arrived (the hang watchdog's clock), and from any rank.
         self.last_line_at = time.time()
         self.last_rank_line_at: Optional[float] = None
+        #: When each node was last heard from (any line, its heartbeat included).
+        self.heard_at: dict[int, float] = {}
+        self.progress: Optional[Progress] = None
+        self._resumed_from: Optional[int] = None
 
     # ------------------------------------------------------------------ from the backends
 
     def emit(self, node_rank: int, host: str, line: str) -> None:
         """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get `[host] `)."""
         line = line.rstrip("\r\n")
+        now = time.time()
+        if line == HEARTBEAT:  # only says the host lives: not output, not the hang watchdog's
+            with self._lock:
+                self.heard_at[node_rank] = now
+            return
         if not line.startswith(f"[{host}:"):
             line = f"[{host}] {line}"
         marker = PAYLOAD_RE.search(line)
+        first = False
         with self._lock:
-            self.last_line_at = time.time()
+            self.last_line_at = self.heard_at[node_rank] = now
             if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown
@@ -60,10 +73,36 @@ class StageLines:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
                 ranked = rank_of(line)
                 if ranked is not None:
-                    self.last_rank_line_at = self.last_line_at
+                    self.last_rank_line_at = now
                     self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
+                    first = self._progress(line, now)
                 shown = self._shown(node_rank, line)
         self.console.line(line, shown)
+        if first and self._on_first_step is not None and self.progress is not None:
+            self._on_first_step(self.progress)
+
+    def _progress(self, line: str, now: float) -> bool:
+        """Note the job's progress from a rank's line; True for its first completed step."""
+        resumed = RESUMED_RE.search(line)
+        if resumed:
+            self._resumed_from = int(resumed.group(1))
+        step = STEP_RE.search(line)
+        if step is None:
+            return False
+        n = int(step.group(1))
+        first = self.progress is None
+        if self.progress is None:
+            self.progress = Progress(first_at=now, first_step=n, last_at=now, last_step=n)
+        else:
+            self.progress.last_at, self.progress.last_step = now, max(n, self.progress.last_step)
+        self.progress.resumed_from = self._resumed_from
+        return first
+
+    def silent_for(self, node_rank: int) -> Optional[float]:
+        """Seconds since the node was last heard from; None before its first heartbeat or line."""
+        with self._lock:
+            heard = self.heard_at.get(node_rank)
+        return None if heard is None else time.time() - heard
 
     def note(self, text: str) -> None:
         self.console.note(text)
@@ -127,6 +166,7 @@ class StageLines:
         result.healthcheck = verdicts[-1][1] if verdicts else None
         result.rank_exits = [p for _, p in self.payloads("RANKEXIT")]
         result.findings = list(self.findings)
+        result.progress = self.progress
         for node, start in self.payloads("RANKSTART"):
             restart = start.get("restart")
             if isinstance(restart, int) and 0 <= node < len(result.outcomes):

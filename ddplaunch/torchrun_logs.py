@@ -25,6 +25,13 @@ NOISE_RE = re.compile(r"Setting OMP_NUM_THREADS environment variable for each pr
                       r"\*{20,}|The hostname of the client socket cannot be retrieved")
 
 
+#: What a node's shell prints every second while it runs (backends/shell.py): its host is alive.
+HEARTBEAT = "DDPLAUNCH_ALIVE"
+#: A training job's progress, by the convention jobs/train.py and jobs/fsdp_train.py follow: a
+#: completed step prints `step=N ...`; a resumed run first says `resumed from PATH at step N`.
+STEP_RE = re.compile(r"\bstep=(\d+)\b")
+RESUMED_RE = re.compile(r"\bresumed from \S+ at step (\d+)")
+
 #: A rank's own words when it failed only because another rank died first.
 VICTIM_RE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crashing|"
                        r"Broken pipe|DistBackendError|failed to recv|Socket Timeout")

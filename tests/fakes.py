@@ -26,6 +26,7 @@ from ddplaunch.results import StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.spec import ClusterSpec, HostSpec
 from ddplaunch.stagelines import StageLines
+from ddplaunch.torchrun_logs import HEARTBEAT
 
 #: How long nodes of a failed stage get to report their own failure (the real backends: 2 s).
 GRACE = 0.05
@@ -43,6 +44,8 @@ class NodeScript:
     #: Never ends by itself (only when stopped).
     hangs: bool = False
     restarts: int = 0
+    #: Goes silent (no heartbeat) after `after` seconds and its host answers no probe: lost.
+    silent: bool = False
 
 
 @dataclass
@@ -96,6 +99,10 @@ class FakeBackend:
         self._current = [HostSpec(addr=label, name=label) for label in labels]
         return list(self._current)
 
+    def spares(self) -> list[HostSpec]:
+        spares = self.spec.recovery.spares
+        return list(spares) if isinstance(spares, list) else []
+
     def allocation_text(self) -> str:
         return ""
 
@@ -108,7 +115,8 @@ class FakeBackend:
         stage = self.script.stages[index] if index < len(self.script.stages) else StageScript()
         if self.script.interrupt_in == index:
             stop.set()
-        result = follow(FakeStage(request.plan, stage, lines), request.plan, lines, stop, grace=GRACE)
+        result = follow(FakeStage(request.plan, stage, lines), request.plan, lines, stop, grace=GRACE,
+                        detect=self.spec.recovery.detect_timeout)
         result.rescheduled = stage.rescheduled
         return result
 
@@ -172,7 +180,12 @@ class FakeStage:
         out = []
         for node in self.plan.nodes:
             rank, mine = node.node_rank, self.node(node.node_rank)
-            if rank in self.done or mine.hangs or time.monotonic() - self.t0 < mine.after:
+            elapsed = time.monotonic() - self.t0
+            if rank in self.done:
+                continue
+            if not (mine.silent and elapsed >= mine.after):
+                self.lines.emit(rank, node.host_label, HEARTBEAT)
+            if mine.silent or mine.hangs or elapsed < mine.after:
                 continue
             for text in mine.lines:  # as printed: a rank's lines carry their [host:rank] prefix
                 self.lines.emit(rank, node.host_label, text)
@@ -191,6 +204,12 @@ class FakeStage:
 
     def never_started(self, nodes: list[int]) -> set[int]:
         return {n for n in nodes if self.node(n).never_started}
+
+    def confirm_lost(self, node: int) -> Optional[str]:
+        return "the fake says so" if self.node(node).silent else None
+
+    def lost(self, node: int) -> None:
+        self.done.add(node)
 
     def close(self) -> None:
         pass

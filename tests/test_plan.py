@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.launch import UpOptions, dry_run
-from ddplaunch.backends.shell import env_text, render_plan, shell_line
+from ddplaunch.backends.shell import HEARTBEAT_LOOP, env_text, render_plan, shell_line
 from ddplaunch.plan import PORT_RANGE, HostPath, derive_port, make_plan
 from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
@@ -97,7 +97,7 @@ def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
     want = [word if not isinstance(word, HostPath) else f"{tmp_path}/{word}" for word in node.argv()]
     assert words == want
     assert head.startswith("cd '/srv/work dir' && . \"$HOME\"/.ddplaunch/runs/r1/job-node1.env && "
-                           "source /opt/venv/bin/activate && echo $$ >")
+                           f"{HEARTBEAT_LOOP} && source /opt/venv/bin/activate && echo $$ >")
 
 
 def test_ports_are_derived_from_run_id_and_differ_per_stage(ssh_spec):
@@ -116,3 +116,16 @@ def test_render_is_a_function_of_the_inputs(ssh_spec):
     assert first == again
     other = render_plan([make_plan(ssh_spec, "r", s, 25001) for s in ("healthcheck", "job")])
     assert other != first and "--master-port 25001" in other
+
+
+def test_heartbeat_says_the_host_lives_and_ends_with_its_process():
+    """Every second a line while the node's process runs; it ends when that process exits, also
+    while the parent has not reaped it yet (it waits for the output to end: a zombie is gone)."""
+    import time
+
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "-c", f"{HEARTBEAT_LOOP} && exec python3 -c 'import time; time.sleep(2.2)'"],
+                         capture_output=True, text=True, timeout=20)
+    took = time.monotonic() - t0
+    assert out.stdout.splitlines() == ["DDPLAUNCH_ALIVE"] * 3 and out.stderr == ""
+    assert took < 4.5, f"the heartbeat outlived its process by {took - 2.2:.1f}s"

@@ -142,7 +142,7 @@ def test_lost_host_is_lost_not_failed(tmp_path):
     stage = report.stages[0]
     assert [o.state for o in stage.outcomes] == ["interrupted", "lost", "interrupted"]
     assert [o.host for o in stage.lost_hosts] == ["f2"] and report.exit_code == 1
-    assert "f2 (node 1) lost its connection: stopping every other node" in out
+    assert "f2 (node 1) lost (host lost): stopping every other node" in out
 
 
 def test_user_interrupt_stops_every_node_and_exits_130(tmp_path):
@@ -175,3 +175,88 @@ def test_a_backend_is_one_registration_away(tmp_path):
         assert "run fake-cli: ok (exit 0)" in launched.output
     with pytest.raises(SpecError, match="unknown backend 'fake'"):
         load_spec(path)
+
+
+# ----------------------------------------------------------------------------- recovery
+
+RECOVER = {"max_host_failures": 1, "spares": ["f4"], "detect_timeout": 0.2}
+
+
+def crashed(host: str, after: float = 0.05) -> StageScript:
+    """A launch in which `host` goes silent and does not answer; the others wait in a collective."""
+    return StageScript(nodes={h: NodeScript(silent=True, after=after) if h == host else NodeScript(hangs=True)
+                              for h in ("f1", "f2", "f3", "f4")})
+
+
+def test_a_lost_host_is_replaced_by_the_spare_at_its_node_rank(tmp_path):
+    script = FakeScript(stages=[crashed("f2")])
+    report, out, took = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0, out
+    assert [p.hosts for p in script.launched] == [["f1", "f2", "f3"], ["f1", "f4", "f3"]]
+    env = dict(script.launched[1].nodes[1].env)
+    assert env["DDPLAUNCH_RECOVERY"] == "1" and "DDPLAUNCH_RECOVERY" not in dict(script.launched[0].nodes[0].env)
+    assert script.launched[0].master_port != script.launched[1].master_port  # a fresh port
+    (recovery,) = report.recoveries
+    assert recovery.lost == ["f2"] and recovery.replaced == {"f2": "f4"}
+    assert "no heartbeat for 0s and the fake says so" in recovery.causes["f2"]
+    first = report.stages[0]
+    assert first.recovered == 1 and [o.state for o in first.outcomes] == ["interrupted", "lost", "interrupted"]
+    assert "f2 (node 1) lost (no heartbeat" in out and "recovery 1 of at most 1: f2 lost" in out
+    assert "stage job: lost f2 (node 1)" in out and "recovered from 1 host failure:" in out
+    assert took < 5
+
+
+def test_a_lost_master_moves_the_master_to_the_spare(tmp_path):
+    script = FakeScript(stages=[crashed("f1")])
+    report, _, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0 and script.launched[1].hosts == ["f4", "f2", "f3"]
+    assert script.launched[1].master_addr == "f4"
+
+
+def test_a_job_that_fails_by_itself_is_never_recovered(tmp_path):
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(code=3, after=0.01,
+                                                                   lines=failed_rank(1, 3, "ValueError: boom")),
+                                                   "f1": NodeScript(hangs=True), "f3": NodeScript(hangs=True)})])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 1 and len(script.launched) == 1 and report.recoveries == []
+    assert "recovery" not in out.split("run fake-")[0].lower().replace("recovery:", "")
+
+
+def test_a_second_failure_beyond_the_budget_names_both_hosts(tmp_path):
+    script = FakeScript(stages=[crashed("f2"), crashed("f3")])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 1 and len(script.launched) == 2
+    assert report.unrecovered == "f3 lost after f2 earlier: more host failures than recovery.max_host_failures=1"
+    assert "not recovered: f3 lost after f2 earlier" in out
+
+
+def test_without_a_spare_the_survivors_go_on_while_min_hosts_remain(tmp_path):
+    script = FakeScript(stages=[crashed("f3")])
+    report, out, _ = run(tmp_path, script, recovery={"max_host_failures": 1, "min_hosts": 2, "detect_timeout": 0.2})
+    assert report.exit_code == 0 and script.launched[1].hosts == ["f1", "f2"]
+    assert "f3 lost (" in out and "left out (2 hosts go on)" in out
+
+
+def test_without_a_spare_or_min_hosts_the_run_ends_saying_what_would_help(tmp_path):
+    script = FakeScript(stages=[crashed("f3")])
+    report, out, _ = run(tmp_path, script, recovery={"max_host_failures": 1, "detect_timeout": 0.2})
+    assert report.exit_code == 1 and len(script.launched) == 1
+    assert "no spare left to replace it (add recovery.spares, or set recovery.min_hosts" in out
+
+
+def test_a_spare_that_fails_the_preflight_is_named_and_dropped(tmp_path):
+    script = FakeScript(unreachable={"f4"})
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0 and script.launched[0].hosts == ["f1", "f2", "f3"]
+    assert "spare f4 failed the pre-flight: dropped (the run goes on without it)" in out
+
+
+def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
+    from ddplaunch.report import summary_json
+
+    script = FakeScript(stages=[crashed("f2")])
+    report, _, _ = run(tmp_path, script, opts=UpOptions(run_id="fake-rec2"), recovery=RECOVER)
+    record = json.loads((tmp_path / "state" / "runs" / "fake-rec2" / "record.json").read_text())
+    assert record["extra"]["recoveries"][0]["replaced"] == {"f2": "f4"} and record["hosts"] == ["f1", "f4", "f3"]
+    summary = json.loads(summary_json(report))
+    assert summary["recoveries"][0]["lost"] == ["f2"] and summary["unrecovered"] is None

@@ -73,6 +73,10 @@ class Launcher(Protocol[R]):
         """The nodes stages run on (Slurm: the allocation's nodes, allocated on first use; without
         `allocate`, as far as known without asking anyone — for the dry run)."""
 
+    def spares(self) -> list[HostSpec]:
+        """The hosts held in reserve for the run (`recovery.spares`; Slurm: nodes of the allocation,
+        known once `hosts()` allocated it)."""
+
     def allocation_text(self) -> str:
         """What the backend does before any stage (Slurm: the allocation request; else nothing),
         for the dry run."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, shell_line, env_text
+from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text
 from ddplaunch.backends.watch import SHUTDOWN_GRACE, NodeEnd, follow
 from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
@@ -34,6 +34,7 @@ class LocalBackend(ShellLauncher):
 
     name = "local"
     max_parallel = 1
+    heartbeat = False  # this machine runs the launcher: it is not lost while the launcher runs
 
     def __init__(self, spec: ClusterSpec, run: RunContext):
         super().__init__(spec)
@@ -60,7 +61,7 @@ class LocalBackend(ShellLauncher):
         fd = os.open(env_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0600 from the start
         with os.fdopen(fd, "w") as f:
             f.write(env_text(node))
-        proc = subprocess.Popen(["bash", "-c", shell_line(node)], stdout=subprocess.PIPE,
+        proc = subprocess.Popen(["bash", "-c", request.line(node)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, text=True, errors="replace")
         return follow(_LocalStage(plan, proc, lines, run_dir), plan, lines, stop)
@@ -128,6 +129,12 @@ class _LocalStage:
 
     def never_started(self, nodes: list[int]) -> set[int]:
         return set(nodes) - {n for n in nodes if (self.run_dir / f"node{n}.pid").exists()}
+
+    def confirm_lost(self, node: int) -> Optional[str]:
+        return None  # this machine runs the launcher: it is not lost while we ask
+
+    def lost(self, node: int) -> None:
+        pass
 
     def close(self) -> None:
         self.proc.wait()

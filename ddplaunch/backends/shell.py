@@ -20,6 +20,14 @@ from ddplaunch.hostcmd import host_program
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
 from ddplaunch.spec import SECRET_SHOWN, ClusterSpec, HostSpec
+from ddplaunch.torchrun_logs import HEARTBEAT
+
+#: While the node's shell, and the torchrun it becomes, lives: a line every second that says so
+#: (backends/watch.py counts a node silent for `recovery.detect_timeout` as a host to check). It
+#: reads the process's state, without forking: a zombie (exited, not yet reaped by a parent that
+#: waits for this very output to end) counts as gone.
+HEARTBEAT_LOOP = (f"{{ (while read -r s 2>/dev/null < /proc/$$/stat && s=${{s##*) }} && [ \"${{s%% *}}\" != Z ]; "
+                  f"do echo {HEARTBEAT}; sleep 1; done) & }}")
 
 def pid_file(run_id: str, node: Union[int, str]) -> str:
     """Where a node's shell records its pid (torchrun's, after `exec`); `node` may be a Raw word."""
@@ -64,24 +72,28 @@ def env_text(node: NodeCommand, secrets: frozenset[str] = frozenset(), mask: boo
     return "\n".join(lines) + "\n"
 
 
-def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, str, None] = None) -> str:
+def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, str, None] = None,
+               heartbeat: bool = True) -> str:
     """The one command line for `bash -c` on the host; every user value is quoted. `node_id`
-    names the node's files when the shell finds its number itself (a Slurm step: a Raw word).
+    names the node's files when the shell finds its number itself (a Slurm step: a Raw word);
+    without `heartbeat` no line says the host lives (the local backend: this machine).
 
     `echo $$` records the shell's PID, which `exec` hands to torchrun; with a pty that makes
-    torchrun the session leader, so a dropped connection HUPs it.
+    torchrun the session leader, so a dropped connection HUPs it. The heartbeat starts once the
+    environment (the run's tag) is set, before the setup lines, and ends with torchrun.
     """
     node_id = node.node_rank if node_id is None else node_id
     parts = [f"cd {word(node.workdir)}"]
     if env_source:
         parts.append(f". {env_file(node.run_id, node.stage, node_id)}")
+    parts += [HEARTBEAT_LOOP] if heartbeat else []
     parts += list(node.setup)
     parts.append(f"echo $$ > {pid_file(node.run_id, node_id)}")
     parts.append("exec " + " ".join(word(a) for a in node.argv()))
     return " && ".join(parts)
 
 
-def render_plan(plans: list[LaunchPlan]) -> str:
+def render_plan(plans: list[LaunchPlan], heartbeat: bool = True) -> str:
     """The dry-run text of shell backends: for each stage and node, the environment file the
     backend writes (secret values shown as <secret>) and the exact line it executes."""
     out = []
@@ -97,7 +109,7 @@ def render_plan(plans: list[LaunchPlan]) -> str:
             out.append(f"# node {node.node_rank} on {node.host_label}: "
                        f"{env_file(plan.run_id, plan.stage, node.node_rank)} (mode 0600) holds")
             out += [f"#   {line}" for line in env_text(node, plan.secrets, mask=True).splitlines()]
-            out.append(shell_line(node))
+            out.append(shell_line(node, heartbeat=heartbeat))
     return "\n".join(out) + "\n"
 
 
@@ -106,9 +118,14 @@ class ShellRequest:
     """A stage for hosts reached by a shell: per node, an env file and one `bash -c` line."""
 
     plan: LaunchPlan
+    #: The nodes' shells say every second that their host lives (the watcher's sign of a lost host).
+    heartbeat: bool = True
 
     def text(self) -> str:
-        return render_plan([self.plan])
+        return render_plan([self.plan], self.heartbeat)
+
+    def line(self, node: NodeCommand) -> str:
+        return shell_line(node, heartbeat=self.heartbeat)
 
 
 class ShellLauncher:
@@ -116,6 +133,7 @@ class ShellLauncher:
     request they execute."""
 
     name = "shell"
+    heartbeat = True
 
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
@@ -123,11 +141,15 @@ class ShellLauncher:
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return list(self.spec.hosts)
 
+    def spares(self) -> list[HostSpec]:
+        spares = self.spec.recovery.spares
+        return list(spares) if isinstance(spares, list) else []
+
     def allocation_text(self) -> str:
         return ""
 
     def render(self, plan: LaunchPlan) -> ShellRequest:
-        return ShellRequest(plan)
+        return ShellRequest(plan, self.heartbeat)
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False) -> tuple[str, str]:

@@ -7,10 +7,16 @@ report a failure of their own (a rank that failed at the same time is then told 
 that only saw its peer die), then they are stopped; Ctrl-C or a hang stops everyone. Every node
 is classified with one vocabulary on every backend (results.py): ok, failed (its code, or its
 torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it).
+
+A host is lost when its session or step ends without an exit status, or when its node has said
+nothing — not even the shell's heartbeat (backends/shell.py) — for `detect` seconds and the
+backend's own probe confirms the host does not answer (`confirm_lost`): whatever collective the
+survivors are blocked in, and however long their own timeouts are.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
@@ -25,6 +31,10 @@ REPORT_GRACE = 2.0
 #: Seconds torchrun gets to stop its workers after SIGTERM before the run's processes are killed.
 SHUTDOWN_GRACE = 10.0
 POLL_S = 0.1
+#: Seconds a node may say nothing (a heartbeat every second) before its host is probed.
+DETECT_S = 6.0
+#: How long the probe of a silent node's host waits for an answer.
+PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,28 @@ class RunningStage(Protocol):
     def never_started(self, nodes: list[int]) -> set[int]:
         """Of these stopped nodes, those whose torchrun never started (setup lines still running)."""
 
+    def confirm_lost(self, node: int) -> Optional[str]:
+        """A node went silent: why its host counts as gone (it does not answer the backend's own
+        probe), or None when it answers after all."""
+
+    def lost(self, node: int) -> None:
+        """The node's host is gone: stop waiting for it and talking to it (no stop, no reaping)."""
+
     def close(self) -> None:
         """Release the stage's sessions and end whatever of the run is left on its hosts."""
+
+
+def unanswered(addr: str, port: int, timeout: float = PROBE_S) -> Optional[str]:
+    """Why `addr` does not answer a TCP connection to `port` (the backend's daemon on the host:
+    sshd, slurmd), or None when it does. A host that is down or cut off gives no answer at all;
+    only the host's kernel has to answer, so a busy host still does."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            return None
+    except (socket.timeout, TimeoutError):
+        return f"{addr}:{port} gave no answer within {timeout:g}s"
+    except OSError as err:
+        return f"{addr}:{port} refused or unreachable ({err.strerror or err})"
 
 
 def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageResult:
@@ -72,9 +102,10 @@ def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageRes
 
 
 def follow(stage: RunningStage, plan: LaunchPlan, lines: StageLines, stop: StopEvent,
-           grace: float = REPORT_GRACE) -> StageResult:
-    """Follow `stage` until every node ended; fail fast; one outcome per node, never just the first."""
-    watch = _Watch(plan, lines)
+           grace: float = REPORT_GRACE, detect: float = DETECT_S) -> StageResult:
+    """Follow `stage` until every node ended; fail fast; one outcome per node, never just the first.
+    A node silent for `detect` seconds whose host the backend cannot reach is lost."""
+    watch = _Watch(plan, lines, detect)
     try:
         cause = watch.wait(stage, stop, grace)
         if cause is not None:
@@ -85,8 +116,10 @@ def follow(stage: RunningStage, plan: LaunchPlan, lines: StageLines, stop: StopE
 
 
 class _Watch:
-    def __init__(self, plan: LaunchPlan, lines: StageLines):
-        self.plan, self.lines = plan, lines
+    def __init__(self, plan: LaunchPlan, lines: StageLines, detect: float):
+        self.plan, self.lines, self.detect = plan, lines, detect
+        #: When a silent node's host last answered the backend's probe (it is not probed again sooner).
+        self._answered: dict[int, float] = {}
         self.result = StageResult(stage=plan.stage, ran_healthcheck=plan.healthcheck,
                                   outcomes=[NodeOutcome(node_rank=n.node_rank, host=n.host_label, state=RUNNING)
                                             for n in plan.nodes])
@@ -104,6 +137,10 @@ class _Watch:
             if end.node in self.ended or not 0 <= end.node < len(self.result.outcomes):
                 continue
             self.ended[end.node] = end
+            outcome = self.result.outcomes[end.node]
+            if end.lost and outcome.last_heard_at is None:
+                silent = self.lines.silent_for(end.node)
+                outcome.last_heard_at = end.at - silent if silent is not None else end.at
             if end.code != 0 and self.first_bad is None and end.node not in self.stopped:
                 self.first_bad = end
 
@@ -113,10 +150,11 @@ class _Watch:
         failed_at: Optional[float] = None
         while len(self.ended) < nodes:
             self.take(stage.poll())
+            self.take(self._silent(stage))
             if self.first_bad is not None and failed_at is None:
                 failed_at = time.time()
                 end = self.first_bad
-                what = ("lost its connection" if end.lost else f"exited with {end.code}" if end.code is not None
+                what = (f"lost ({end.how})" if end.lost else f"exited with {end.code}" if end.code is not None
                         else f"ended without an exit status ({end.how})" if end.how else "ended without an exit status")
                 self.lines.note(f"{self.host(end.node)} (node {end.node}) {what}: stopping every other node")
             if len(self.ended) == nodes:
@@ -131,6 +169,24 @@ class _Watch:
                 return f"{self.host(self.first_bad.node)} (node {self.first_bad.node}) failed"
             time.sleep(POLL_S)
         return None
+
+    def _silent(self, stage: RunningStage) -> list[NodeEnd]:
+        """Nodes silent for `detect` seconds whose host does not answer the backend's probe."""
+        out = []
+        now = time.time()
+        for node in range(len(self.result.outcomes)):
+            silent = self.lines.silent_for(node)
+            if node in self.ended or silent is None or silent < self.detect \
+                    or now - self._answered.get(node, 0.0) < self.detect:
+                continue
+            why = stage.confirm_lost(node)
+            if why is None:
+                self._answered[node] = now
+                continue
+            stage.lost(node)
+            self.result.outcomes[node].last_heard_at = now - silent
+            out.append(NodeEnd(node, None, how=f"no heartbeat for {silent:.0f}s and {why}", lost=True))
+        return out
 
     def stop_rest(self, stage: RunningStage, cause: str) -> None:
         rest = [n for n in range(len(self.result.outcomes)) if n not in self.ended]

@@ -146,13 +146,14 @@ def status_cmd(prefix: str | None, state_dir: Path | None) -> None:
 @click.option("--rate", default=None, help="Rate-limit the host's link both ways, e.g. 1gbit.")
 @click.option("--down", is_flag=True, help="Set the host's link down.")
 @click.option("--sshd-stop", is_flag=True, help="Stop the host's sshd.")
-@click.option("--clear", is_flag=True, help="Undo all faults of the host.")
+@click.option("--crash", is_flag=True, help="Crash the host: link down, every process of it SIGKILLed.")
+@click.option("--clear", is_flag=True, help="Undo all faults of the host (a crashed host's daemons start again).")
 @_sim_errors
 def fault_cmd(host: str, prefix: str | None, state_dir: Path | None, rate: str | None, down: bool,
-              sshd_stop: bool, clear: bool) -> None:
+              sshd_stop: bool, crash: bool, clear: bool) -> None:
     """Inject a fault into HOST (name or address), or --clear it."""
     h = sim_fault(_state_dir(prefix, state_dir), host, rate=rate, down=down, sshd_stop=sshd_stop,
-                  clear=clear)
+                  crash=crash, clear=clear)
     click.echo(f"{h.name} ({h.addr}): faults: {h.fault.describe()}")
 
 

@@ -1,19 +1,24 @@
-"""Fault injection on sim hosts: rate limits, dead links, stopped sshd — and undoing them.
+"""Fault injection on sim hosts: rate limits, dead links, stopped sshd, crashes — and undoing them.
 
 The kernel here has no netem, so a "slow link" is a `tbf` rate limit on both legs of the
 host's veth (egress in the host and egress on the bridge side, i.e. both directions).
-Every fault is recorded in the state file so `sim status` and `--clear` know about it.
+A crash is what a machine that loses power looks like from the network: its link goes down
+(no RST for anyone's connection) and every process of the host is SIGKILLed, its sshd and slurmd
+too. Every fault is recorded in the state file so `sim status` and `--clear` know about it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
-from ddplaunch.sim import sshd
+from ddplaunch.sim import slurm, sshd
 from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
 from ddplaunch.sim.statedir import prefix_lock
-from ddplaunch.sim.netns import NETNS_DIR
+from ddplaunch.sim.netns import NETNS_DIR, netns_pids
 from ddplaunch.sim.proc import SimError, require_root, run
 
 RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
@@ -21,7 +26,7 @@ TBF_OPTS = ["burst", "256kb", "latency", "50ms"]
 
 
 def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = None, down: bool = False,
-              sshd_stop: bool = False, clear: bool = False) -> SimHost:
+              sshd_stop: bool = False, crash: bool = False, clear: bool = False) -> SimHost:
     """Apply exactly one fault action to `host` (name or address) and record it.
 
     Args:
@@ -29,15 +34,16 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         rate: rate-limit both directions of the host's link, e.g. "1gbit", "100mbit".
         down: set both legs of the host's link down (connections to it time out).
         sshd_stop: stop the host's sshd listener (by its recorded PID).
-        clear: remove rate limits, bring the link up, restart sshd if it is not running.
+        crash: the link down, then SIGKILL to every process in the host's namespace.
+        clear: remove rate limits, bring the link up, restart sshd (and slurmd) if not running.
 
     Returns:
         The host as now recorded.
     Raises:
         SimError: not exactly one action, bad rate, unknown host, or a command failed.
     """
-    if sum([rate is not None, down, sshd_stop, clear]) != 1:
-        raise SimError("give exactly one of --rate RATE, --down, --sshd-stop, --clear")
+    if sum([rate is not None, down, sshd_stop, crash, clear]) != 1:
+        raise SimError("give exactly one of --rate RATE, --down, --sshd-stop, --crash, --clear")
     if rate is not None and not RATE_RE.match(rate):
         raise SimError(f"bad rate {rate!r}: use a tc rate such as 1gbit, 100mbit or 500kbit")
     require_root("ddplaunch sim fault")
@@ -54,11 +60,17 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         elif sshd_stop:
             sshd.stop_sshd(h.sshd_pid, cluster.host_dir(h))
             h.sshd_pid, h.fault.sshd_stopped = None, True
+        elif crash:
+            _set_link(cluster, h, "down")
+            _kill_all(h)
+            h.sshd_pid, h.fault.crashed, h.fault.down = None, True, True
+            if cluster.slurm is not None:
+                cluster.slurm.slurmd_pids.pop(h.name, None)
         else:
             _clear(cluster, h)
         save_state(cluster)
     if isinstance(target, SimCluster):
-        target.hosts = cluster.hosts
+        target.hosts, target.slurm = cluster.hosts, cluster.slurm
     return h
 
 
@@ -78,6 +90,22 @@ def _set_link(cluster: SimCluster, h: SimHost, state: str) -> None:
     run(["ip", "-n", h.ns, "link", "set", cluster.ifname, state])
 
 
+def _kill_all(h: SimHost) -> None:
+    """SIGKILL every process in the host's network namespace (all of them ours: the sim's own
+    sshd and slurmd, and what they started), until none is left."""
+    for _ in range(50):  # a process forked while we kill is found by the next scan
+        pids = netns_pids(h.ns)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    raise SimError(f"{h.name}: processes keep appearing in namespace {h.ns}: {netns_pids(h.ns)[:10]}")
+
+
 def _clear(cluster: SimCluster, h: SimHost) -> None:
     for argv in (_in_ns(h, ["tc", "qdisc", "del", "dev", cluster.ifname, "root"]),
                  ["tc", "qdisc", "del", "dev", cluster.naming.veth(h.index), "root"]):
@@ -86,4 +114,9 @@ def _clear(cluster: SimCluster, h: SimHost) -> None:
     host_dir = cluster.host_dir(h)
     if not sshd.is_our_sshd(h.sshd_pid, host_dir):
         h.sshd_pid = sshd.start_sshd(host_dir, cluster.enter_prefix(h))
+    st = cluster.slurm
+    if st is not None and not slurm.is_our_daemon(f"slurmd@{h.name}", st.slurmd_pids.get(h.name), st):
+        # it registers again by itself and, with ReturnToService=2, goes back to service
+        st.slurmd_pids[h.name] = slurm.spawn([*cluster.enter_prefix(h), slurm.SLURMD, "-D", "-N", h.name,
+                                              "-f", str(st.conf)], st.base / "nodes" / h.name / "slurmd.out")
     h.fault = Fault()

@@ -57,9 +57,12 @@ class Fault:
     rate: str | None = None
     down: bool = False
     sshd_stopped: bool = False
+    #: crashed: link down and every process of the host killed (its daemons too)
+    crashed: bool = False
 
     def describe(self) -> str:
-        parts = ([f"rate {self.rate}"] if self.rate else []) + (["link down"] if self.down else []) \
+        parts = ([f"rate {self.rate}"] if self.rate else []) + (["crashed"] if self.crashed else []) \
+            + (["link down"] if self.down and not self.crashed else []) \
             + (["sshd stopped"] if self.sshd_stopped else [])
         return ", ".join(parts) or "-"
 

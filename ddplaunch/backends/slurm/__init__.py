@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, Request, RunContext
-from ddplaunch.backends.shell import pid_file, stage_bundle
+from ddplaunch.backends.shell import pid_file, reaper_command, stage_bundle
 from ddplaunch.backends.slurm.allocation import Allocation
 from ddplaunch.backends.slurm.client import SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.detached import (DetachedRequest, final_state, follow_output, job_active,
                                                render_detached)
 from ddplaunch.backends.slurm.render import AT_LAUNCH, StepRequest, in_step_order, step_request
 from ddplaunch.backends.slurm.step import SrunStage, SrunStep
-from ddplaunch.backends.watch import follow, unstarted
+from ddplaunch.backends.watch import follow, unanswered, unstarted
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.hostcmd import port_probe
 from ddplaunch.plan import LaunchPlan, host_python
@@ -46,6 +46,7 @@ class SlurmBackend:
         self.spec = spec
         self.client = SlurmClient(str(spec.resolve(spec.slurm.conf)) if spec.slurm.conf else None)
         self.alloc = Allocation(spec, self.client, run)
+        self._slurmd_port: Optional[int] = None
 
     # ------------------------------------------------------------------ the Launcher contract
 
@@ -56,6 +57,9 @@ class SlurmBackend:
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return self.alloc.hosts(allocate)
+
+    def spares(self) -> list[HostSpec]:
+        return self.alloc.spares()
 
     def allocation_text(self) -> str:
         return self.alloc.text()
@@ -76,8 +80,10 @@ class SlurmBackend:
                 result.rescheduled = self.alloc.requeued()
                 return result
         step = SrunStep(self.client, list(request.argv), env, plan.hosts, lines, f"ddplaunch-{plan.stage}", request.job)
-        stage = SrunStage(step, lambda nodes: self._never_started(plan, nodes))
-        result = follow(stage, plan, lines, stop)
+        stage = SrunStage(step, lambda nodes: self._never_started(plan, nodes),
+                          lambda node: self._unanswered(plan.hosts[node]),
+                          lambda lost: self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id))
+        result = follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout)
         if stage.rc != 0 and not result.interrupted:
             result.rescheduled = self.alloc.requeued()
         return result
@@ -116,6 +122,18 @@ class SlurmBackend:
         self.alloc.release()
 
     # ------------------------------------------------------------------ short commands as steps
+
+    def _unanswered(self, node: str) -> Optional[str]:
+        """Why node `node` does not answer a connection to its slurmd (None: it does)."""
+        if self._slurmd_port is None:
+            self._slurmd_port = self.client.slurmd_port()
+        return unanswered(self.client.node_addr(node), self._slurmd_port)
+
+    def _reap(self, nodes: list[str], run_id: str) -> None:
+        """End what is left of the run on `nodes` (by its tag), as a probe step."""
+        hosts = [HostSpec(addr=n, name=n) for n in nodes]
+        self.probe(lambda h: reaper_command(host_python(self.spec, None), run_id, kill=True,
+                                            term_pid_files=True)[0], timeout=45, hosts=hosts)
 
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:
         """Of `nodes`, those that wrote no pid file: their setup lines never reached `exec torchrun`."""

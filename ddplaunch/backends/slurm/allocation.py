@@ -4,6 +4,10 @@ Without an allocation, ddplaunch submits one (`sbatch`, a script that only holds
 `slurm.requeue` it also passes the time-limit warning on and requeues itself), waits until it
 runs, and ends it when the run is over. Inside an allocation (SLURM_JOB_ID set: `salloc`, or an
 sbatch script) it uses that one: no second job, and ending the run ends its steps only.
+
+Spares (`recovery.spares`) are nodes the allocation holds beside the run's: named ones, or a
+count of its first nodes — the first holds the batch script, whose node cannot fail without
+ending the allocation, so it is kept out of the job until it is the last spare needed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,16 @@ class Allocation:
         self.inside = os.environ.get("SLURM_JOB_ID")
         explicit = "hosts" in spec.model_fields_set
         self.nodelist = [n for h in spec.hosts for n in expand_hostlist(h.label)] if explicit else None
+        spares = spec.recovery.spares
+        self.spare_names = [h.label for h in spares] if isinstance(spares, list) else []
+        #: The allocation's nodes held as spares, once it runs.
+        self.spare_nodes: list[str] = []
+
+    def requested(self) -> tuple[Optional[list[str]], int]:
+        """(--nodelist, --nodes) of the allocation: the named hosts and spares, and every node."""
+        names = (self.nodelist or []) + self.spare_names
+        active = len(self.nodelist) if self.nodelist else (self.spec.slurm.nodes or 1)
+        return names or None, active + self.spec.recovery.spare_count
 
     def output_path(self) -> str:
         out = Path(self.spec.workdir_path) / self.spec.slurm.output_dir
@@ -45,11 +59,11 @@ class Allocation:
     def text(self) -> str:
         if self.inside:
             return f"# allocation: this one (SLURM_JOB_ID={self.inside}); every stage is a step of it\n"
-        return allocation_request(self.spec, self.run.run_id, self.output_path(), self.nodelist).text()
+        return allocation_request(self.spec, self.run.run_id, self.output_path(), *self.requested()).text()
 
     def size(self) -> int:
         """The allocation's node count, as far as known."""
-        return max(1, len(self.order) or len(self.nodelist or ()) or self.spec.slurm.nodes or 1)
+        return max(1, len(self.order) or self.requested()[1])
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         """The allocation's nodes (submitting it and waiting for it to run, unless `allocate` is
@@ -65,17 +79,25 @@ class Allocation:
                     for i in range(self.spec.slurm.nodes or 1)]
         names = self._inside_nodes(record=allocate) if self.inside else self._own_nodes()
         self.order = {n: i for i, n in enumerate(names)}
-        return [HostSpec(addr=n, name=n) for n in names]
+        if self.spare_names:
+            self.spare_nodes = [n for n in names if n in self.spare_names]
+        else:
+            free = [n for n in names if not self.nodelist or n not in self.nodelist]
+            self.spare_nodes = free[:self.spec.recovery.spare_count]
+        return [HostSpec(addr=n, name=n) for n in names
+                if n not in self.spare_nodes and (not self.nodelist or n in self.nodelist)]
+
+    def spares(self) -> list[HostSpec]:
+        """The nodes held as spares (known once the allocation runs)."""
+        return [HostSpec(addr=n, name=n) for n in self.spare_nodes]
 
     def _inside_nodes(self, record: bool) -> list[str]:
         assert self.inside is not None
         names = self.client.hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
-        if self.nodelist:
-            missing = sorted(set(self.nodelist) - set(names))
-            if missing:
-                raise PlanError(f"hosts {', '.join(missing)} are not in this allocation "
-                                f"(SLURM_JOB_ID={self.inside}: {', '.join(names)})")
-            names = [n for n in names if n in self.nodelist]
+        missing = sorted(set(self.nodelist or ()) | set(self.spare_names) - set(names))
+        if missing:
+            raise PlanError(f"hosts {', '.join(missing)} are not in this allocation "
+                            f"(SLURM_JOB_ID={self.inside}: {', '.join(names)})")
         self.job = self.job or SlurmJob(job_id=self.inside, owned=False, slurm_conf=self.client.conf)
         if record:  # a dry run writes nothing
             self.job.save(self.run.run_dir)
@@ -89,7 +111,7 @@ class Allocation:
     def _submit(self) -> None:
         out = Path(self.output_path().replace("%j", "x")).parent
         out.mkdir(parents=True, exist_ok=True)
-        request = allocation_request(self.spec, self.run.run_id, self.output_path(), self.nodelist)
+        request = allocation_request(self.spec, self.run.run_id, self.output_path(), *self.requested())
         proc = self.client.run(list(request.argv), stdin=request.script)
         if proc.returncode != 0:
             raise BackendError(describe_sbatch_error(proc.stderr or proc.stdout))

@@ -104,6 +104,18 @@ class SlurmClient:
             return {}
         return dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
 
+    def node_addr(self, name: str) -> str:
+        """Where slurmctld reaches node `name` (its NodeAddr; the name itself when unknown)."""
+        proc = self.run(["scontrol", "show", "node", "-o", name])
+        found = re.search(r"\bNodeAddr=(\S+)", proc.stdout) if proc.returncode == 0 else None
+        return found.group(1) if found else name
+
+    def slurmd_port(self) -> int:
+        """The port every slurmd listens on (SlurmdPort; Slurm's default 6818)."""
+        proc = self.run(["scontrol", "show", "config"])
+        found = re.search(r"^SlurmdPort\s*=\s*(\d+)", proc.stdout, re.M) if proc.returncode == 0 else None
+        return int(found.group(1)) if found else 6818
+
     def hostnames(self, nodelist: str) -> list[str]:
         """`gpu[01-02,07]` -> [gpu01, gpu02, gpu07], the way Slurm expands it."""
         proc = self.run(["scontrol", "show", "hostnames", nodelist])

@@ -47,10 +47,15 @@ class AllocationRequest:
                 + "".join(f"#   | {line}\n" for line in self.script.splitlines()))
 
 
-def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: Optional[list[str]]) -> list[str]:
-    """Every sbatch option of the allocation, sorted: the same spec always gives the same request."""
+def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: Optional[list[str]],
+                   nodes: Optional[int] = None) -> list[str]:
+    """Every sbatch option of the allocation, sorted: the same spec always gives the same request.
+    `nodelist` names nodes the allocation must hold, `nodes` how many it holds (default: the
+    list's, else `slurm.nodes`); a run that survives host losses asks `--no-kill`, so a failing
+    node does not end the allocation."""
     s = spec.slurm
-    opts = [f"--job-name={run_id}", f"--nodes={len(nodelist) if nodelist else s.nodes or 1}",
+    nodes = nodes or (len(nodelist) if nodelist else s.nodes or 1)
+    opts = [f"--job-name={run_id}", f"--nodes={nodes}",
             "--ntasks-per-node=1", f"--output={output_path}", "--open-mode=append", "--export=NONE"]
     for key in ("partition", "account", "qos", "time"):
         value = getattr(s, key)
@@ -62,6 +67,8 @@ def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: O
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
     if s.cpus_per_task:
         opts.append(f"--cpus-per-task={s.cpus_per_task}")
+    if spec.recovery.max_host_failures:
+        opts.append("--no-kill")
     if s.requeue:
         # A warning ahead of the time limit to the batch shell, which passes it to every step
         # and requeues the job (USR1 belongs to NCCL).
@@ -71,14 +78,14 @@ def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: O
 
 
 def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
-                       nodelist: Optional[list[str]]) -> AllocationRequest:
+                       nodelist: Optional[list[str]], nodes: Optional[int] = None) -> AllocationRequest:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
                              keep_trailing_newline=True)
     script = env.get_template(ALLOCATION_TEMPLATE).render(
         run_id=run_id, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
     return AllocationRequest(script=script, argv=("sbatch", "--parsable",
-                                                  *sbatch_options(spec, run_id, output_path, nodelist)))
+                                                  *sbatch_options(spec, run_id, output_path, nodelist, nodes)))
 
 
 def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:

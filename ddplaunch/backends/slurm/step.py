@@ -153,13 +153,21 @@ class SrunStep:
         return self.proc.returncode
 
 
+#: Seconds the step gets to stop once a node is lost (srun waits in vain for the lost node's end).
+LOST_STOP_GRACE = 5.0
+
+
 class SrunStage:
     """A stage's step, for backends/watch.py: srun's words on how each node ended, and once srun
-    itself has ended, every node it said nothing of (exit 0 when srun exited 0)."""
+    itself has ended, every node it said nothing of (exit 0 when srun exited 0). The backend's
+    callbacks say which stopped nodes never started, why a node's host does not answer, and end
+    what is left of the run on the nodes that were not lost."""
 
-    def __init__(self, step: SrunStep, never_started: Callable[[list[int]], set[int]]):
-        self.step, self._never_started = step, never_started
+    def __init__(self, step: SrunStep, never_started: Callable[[list[int]], set[int]],
+                 unanswered: Callable[[int], Optional[str]], reap: Callable[[set[int]], None]):
+        self.step, self._never_started, self._unanswered, self._reap = step, never_started, unanswered, reap
         self._seen: set[int] = set()
+        self._lost: set[int] = set()
         self.rc: Optional[int] = None
 
     def poll(self) -> list[NodeEnd]:
@@ -180,7 +188,9 @@ class SrunStage:
         return out
 
     def stop(self, nodes: list[int]) -> None:
-        self.step.stop()  # a step stops as a whole: SIGTERM to every task, then srun ends
+        # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost, srun
+        # would wait for that node's end, which never comes
+        self.step.stop(grace=LOST_STOP_GRACE if self._lost else SHUTDOWN_GRACE)
 
     def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
         self.step.wait(timeout=timeout)
@@ -189,10 +199,19 @@ class SrunStage:
     def never_started(self, nodes: list[int]) -> set[int]:
         return self._never_started(nodes) if nodes and self.rc != 0 else set()
 
+    def confirm_lost(self, node: int) -> Optional[str]:
+        return self._unanswered(node)
+
+    def lost(self, node: int) -> None:
+        self._seen.add(node)
+        self._lost.add(node)
+
     def close(self) -> None:
         if self.step.poll() is None:
             self.step.proc.kill()
         self.rc = self.step.wait(timeout=60)
+        if self._lost:  # srun was ended before the others' tasks reported: leave nothing behind
+            self._reap(self._lost)
 
 
 def _task_ids(text: str) -> list[int]:

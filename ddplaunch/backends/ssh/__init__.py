@@ -23,10 +23,10 @@ from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
-from ddplaunch.backends.watch import follow, unstarted
+from ddplaunch.backends.watch import follow, unanswered, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
-from ddplaunch.plan import LaunchPlan, NodeCommand, host_python
+from ddplaunch.plan import NodeCommand, host_python
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.shellword import word
@@ -153,7 +153,7 @@ class SshBackend(ShellLauncher):
         hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in hosts:
             lines.state(host.label, f"connecting ({plan.stage})")
-        opened = self._each(lambda h: self._open(h, plan), hosts)
+        opened = self._each(lambda h: self._open(h, request), hosts)
         bad = {rank: str(err) for rank, (_, _, err) in enumerate(opened) if err is not None}
         if bad:
             for rank, detail in bad.items():
@@ -172,8 +172,11 @@ class SshBackend(ShellLauncher):
                 lines.emit(node.node_rank, node.host_label, line)
             channel.sendall(b"go\n")
             channels.append(channel)
-        stage = SshStage(plan, channels, lines, self._term, lambda: self._reap_all(hosts, plan.run_id))
-        return follow(stage, plan, lines, stop)
+        stage = SshStage(plan, channels, lines, self._term,
+                         lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
+                                                     [hosts[i] for i in lost]),
+                         lambda node: unanswered(hosts[node].addr, hosts[node].port or self.spec.ssh.port))
+        return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout)
 
     def down(self, record: RunRecord) -> list[str]:
         lines = []
@@ -184,7 +187,7 @@ class SshBackend(ShellLauncher):
 
     # ------------------------------------------------------------------ steps
 
-    def _open(self, host: HostSpec, plan: LaunchPlan) -> tuple[paramiko.Channel, list[str]]:
+    def _open(self, host: HostSpec, request: ShellRequest) -> tuple[paramiko.Channel, list[str]]:
         """The node's one session, up to the moment torchrun would start (session.py), then the
         spec's `sync` paths. One session per node per stage: each costs the host a login shell
         and its rc files (~0.15 CPU-s here, more on real hosts with conda or modules).
@@ -192,9 +195,9 @@ class SshBackend(ShellLauncher):
         Returns:
             (the channel, the lines the host printed so far: rc-file noise).
         """
-        (node,) = [n for n in plan.nodes if n.host == host]
+        (node,) = [n for n in request.plan.nodes if n.host == host]
         conn = self.connect(host)
-        command, bundle, nonce = session_command(plan, node)
+        command, bundle, nonce = session_command(request, node)
         channel = None
         try:
             channel = conn.transport.open_session(timeout=OPEN_TIMEOUT)
@@ -255,7 +258,13 @@ class SshBackend(ShellLauncher):
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(nodes)))) as pool:
             return {rank for rank in pool.map(term, nodes) if rank is not None}
 
-    def _reap_all(self, hosts: list[HostSpec], run_id: str) -> None:
+    def _reap_all(self, hosts: list[HostSpec], run_id: str, lost: list[HostSpec]) -> None:
+        """End what is left of the run on `hosts`; drop the connections to the `lost` ones (a later
+        stage connects afresh if one comes back)."""
+        with self._lock:
+            gone = [self._conns.pop(h.label) for h in lost if h.label in self._conns]
+        for conn in gone:  # the transport's own thread ends when its socket closes
+            threading.Thread(target=conn.close, daemon=True).start()
         self._each(lambda h: self._reap(h, run_id), hosts)
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:

@@ -21,25 +21,26 @@ from typing import Callable, Optional
 
 import paramiko
 
-from ddplaunch.backends.shell import env_name, env_text, pid_file, shell_line, stage_bundle, stage_files
+from ddplaunch.backends.shell import ShellRequest, env_name, env_text, pid_file, stage_bundle, stage_files
 from ddplaunch.backends.watch import NodeEnd
 from ddplaunch.plan import LaunchPlan, NodeCommand
 from ddplaunch.shellword import word
 from ddplaunch.stagelines import StageLines
 
 
-def session_command(plan: LaunchPlan, node: NodeCommand) -> tuple[str, str, str]:
+def session_command(request: ShellRequest, node: NodeCommand) -> tuple[str, str, str]:
     """(the node's command, what to send it once it says it listens, the nonce of its markers).
 
     Any step failing ends the shell before torchrun, with the reason on the channel. A pid file
     an earlier stage left is dropped (it would hide a torchrun that never starts in this one).
     """
+    plan = request.plan
     nonce = secrets.token_hex(6)
     names = [env_name(plan.stage, node.node_rank), *(dst for _, dst in plan.uploads)]
     contents = [env_text(node).encode(), *(Path(src).read_bytes() for src, _ in plan.uploads)]
     staged = stage_files(plan.run_id, names, then=[f"rm -f {pid_file(plan.run_id, node.node_rank)}"])
     script = (f"stty -echo -icanon && echo {nonce} listening && {staged} && cd {word(node.workdir)} && "
-              f'echo {nonce} ready && IFS= read -r go && [ "$go" = go ] && stty sane && {shell_line(node)}')
+              f'echo {nonce} ready && IFS= read -r go && [ "$go" = go ] && stty sane && {request.line(node)}')
     return "bash -c " + shlex.quote(script), stage_bundle(contents), nonce
 
 
@@ -99,14 +100,18 @@ class SshStage:
     """Every node's session of a started stage, for backends/watch.py.
 
     `term(nodes)` SIGTERMs the nodes' torchruns and returns those without a pid file (their
-    shell never got to `exec torchrun`); `reap()` ends what is left of the run on every host.
+    shell never got to `exec torchrun`); `reap(lost)` ends what is left of the run on every host
+    but the lost ones; `unanswered(node)` says why a node's host does not answer (None: it does).
     """
 
     def __init__(self, plan: LaunchPlan, channels: list[paramiko.Channel], lines: StageLines,
-                 term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[], None]):
+                 term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[set[int]], None],
+                 unanswered: Callable[[int], Optional[str]]):
         self.plan, self.channels, self._term, self._reap = plan, channels, term, reap
+        self._unanswered = unanswered
         self._never: set[int] = set()
         self._seen: set[int] = set()
+        self._lost: set[int] = set()
         self.readers = [threading.Thread(target=_pump, args=(ch, lines, n.node_rank, n.host_label), daemon=True)
                         for ch, n in zip(channels, plan.nodes)]
         for r in self.readers:
@@ -144,9 +149,16 @@ class SshStage:
     def never_started(self, nodes: list[int]) -> set[int]:
         return self._never & set(nodes)
 
+    def confirm_lost(self, node: int) -> Optional[str]:
+        return self._unanswered(node)
+
+    def lost(self, node: int) -> None:
+        self._seen.add(node)
+        self._lost.add(node)
+
     def close(self) -> None:
-        for r in self.readers:
-            r.join(timeout=5)
-        for ch in self.channels:
-            ch.close()
-        self._reap()
+        for node, (reader, ch) in enumerate(zip(self.readers, self.channels)):
+            if node not in self._lost:  # a lost host's channel ends with its connection
+                reader.join(timeout=5)
+                ch.close()
+        self._reap(self._lost)

@@ -1,0 +1,230 @@
+"""Recovery from a crashed host, side by side in one run: ddplaunch with a spare vs torchrun's elastic mode.
+
+Builds one `ddplaunch sim` cluster of 4 hosts (prefix drc, 10.213.60.0/24) and runs, interleaved
+(A B, B A, ...), `--trials` trials of each:
+
+  ddplaunch  `ddplaunch up` on hosts 1-3, host 4 its spare (recovery.max_host_failures: 1)
+  elastic    `torchrun --nnodes 3:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST1:PORT
+             --max-restarts 3` started on all 4 hosts by pdsh (what the issue measured by hand)
+
+Both train jobs/train.py (a checkpoint every 4 steps, a step every ~0.3 s). Once rank 0 printed a
+random step in [8, 20], host 3 crashes (`sim fault --crash`: its link down, every process of it
+SIGKILLed). Measured from the crash: `named` (ddplaunch's record: when the launcher knew the host
+was gone), `resumed` (the first step printed after a "resumed from" line; "-" when none within
+--give-up seconds), steps done again (the last step before the crash minus the step resumed
+from), and whether the final weights equal an uninterrupted run's (same seed, same world size:
+3 for ddplaunch; elastic changes its world from 4 to 3, so no run it could equal exists).
+
+Needs root and pdsh (`apt-get install -y pdsh`); tears its sim down at the end.
+Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PREFIX, SUBNET = "drc", "10.213.60.0/24"
+VICTIM = 2  # host 3 (0-based): neither ddplaunch's master nor elastic's rendezvous host
+TRAIN = ["--epochs", "1", "--samples", "1152", "--batch-size", "8", "--ckpt-every", "4", "--log-every", "1",
+         "--seed", "3", "--step-sleep", "0.3"]
+STEP_RE = re.compile(r"\bstep=(\d+)\b")
+RESUMED_RE = re.compile(r"resumed from \S+ at step (\d+)")
+SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
+
+
+class Lines:
+    """A process's output lines, each with the time it arrived."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self.cond = proc, [], threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.cond:
+                self.lines.append((time.time(), line.rstrip("\n")))
+                self.cond.notify_all()
+
+    def wait(self, pred, timeout: float, after: float = 0.0):
+        """The first (time, line) that arrived after `after` and matches pred, or None by the deadline."""
+        deadline, seen = time.time() + timeout, 0
+        with self.cond:
+            while True:
+                for t, line in self.lines[seen:]:
+                    if t > after and pred(line):
+                        return t, line
+                seen = len(self.lines)
+                left = deadline - time.time()
+                if left <= 0 or (self.proc.poll() is not None and seen == len(self.lines)):
+                    return None
+                self.cond.wait(min(left, 0.5))
+
+    def text(self) -> str:
+        with self.cond:
+            return "\n".join(line for _, line in self.lines)
+
+
+def run_processes(tag: str) -> list[int]:
+    from ddplaunch.hostside import procs
+
+    return list(procs.run_processes(tag, any_netns=True))
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL what this benchmark started under `tag` (by PID; every sim host shares our PID space)."""
+    for pid in run_processes(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def spec_for(cluster, work: Path, name: str, spare: bool) -> Path:
+    import yaml
+
+    data = yaml.safe_load(cluster.spec_path.read_text())
+    hosts = data["hosts"]
+    data.update(hosts=hosts[:3], nproc_per_node=1, workdir=str(ROOT), healthcheck={"sizes": ["64K"], "iterations": 1},
+                env={"DDPLAUNCH_CKPT_DIR": str(work / name / "ckpt")},
+                job={"script": "jobs/train.py", "args": TRAIN})
+    if spare:
+        data["recovery"] = {"max_host_failures": 1, "spares": [hosts[3]]}
+    (work / name).mkdir(parents=True, exist_ok=True)
+    path = work / name / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def elastic_argv(cluster, work: Path, name: str, port: int, tag: str) -> list[str]:
+    addrs = [h.addr for h in cluster.hosts]
+    ckpt = work / name / "ckpt"
+    remote = (f"cd {shlex.quote(str(ROOT))} && exec env DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
+              f"DDPLAUNCH_CKPT_DIR={ckpt} PYTHONUNBUFFERED=1 {sys.executable} -m torch.distributed.run "
+              f"--nnodes 3:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {addrs[0]}:{port} "
+              f"--rdzv-id {tag} --max-restarts 3 jobs/train.py {' '.join(TRAIN)}")
+    return ["pdsh", "-R", "ssh", "-f", "4", "-w", ",".join(addrs), remote]
+
+
+def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> dict:
+    tag = f"bench-{kind}-{n}"
+    at = random.randint(8, 20)
+    if kind == "ddplaunch":
+        argv = [sys.executable, "-m", "ddplaunch", "up", str(spec_for(cluster, work, tag, spare=True)),
+                "--run-id", tag]
+    else:
+        (work / tag).mkdir(parents=True, exist_ok=True)
+        argv = elastic_argv(cluster, work, tag, random.randint(20000, 39999), tag)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
+    lines = Lines(proc)
+    row = {"kind": kind, "trial": n, "crash_at_step": at}
+    try:
+        hit = lines.wait(lambda line: (m := STEP_RE.search(line)) is not None and int(m.group(1)) >= at, 240)
+        if hit is None:
+            row["error"] = "never reached the crash step:\n" + lines.text()[-2000:]
+            return row
+        last_before = max(int(m.group(1)) for _, line in lines.lines if (m := STEP_RE.search(line)))
+        t_crash = time.time()
+        sim_fault(cluster, cluster.hosts[VICTIM].name, crash=True)
+        resumed = lines.wait(lambda line: RESUMED_RE.search(line) is not None, give_up, after=t_crash)
+        first = None
+        if resumed is not None:
+            first = lines.wait(lambda line: STEP_RE.search(line) is not None,
+                               max(1.0, t_crash + give_up - time.time()), after=resumed[0] - 1e-6)
+        if first is not None:
+            row["resumed_s"] = round(first[0] - t_crash, 1)
+            row["redone"] = last_before - int(RESUMED_RE.search(resumed[1]).group(1))
+        if kind == "ddplaunch":
+            proc.wait(timeout=max(60.0, t_crash + give_up - time.time()))
+            record = json.loads((Path(env["DDPLAUNCH_HOME"]) / "runs" / tag / "record.json").read_text())
+            rec = (record.get("extra", {}).get("recoveries") or [{}])[0]
+            row["named_s"] = round(rec["detected_at"] - t_crash, 1) if rec else None
+            row["exit"] = proc.returncode
+        else:
+            proc.send_signal(signal.SIGINT)
+        row["sha"] = (SHA_RE.findall(lines.text()) or [None])[-1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tagged(tag)
+        sim_fault(cluster, cluster.hosts[VICTIM].name, clear=True)
+    return row
+
+
+def reference(cluster, work: Path, env: dict) -> str:
+    spec = spec_for(cluster, work, "bench-ref", spare=False)
+    out = subprocess.run([sys.executable, "-m", "ddplaunch", "up", str(spec), "--run-id", "bench-ref"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600).stdout
+    return SHA_RE.findall(out)[-1]
+
+
+def table(rows: list[dict], ref: str, give_up: float) -> str:
+    out = ["| launcher | trials | crash → host named (s) | crash → resumed step (s) | steps redone | "
+           "final weights = uninterrupted |", "|---|---:|---:|---:|---:|---:|"]
+    for kind in ("ddplaunch", "elastic"):
+        mine = [r for r in rows if r["kind"] == kind]
+        resumed = [r["resumed_s"] for r in mine if "resumed_s" in r]
+        named = [r["named_s"] for r in mine if r.get("named_s") is not None]
+
+        def med(xs: list) -> str:
+            return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "-"
+        label = "ddplaunch, 3 hosts + 1 spare" if kind == "ddplaunch" else "torchrun --nnodes 3:4 (c10d), pdsh"
+        out.append(f"| {label} | {len(mine)} | {med(named)} | {med(resumed)}"
+                   f"{'' if len(resumed) == len(mine) else f'; {len(mine) - len(resumed)} not resumed within {give_up:.0f}s'}"
+                   f" | {med([r['redone'] for r in mine if 'redone' in r])} | "
+                   f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--give-up", type=float, default=600.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if shutil.which("pdsh") is None:
+        sys.exit("pdsh missing: apt-get install -y pdsh")
+    global sim_fault
+    from ddplaunch.sim import SimConfig, sim_down, sim_up
+    from ddplaunch.sim.faults import sim_fault
+    cluster = sim_up(SimConfig(n_hosts=4, prefix=PREFIX, subnet=SUBNET, nproc_per_node=1, workdir=ROOT))
+    work = Path(tempfile.mkdtemp(prefix="ddplaunch-bench-recovery-"))
+    env = dict(os.environ, DDPLAUNCH_HOME=str(work / "state"), PYTHONUNBUFFERED="1",
+               PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
+                                                    "-o StrictHostKeyChecking=yes -o BatchMode=yes -o LogLevel=ERROR "
+                                                    "-l root %h"))
+    rows: list[dict] = []
+    try:
+        ref = reference(cluster, work, env)
+        for n in range(args.trials):
+            for kind in (("ddplaunch", "elastic") if n % 2 == 0 else ("elastic", "ddplaunch")):
+                row = trial(kind, cluster, work, n, args.give_up, env)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        sim_down(cluster.state_dir)
+        shutil.rmtree(work, ignore_errors=True)
+    print(table(rows, ref, args.give_up))
+    if args.json:
+        args.json.write_text(json.dumps({"reference_sha": ref, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Self-healing runs: after a job launch that lost hosts, which hosts to launch on next.
+
+A launch whose failure is the hosts' (results.StageResult.host_failure: a host lost, every
+other failure only a peer's death) is recovered while `recovery.max_host_failures` lasts: each
+lost host is replaced by a spare at its node rank (the world size stays, so a DDP job resumes
+bitwise), or, without a spare left, left behind while at least `recovery.min_hosts` remain (the
+world shrinks; the job must reshard). A job's own failure is never recovered. Pure: the run
+loop (runloop.py) relaunches; this module decides and keeps the record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from ddplaunch.results import NodeOutcome, Progress, StageResult
+from ddplaunch.spec import HostSpec, RecoverySpec
+
+
+@dataclass
+class Recovery:
+    """One survived host failure: what was lost, why, what took its place, when training resumed."""
+
+    number: int
+    lost: list[str]
+    causes: dict[str, str]
+    #: When the first lost host was last heard from (the crash, as near as the launcher knows),
+    #: and when the launcher knew it was gone.
+    lost_at: float
+    detected_at: float
+    #: lost host -> the spare put at its node rank (a host left out has none)
+    replaced: dict[str, str] = field(default_factory=dict)
+    hosts_after: int = 0
+    #: The relaunched job's first completed step: seconds after `lost_at`, and the step it resumed from.
+    resumed_after_s: Optional[float] = None
+    resumed_from: Optional[int] = None
+
+    def describe(self) -> str:
+        """`dlr1 lost (no heartbeat for 6s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
+        parts = []
+        for host in self.lost:
+            spare = self.replaced.get(host)
+            parts.append(f"{host} lost ({self.causes.get(host, '?')}) → "
+                         + (f"replaced by {spare}" if spare else f"left out ({self.hosts_after} hosts go on)"))
+        text = "; ".join(parts)
+        if self.resumed_after_s is not None:
+            text += f", resumed after {self.resumed_after_s:.0f}s"
+            text += f" from step {self.resumed_from}" if self.resumed_from is not None else ""
+        return text
+
+    def resumed(self, progress: Optional[Progress]) -> None:
+        """The relaunched job's progress: when its first step completed, and from which step."""
+        if progress is not None:
+            self.resumed_after_s = max(0.0, progress.first_at - self.lost_at)
+            self.resumed_from = progress.resumed_from
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RecoveryBudget:
+    """The run's recoveries so far, its spares left, and the decision after each failed launch."""
+
+    def __init__(self, spec: RecoverySpec, spares: list[HostSpec]):
+        self.spec = spec
+        self.spares = list(spares)
+        self.done: list[Recovery] = []
+        self.lost: list[str] = []
+
+    def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None
+                   ) -> tuple[Optional[list[HostSpec]], str]:
+        """The hosts the job launches on next after `result`, and why (None: the run ends).
+
+        Args:
+            hosts: the hosts of the failed launch, in node order.
+            master: `master.addr` when the spec fixes it (the master cannot move then).
+        """
+        lost = result.lost_hosts
+        names = ", ".join(o.host for o in lost)
+        if self.spec.max_host_failures == 0:
+            return None, f"{names} lost: recovery.max_host_failures is 0 (set it to survive host failures)"
+        if len(self.lost) + len(lost) > self.spec.max_host_failures:
+            before = f" after {', '.join(self.lost)} earlier" if self.lost else ""
+            return None, (f"{names} lost{before}: more host failures than recovery.max_host_failures="
+                          f"{self.spec.max_host_failures}")
+        by_label = {h.label: h for h in hosts}
+        if master and any(by_label[o.host].addr == master for o in lost if o.host in by_label):
+            return None, f"{names} lost, and master.addr {master} with it: remove master.addr so the master can move"
+        return self._replace(hosts, lost)
+
+    def _replace(self, hosts: list[HostSpec], lost: list[NodeOutcome]) -> tuple[Optional[list[HostSpec]], str]:
+        gone = {o.host for o in lost}
+        spares = list(self.spares)
+        replaced: dict[str, str] = {}
+        new: list[HostSpec] = []
+        for host in hosts:
+            if host.label not in gone:
+                new.append(host)
+            elif spares:
+                spare = spares.pop(0)
+                replaced[host.label] = spare.label
+                new.append(spare)
+        names = ", ".join(sorted(gone))
+        if len(new) < len(hosts):
+            floor = self.spec.min_hosts
+            if floor is None:
+                return None, (f"{names} lost and no spare left to replace it (add recovery.spares, or set "
+                              "recovery.min_hosts to go on with fewer hosts)")
+            if len(new) < floor:
+                return None, (f"{names} lost and no spare left: {len(new)} host(s) would remain, fewer than "
+                              f"recovery.min_hosts={floor}")
+        self.spares = spares
+        self.lost += sorted(gone)
+        self.done.append(Recovery(
+            number=len(self.done) + 1, lost=[o.host for o in lost], causes={o.host: o.detail for o in lost},
+            lost_at=min(o.last_heard_at or o.ended_at or time.time() for o in lost),
+            detected_at=max(o.ended_at or time.time() for o in lost), replaced=replaced, hosts_after=len(new)))
+        return new, self.done[-1].describe()

@@ -1,0 +1,187 @@
+"""Self-healing runs on real (simulated) hosts: a host that crashes mid-training (`sim fault
+--crash`: its link down, every process of it SIGKILLed, no TCP reset for anyone) is named within
+seconds, replaced by a spare at its node rank — the master too — and the job resumes from its
+checkpoint with parameters bitwise equal to an uninterrupted run; on Slurm with a spare node the
+allocation holds. A job's own failure is never recovered; a second loss beyond the budget names
+both hosts; a dead spare is dropped by the pre-flight; without a spare an FSDP job goes on
+resharded on fewer hosts (`recovery.min_hosts`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddplaunch.sim.faults import sim_fault
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
+#: From the crash: the host is named within DETECT_S, training runs again within RESUME_S.
+DETECT_S, RESUME_S = 10.0, 60.0
+
+
+def _train(tmp_path: Path, name: str, *args: str) -> dict:
+    (tmp_path / name).mkdir(exist_ok=True)
+    return {"nproc_per_node": 1, "healthcheck": {"sizes": ["64K"], "iterations": 1},
+            "env": {"DDPLAUNCH_CKPT_DIR": str(tmp_path / name / "ckpt")},
+            "job": {"script": "jobs/train.py", "args": ["--epochs", "1", "--samples", "768", "--batch-size", "8",
+                                                        "--ckpt-every", "4", "--log-every", "1", "--seed", "3",
+                                                        *args]}}
+
+
+def _spec(cluster, tmp_path: Path, name: str, hosts: list[int], spares: list[int], *args: str, **extra) -> Path:
+    data = yaml.safe_load(cluster.spec_path.read_text())
+    recovery = {"max_host_failures": 1, "spares": [data["hosts"][i] for i in spares], **extra.pop("recovery", {})}
+    data.update(_train(tmp_path, name, *args), hosts=[data["hosts"][i] for i in hosts], workdir=str(ROOT),
+                recovery=recovery, **extra)
+    path = tmp_path / name / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _reference(cluster, tmp_path: Path) -> str:
+    """The final weights of the same training, uninterrupted, on the same world size."""
+    spec = _spec(cluster, tmp_path, "ref", [0, 1, 2], [])
+    ref = ddplaunch(["up", str(spec), "--run-id", "rec-ref"], tmp_path, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    (sha,) = SHA_RE.findall(ref.stdout)
+    return sha
+
+
+def _crash_during(spec: Path, tmp_path: Path, run_id: str, cluster, victim: str, at: str = "step=6 ",
+                  timeout: float = 300) -> tuple[str, dict, float]:
+    """Start `up`, crash `victim` once a rank printed `at`; (all output, the run record, when it crashed)."""
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    try:
+        head = read_until(proc, at, timeout=180)
+        t_crash = time.time()
+        sim_fault(cluster, victim, crash=True)
+        rest, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sim_fault(cluster, victim, clear=True)
+    record = json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())
+    return "".join(head) + rest, record, t_crash
+
+
+def _timely(record: dict, t_crash: float) -> dict:
+    (recovery,) = record["extra"]["recoveries"]
+    detected = recovery["detected_at"] - t_crash
+    resumed = recovery["lost_at"] + recovery["resumed_after_s"] - t_crash
+    print(f"crash -> named {detected:.1f}s, crash -> first step after resuming {resumed:.1f}s")
+    assert detected < DETECT_S, f"named {detected:.1f}s after the crash"
+    assert resumed < RESUME_S, f"training resumed {resumed:.1f}s after the crash"
+    return recovery
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "master"])
+def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(sim_cluster, tmp_path, victim):
+    want = _reference(sim_cluster, tmp_path)
+    spec = _spec(sim_cluster, tmp_path, "crash", [0, 1, 2], [3], "--step-sleep", "0.3")
+    hosts = [h.name for h in sim_cluster.hosts]
+    run_id = f"rec-crash-{victim}"
+    out, record, t_crash = _crash_during(spec, tmp_path, run_id, sim_cluster, hosts[victim])
+    assert record["state"] == "ok", out[-4000:]
+    recovery = _timely(record, t_crash)
+    assert recovery["lost"] == [hosts[victim]] and recovery["replaced"] == {hosts[victim]: hosts[3]}
+    assert re.search(rf"\[ddplaunch\] {hosts[victim]} \(node {victim}\) lost \(no heartbeat for \d+s and "
+                     rf"\S+:22 gave no answer", out), out[-4000:]
+    assert re.search(rf"recovered from 1 host failure:\n  {hosts[victim]} lost \(no heartbeat for \d+s and "
+                     rf".*\) → replaced by {hosts[3]}, resumed after \d+s from step \d+", out), out[-3000:]
+    assert re.search(r"training time: \S+ of \S+ wall \(\d+% effective\)", out)
+    new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]
+    assert record["hosts"] == new_hosts
+    assert f"stage job: master {sim_cluster.hosts[3 if victim == 0 else 0].addr}:" in out.split("recovery 1 of")[1]
+    (got,) = SHA_RE.findall(out)
+    assert got == want  # the same world size, the same ranks: the replicas end bitwise equal
+    wait_for(lambda: run_processes(run_id) == {}, timeout=15)
+
+
+def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
+    spec = _spec(sim_cluster, tmp_path, "err", [0, 1, 2], [3], "--fail-at-step", "3", "--fail-rank", "1")
+    proc = ddplaunch(["up", str(spec), "--run-id", "rec-err"], tmp_path, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert proc.stdout.count("] stage job: master") == 1
+    assert "recovery 1 of" not in proc.stdout and "recovered from" not in proc.stdout
+    assert re.search(r"first failure: \S+ \(node 1\): failed", proc.stdout)
+
+
+def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):
+    spec = _spec(sim_cluster, tmp_path, "twice", [0, 1, 2], [3], "--step-sleep", "0.3")
+    hosts = [h.name for h in sim_cluster.hosts]
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "rec-twice"], tmp_path)
+    try:
+        head = read_until(proc, "step=6 ", timeout=180)
+        sim_fault(sim_cluster, hosts[1], crash=True)
+        head += read_until(proc, "training resumed", timeout=120)
+        sim_fault(sim_cluster, hosts[2], crash=True)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for h in hosts[1:3]:
+            sim_fault(sim_cluster, h, clear=True)
+    out = "".join(head) + rest
+    assert proc.returncode == 1, out[-3000:]
+    assert (f"not recovered: {hosts[2]} lost after {hosts[1]} earlier: more host failures than "
+            "recovery.max_host_failures=1") in out
+    wait_for(lambda: run_processes("rec-twice") == {}, timeout=15)
+
+
+def test_a_dead_spare_is_named_and_dropped_and_the_run_goes_on(sim_cluster, tmp_path):
+    spare = sim_cluster.hosts[3]
+    spec = _spec(sim_cluster, tmp_path, "deadspare", [0, 1], [3])
+    sim_fault(sim_cluster, spare.name, down=True)
+    try:
+        proc = ddplaunch(["up", str(spec), "--run-id", "rec-deadspare"], tmp_path, timeout=300)
+    finally:
+        sim_fault(sim_cluster, spare.name, clear=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert re.search(rf"^{spare.name} \(\S+\): reach: ", proc.stdout, re.M)
+    assert f"spare {spare.name} failed the pre-flight: dropped (the run goes on without it)" in proc.stdout
+
+
+def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts(sim_cluster, tmp_path):
+    data = yaml.safe_load(sim_cluster.spec_path.read_text())
+    (tmp_path / "shrink").mkdir()
+    data.update(hosts=data["hosts"][:3], workdir=str(ROOT), nproc_per_node=1,
+                recovery={"max_host_failures": 1, "min_hosts": 2}, healthcheck={"enabled": False},
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "shrink" / "ckpt")},
+                job={"script": "jobs/fsdp_train.py", "args": ["--steps", "24", "--ckpt-every", "4",
+                                                              "--global-batch", "12", "--step-sleep", "0.3"]})
+    spec = tmp_path / "shrink" / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    victim = sim_cluster.hosts[2].name
+    out, record, _ = _crash_during(spec, tmp_path, "rec-shrink", sim_cluster, victim, at="step=10 ")
+    assert record["state"] == "ok", out[-4000:]
+    assert f"{victim} lost (" in out and "left out (2 hosts go on)" in out
+    assert re.search(r"resumed from \S+ at step \d+ \(written by 3 ranks", out), out[-3000:]
+    hashes = set(re.findall(r"rank=\d+ full_params_sha256=([0-9a-f]{64})", out.split("recovery 1 of")[1]))
+    assert len(hashes) == 1, hashes  # every rank of the resharded run holds the same parameters
+
+
+def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
+    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
+    data.update(_train(tmp_path, "slurm", "--step-sleep", "0.3"), workdir=str(ROOT))
+    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
+    data["recovery"] = {"max_host_failures": 1, "spares": 1}
+    spec = tmp_path / "slurm" / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    nodes = [h.name for h in slurm_cluster.hosts]
+    # the allocation holds all three nodes; its first (the batch script's) is the spare
+    out, record, t_crash = _crash_during(spec, tmp_path, "rec-slurm", slurm_cluster, nodes[2])
+    try:
+        assert record["state"] == "ok", out[-4000:]
+        recovery = _timely(record, t_crash)
+        assert recovery["lost"] == [nodes[2]] and recovery["replaced"] == {nodes[2]: nodes[0]}
+        assert re.search(rf"{nodes[2]} \(node 1\) lost \(no heartbeat for \d+s and \S+:6818 gave no answer", out)
+    finally:
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
