@@ -95,7 +95,11 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
         raise
     record.extra["detached"] = where
     record.save()
-    (stream or sys.stdout).write(f"run {run_id}: {where}\n")
+    out = stream or sys.stdout
+    if spec.recovery.max_host_failures:
+        out.write(f"run {run_id}: recovery.max_host_failures is not honoured by a detached run: no launcher "
+                  "follows it to replace a lost host\n")
+    out.write(f"run {run_id}: {where}\n")
     return where
 
 

@@ -183,6 +183,12 @@ def latest_run(project_dir: Optional[Path] = None) -> tuple[RunRecord, str]:
 def status_lines(record: RunRecord) -> list[str]:
     """A run's state and every host's outcome per stage."""
     lines = [f"{record.run_id}: {record.shown_state()} ({record.backend}; hosts {', '.join(record.hosts)})"]
+    for r in record.extra.get("recoveries") or []:
+        replaced = ", ".join(f"{lost} -> {spare}" for lost, spare in (r.get("replaced") or {}).items())
+        resumed = r.get("resumed_after_s")
+        lines.append(f"  recovery {r.get('number')}: lost {', '.join(r.get('lost') or [])}"
+                     + (f"; replaced {replaced}" if replaced else f"; went on with {r.get('hosts_after')} hosts")
+                     + (f"; resumed after {resumed:.0f}s" if isinstance(resumed, (int, float)) else ""))
     for stage in record.stages:
         lines.append(f"  stage {stage['stage']}:")
         for o in stage["outcomes"]:

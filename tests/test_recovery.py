@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from ddplaunch.sim.faults import sim_fault
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
+from tests.doc_examples import check_doc_example
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
@@ -101,6 +102,10 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     (got,) = SHA_RE.findall(out)
     assert got == want  # the same world size, the same ranks: the replicas end bitwise equal
     wait_for(lambda: run_processes(run_id) == {}, timeout=15)
+    if victim == 1:
+        check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
+                                                    r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
+                                                    r"run \S+: "])
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
@@ -132,6 +137,9 @@ def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path)
     assert (f"not recovered: {hosts[2]} lost after {hosts[1]} earlier: more host failures than "
             "recovery.max_host_failures=1") in out
     wait_for(lambda: run_processes("rec-twice") == {}, timeout=15)
+    check_doc_example("unrecovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|not recovering)",
+                                                  r"stage job: lost", r"recovered from", r"  \S+ lost \(",
+                                                  r"not recovered", r"run \S+: "])
 
 
 def test_a_dead_spare_is_named_and_dropped_and_the_run_goes_on(sim_cluster, tmp_path):

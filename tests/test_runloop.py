@@ -260,3 +260,6 @@ def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
     assert record["extra"]["recoveries"][0]["replaced"] == {"f2": "f4"} and record["hosts"] == ["f1", "f4", "f3"]
     summary = json.loads(summary_json(report))
     assert summary["recoveries"][0]["lost"] == ["f2"] and summary["unrecovered"] is None
+    from ddplaunch.runs import load_run, status_lines
+
+    assert "  recovery 1: lost f2; replaced f2 -> f4" in status_lines(load_run("fake-rec2"))

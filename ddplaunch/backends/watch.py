@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from ddplaunch.plan import LaunchPlan
 from ddplaunch.results import FAILED, INTERRUPTED, LOST, OK, RUNNING, UNREACHABLE, NodeOutcome, StageResult, StopEvent
@@ -75,6 +75,24 @@ class RunningStage(Protocol):
 
     def close(self) -> None:
         """Release the stage's sessions and end whatever of the run is left on its hosts."""
+
+
+class LossAware:
+    """What a RunningStage that talks to remote hosts keeps: the nodes it reported ended, the ones
+    the watcher found lost (never waited for or talked to again), and the backend's probe of a
+    silent node's host (`unanswered(node)`: why it does not answer, None when it does)."""
+
+    def __init__(self, unanswered: Callable[[int], Optional[str]]):
+        self._unanswered = unanswered
+        self._seen: set[int] = set()
+        self._lost: set[int] = set()
+
+    def confirm_lost(self, node: int) -> Optional[str]:
+        return self._unanswered(node)
+
+    def lost(self, node: int) -> None:
+        self._seen.add(node)
+        self._lost.add(node)
 
 
 def unanswered(addr: str, port: int, timeout: float = PROBE_S) -> Optional[str]:

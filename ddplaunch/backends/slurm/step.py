@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional
 
 from ddplaunch.backends.slurm.client import SlurmClient
-from ddplaunch.backends.watch import SHUTDOWN_GRACE, NodeEnd
+from ddplaunch.backends.watch import SHUTDOWN_GRACE, LossAware, NodeEnd
 from ddplaunch.stagelines import StageLines
 
 SRUN_PIECE = 1024
@@ -157,7 +157,7 @@ class SrunStep:
 LOST_STOP_GRACE = 5.0
 
 
-class SrunStage:
+class SrunStage(LossAware):
     """A stage's step, for backends/watch.py: srun's words on how each node ended, and once srun
     itself has ended, every node it said nothing of (exit 0 when srun exited 0). The backend's
     callbacks say which stopped nodes never started, why a node's host does not answer, and end
@@ -165,9 +165,8 @@ class SrunStage:
 
     def __init__(self, step: SrunStep, never_started: Callable[[list[int]], set[int]],
                  unanswered: Callable[[int], Optional[str]], reap: Callable[[set[int]], None]):
-        self.step, self._never_started, self._unanswered, self._reap = step, never_started, unanswered, reap
-        self._seen: set[int] = set()
-        self._lost: set[int] = set()
+        super().__init__(unanswered)
+        self.step, self._never_started, self._reap = step, never_started, reap
         self.rc: Optional[int] = None
 
     def poll(self) -> list[NodeEnd]:
@@ -198,13 +197,6 @@ class SrunStage:
 
     def never_started(self, nodes: list[int]) -> set[int]:
         return self._never_started(nodes) if nodes and self.rc != 0 else set()
-
-    def confirm_lost(self, node: int) -> Optional[str]:
-        return self._unanswered(node)
-
-    def lost(self, node: int) -> None:
-        self._seen.add(node)
-        self._lost.add(node)
 
     def close(self) -> None:
         if self.step.poll() is None:

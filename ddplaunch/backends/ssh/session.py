@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import paramiko
 
 from ddplaunch.backends.shell import ShellRequest, env_name, env_text, pid_file, stage_bundle, stage_files
-from ddplaunch.backends.watch import NodeEnd
+from ddplaunch.backends.watch import LossAware, NodeEnd
 from ddplaunch.plan import LaunchPlan, NodeCommand
 from ddplaunch.shellword import word
 from ddplaunch.stagelines import StageLines
@@ -96,7 +96,7 @@ def _pump(ch: paramiko.Channel, lines: StageLines, node_rank: int, host: str) ->
         lines.emit(node_rank, host, pending.decode("utf-8", "replace"))
 
 
-class SshStage:
+class SshStage(LossAware):
     """Every node's session of a started stage, for backends/watch.py.
 
     `term(nodes)` SIGTERMs the nodes' torchruns and returns those without a pid file (their
@@ -107,11 +107,9 @@ class SshStage:
     def __init__(self, plan: LaunchPlan, channels: list[paramiko.Channel], lines: StageLines,
                  term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[set[int]], None],
                  unanswered: Callable[[int], Optional[str]]):
+        super().__init__(unanswered)
         self.plan, self.channels, self._term, self._reap = plan, channels, term, reap
-        self._unanswered = unanswered
         self._never: set[int] = set()
-        self._seen: set[int] = set()
-        self._lost: set[int] = set()
         self.readers = [threading.Thread(target=_pump, args=(ch, lines, n.node_rank, n.host_label), daemon=True)
                         for ch, n in zip(channels, plan.nodes)]
         for r in self.readers:
@@ -148,13 +146,6 @@ class SshStage:
 
     def never_started(self, nodes: list[int]) -> set[int]:
         return self._never & set(nodes)
-
-    def confirm_lost(self, node: int) -> Optional[str]:
-        return self._unanswered(node)
-
-    def lost(self, node: int) -> None:
-        self._seen.add(node)
-        self._lost.add(node)
 
     def close(self) -> None:
         for node, (reader, ch) in enumerate(zip(self.readers, self.channels)):
