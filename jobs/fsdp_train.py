@@ -13,18 +13,26 @@ the same model on the same data with DistributedDataParallel, for the cross-chec
   ``step_N.tmp/``, renamed to ``step_N/`` once every rank has finished, then ``latest`` is
   replaced atomically. A restarted run resumes from the newest complete ``step_N/`` at any
   world size (DCP reshards on load); ``*.tmp`` directories are ignored.
+- Loading runs no code from the checkpoint. DCP itself (torch 2.x) unpickles ``.metadata`` with
+  plain ``pickle.load`` and non-tensor values (Adam's param_groups) with
+  ``torch.load(weights_only=False)``: here the metadata goes through an unpickler that knows only
+  DCP's own metadata classes, and those values through weights_only loading. A checkpoint that
+  needs more, or a checkpoint directory another user can write, is refused with one line, exit 2.
 - End: every rank gathers the full (unsharded) parameters and hashes them; the ranks compare
   (``rank=R full_params_sha256=...``, then ``replicas agree`` or exit 1).
 """
 
 import argparse
+import io
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import sys
 import time
@@ -46,6 +54,8 @@ DATA_SEED = 1234  # the task never changes; --seed varies the initial weights an
 STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 #: Exit status after a preemption warning: checkpoint written, run again to resume (EX_TEMPFAIL).
 PREEMPTED_EXIT = 75
+#: Exit status when the newest checkpoint is refused (unsafe to load, or not this job's).
+REFUSED_EXIT = 2
 _preempt = {"signalled": False}
 
 
@@ -206,7 +216,7 @@ def fsync_dir(path: str) -> None:
 
 def write_atomically(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as out:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         out.write(data)
         out.flush()
         os.fsync(out.fileno())
@@ -239,8 +249,11 @@ def save_checkpoint(args, model, optimizer, step: int, meta: dict) -> float:
     final = os.path.join(args.ckpt_dir, f"step_{step}")
     tmp = final + ".tmp"
     if rank == 0:
-        os.makedirs(args.ckpt_dir, exist_ok=True)
+        # 0700 directories (DCP's own mkdir keeps an existing one's mode): resuming refuses a
+        # checkpoint that others can write, and DCP's files inside get the umask's modes.
+        os.makedirs(args.ckpt_dir, mode=0o700, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a save that died midway
+        os.mkdir(tmp, 0o700)
     dist.barrier()
     start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -264,27 +277,175 @@ def save_checkpoint(args, model, optimizer, step: int, meta: dict) -> float:
     return time.perf_counter() - start
 
 
+class CheckpointRefused(Exception):
+    """A checkpoint (or its directory) this job will not resume from; the message is one line."""
+
+
+CHECKPOINT_ADVICE = ("if this job did not write it, move it out of the checkpoint directory and "
+                     "find out who could; it is never loaded unsafely")
+
+#: Every global a DCP ``.metadata`` pickle may name (torch 2.x FileSystemWriter): DCP's metadata
+#: classes, torch.Size, dtypes (see _MetadataUnpickler), layouts and the save's path. Building
+#: these runs no code of consequence; anything else (os.system, builtins.eval...) is refused
+#: before it is even looked up. A torch that pickles metadata differently fails closed.
+DCP_METADATA_GLOBALS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib._local", "PosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler resolving only DCP_METADATA_GLOBALS and torch dtypes (torch.float32...)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it needs the global {module}.{name}, "
+                                     "which DCP metadata never holds")
+
+
+def read_dcp_metadata(step_dir: str):
+    """The DCP Metadata of ``step_dir``, unpickled without running code, and checked.
+
+    Each file it names must be a plain name inside ``step_dir`` (DCP would open a ``../`` path
+    as given), without load-time transforms (this job writes none).
+    """
+    path = os.path.join(step_dir, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:  # noqa: BLE001 -- whatever these untrusted bytes do wrong: refused
+        reason = str(exc) if isinstance(exc, pickle.UnpicklingError) else \
+            f"{type(exc).__name__}: {exc}"
+        raise CheckpointRefused(f"refusing {path}: {(reason.splitlines() or ['?'])[0][:200]}; "
+                                f"nothing from it was loaded: {CHECKPOINT_ADVICE}") from None
+    if not isinstance(metadata, dcp.Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointRefused(f"refusing {path}: not DCP metadata; {CHECKPOINT_ADVICE}")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
+                or getattr(info, "transform_descriptors", None):
+            raise CheckpointRefused(f"refusing {path}: it points at {name!r}, not a plain file of "
+                                    f"{step_dir}; {CHECKPOINT_ADVICE}")
+    return metadata
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader, but ``.metadata`` comes from `read_dcp_metadata`, not pickle.load.
+
+    (No ``rank`` keyword on read_metadata: DCP then never looks for per-rank metadata files.)
+    """
+
+    def read_metadata(self):
+        metadata = read_dcp_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
+            metadata.storage_meta = dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, but non-tensor values are loaded with weights_only=True.
+
+    DCP saves them (here Adam's param_groups: floats, tuples, bools, names) with torch.save and
+    its planner loads them with weights_only=False. The parent still places the value: it gets
+    a re-serialized copy of what weights_only loading returned, plain data by then.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = torch.load(value, map_location="cpu", weights_only=True)
+        copy = io.BytesIO()
+        torch.save(obj, copy)
+        copy.seek(0)
+        super().load_bytes(read_item, copy)
+
+
+def refuse_if_others_can_write(path: str, files: bool = False) -> None:
+    """CheckpointRefused unless only this user (or root) can have written ``path`` (see train.py).
+
+    ``files``: ``path`` is a step directory; if others can enter it, each file in it must not be
+    writable by them either (DCP creates its files with the umask's modes).
+    """
+    st = os.stat(path)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise CheckpointRefused(f"refusing {path}: it belongs to uid {st.st_uid}, not to this job's "
+                                f"user (uid {me}) or root; resume only from a directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointRefused(f"refusing {path}: others can write it (mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}), so anyone among them could plant "
+                                f"a checkpoint; check its contents, then `chmod -R go-w {path}`, or "
+                                f"use a --ckpt-dir only you can write")
+    if files and st.st_mode & (stat.S_IXGRP | stat.S_IXOTH):
+        for name in os.listdir(path):
+            refuse_if_others_can_write(os.path.join(path, name))
+
+
+def pick_checkpoint(ckpt_dir: str):
+    """Rank 0: (path, meta) of the newest complete checkpoint, checked; None if there is none.
+
+    An older checkpoint is never tried instead of a refused one: quietly going back in time
+    would hide a planted file.
+    """
+    if not os.path.exists(ckpt_dir):
+        return None
+    refuse_if_others_can_write(ckpt_dir)
+    done = complete_checkpoints(ckpt_dir)
+    if not done:
+        return None
+    path = done[-1][1]
+    refuse_if_others_can_write(path, files=True)
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointRefused(f"refusing {path}: meta.json does not load ({exc}); "
+                                f"{CHECKPOINT_ADVICE}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or \
+            not isinstance(meta.get("world_size"), int):
+        raise CheckpointRefused(f"refusing {path}: meta.json lacks an integer step or world_size; "
+                                f"{CHECKPOINT_ADVICE}")
+    read_dcp_metadata(path)  # refused here, with one line, before any rank reads it
+    return path, meta
+
+
 def load_latest(args, model, optimizer):
     """Loads the newest complete checkpoint, whatever world size wrote it; returns its meta.
 
-    Rank 0 picks the directory (every rank must agree on it); each rank then reads just the
-    pieces of every saved shard that overlap its own shard.
+    Rank 0 picks and checks the directory (every rank must agree on it); each rank then reads
+    just the pieces of every saved shard that overlap its own shard. Raises CheckpointRefused
+    on every rank if the checkpoint is not safe to load.
     """
     box = [None]
     if dist.get_rank() == 0:
-        done = complete_checkpoints(args.ckpt_dir)
-        if done:
-            path = done[-1][1]
-            with open(os.path.join(path, "meta.json")) as f:
-                box[0] = (path, json.load(f))
-    dist.broadcast_object_list(box, src=0)
+        try:
+            box[0] = pick_checkpoint(args.ckpt_dir)
+        except CheckpointRefused as exc:
+            box[0] = str(exc)  # every rank must learn of the refusal, or the others would hang
+    dist.broadcast_object_list(box, src=0)  # JSON values or a str: nothing loaded by pickle
+    if isinstance(box[0], str):
+        raise CheckpointRefused(box[0])
     if box[0] is None:
         return None, 0.0
     path, meta = box[0]
     start = time.perf_counter()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=WeightsOnlyLoadPlanner())
+    except dcp.CheckpointException as exc:  # raised on every rank when any rank failed
+        unsafe = [e for e, _ in exc.failures.values()
+                  if isinstance(e, (pickle.UnpicklingError, CheckpointRefused))]
+        if not unsafe:
+            raise
+        lines = str(unsafe[0]).strip().splitlines() or ["?"]
+        reason = next((line for line in lines if "GLOBAL" in line), lines[0]).strip()
+        raise CheckpointRefused(f"refusing {path}: a value in it does not load with "
+                                f"weights_only=True ({reason[:200]}); {CHECKPOINT_ADVICE}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     dist.barrier()
     return dict(meta, path=path), time.perf_counter() - start
@@ -383,12 +544,20 @@ def main(argv=None) -> int:
     meta_base = {"strategy": args.strategy, "seed": args.seed, "global_batch": args.global_batch,
                  "dim": args.dim, "layers": args.layers, "heads": args.heads}
     step, start_loss = 0, None
-    resumed, load_s = load_latest(args, model, optimizer)
+    try:
+        resumed, load_s = load_latest(args, model, optimizer)
+    except CheckpointRefused as exc:
+        if rank == 0:
+            sys.stderr.write(f"fsdp_train: {exc}\n")
+            sys.stderr.flush()
+        del wrapped, model, optimizer
+        dist.destroy_process_group()
+        return REFUSED_EXIT
     if resumed:
         step, start_loss = resumed["step"], resumed.get("start_loss")
         if rank == 0:
             say(f"resumed from {resumed['path']} at step {step} (written by "
-                f"{resumed['world_size']} ranks with {resumed['strategy']}, now {world} "
+                f"{resumed['world_size']} ranks with {resumed.get('strategy')}, now {world} "
                 f"with {args.strategy}) load_s={load_s:.4f}")
         loaded = params_sha256(full_params(model))
         if rank == 0:

@@ -3,18 +3,26 @@
 A plain torchrun script (needs only torch): an MLP learns a fixed synthetic function,
 rank 0 writes atomic checkpoints, a restarted run resumes bitwise-identically, and the
 run ends by proving every replica holds the same weights (exit 1 if they differ).
+
+Checkpoints hold only tensors and plain Python values, so resuming loads them with
+``torch.load(..., weights_only=True)``, which cannot run code: a file that needs more (a
+planted pickle, a checkpoint of an older format) is refused with one line and exit 2, never
+loaded unsafely. So is a checkpoint directory or file that another user could have written.
 """
 
 import argparse
 import glob
 import hashlib
 import os
+import pickle
 import random
 import re
 import signal
 import socket
+import stat
 import sys
 import time
+import zipfile
 from datetime import timedelta
 
 # find_unused_parameters=True (see main) makes DDP's C++ reducer warn once per rank that no parameter
@@ -34,6 +42,11 @@ DATA_SEED = 1234  # the task itself never changes; --seed varies init and data o
 CKPT_RE = re.compile(r"ckpt_step(\d+)\.pt$")
 #: Exit status after a preemption warning: checkpoint written, run again to resume (EX_TEMPFAIL).
 PREEMPTED_EXIT = 75
+#: Exit status when the newest checkpoint is refused (unsafe to load, or not this job's format).
+REFUSED_EXIT = 2
+#: Layout of the checkpoint dict. 2: nothing but tensors and plain values (loads with weights_only).
+CKPT_FORMAT = 2
+CKPT_KEYS = ("format", "model", "optimizer", "step", "epoch", "start_loss", "rng", "world_size", "config")
 _preempt = {"signalled": False}
 
 
@@ -88,17 +101,50 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+class CheckpointRefused(Exception):
+    """A checkpoint (or checkpoint directory) this job will not resume from; the message is one line."""
+
+
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+    """Every RNG's state as tensors and plain values, which weights_only loading accepts.
+
+    numpy's own state tuple holds an ndarray and Python's is a tuple of 625 ints: the first
+    would need numpy globals to unpickle, so both are taken apart (all words fit in int64).
+    """
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    version, words, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+            "python": {"version": int(version), "words": torch.tensor(words, dtype=torch.int64),
+                       "gauss_next": gauss_next},
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(state: dict) -> None:
+    """Restores what `rng_state` captured, exactly."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["key"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["words"].tolist()), py["gauss_next"]))
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def plain_config(args: argparse.Namespace) -> dict:
+    """The command line as str/int/float/bool/None values (anything else as its str)."""
+    return {k: v if v is None or isinstance(v, (str, int, float, bool)) else str(v)
+            for k, v in vars(args).items()}
+
+
+def make_checkpoint(args, model: nn.Module, optimizer, step: int, steps_per_epoch: int,
+                    start_loss: float, world: int) -> dict:
+    """The checkpoint dict: tensors, dicts, lists and plain values only (see CKPT_FORMAT)."""
+    return {"format": CKPT_FORMAT, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "step": step, "epoch": step // steps_per_epoch, "start_loss": start_loss, "rng": rng_state(),
+            "world_size": world, "config": plain_config(args)}
 
 
 def find_latest(ckpt_dir: str):
@@ -113,9 +159,9 @@ def find_latest(ckpt_dir: str):
 
 
 def replace_atomically(path: str, write) -> None:
-    """Writes via ``write(fileobj)`` to a temp file, fsyncs, then renames over ``path``."""
+    """Writes via ``write(fileobj)`` to a temp file (0600: only this user), fsyncs, renames over ``path``."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as out:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
         write(out)
         out.flush()
         os.fsync(out.fileno())
@@ -123,8 +169,11 @@ def replace_atomically(path: str, write) -> None:
 
 
 def save_checkpoint(args, state: dict) -> None:
-    """Rank 0 only: atomic checkpoint file, then the ``latest`` pointer, then pruning."""
-    os.makedirs(args.ckpt_dir, exist_ok=True)
+    """Rank 0 only: atomic checkpoint file, then the ``latest`` pointer, then pruning.
+
+    A new checkpoint directory is made 0700: resuming refuses one that others can write.
+    """
+    os.makedirs(args.ckpt_dir, mode=0o700, exist_ok=True)
     name = f"ckpt_step{state['step']}.pt"
     replace_atomically(os.path.join(args.ckpt_dir, name), lambda out: torch.save(state, out))
     replace_atomically(os.path.join(args.ckpt_dir, "latest"), lambda out: out.write(name.encode() + b"\n"))
@@ -138,14 +187,92 @@ def save_checkpoint(args, state: dict) -> None:
         os.remove(os.path.join(args.ckpt_dir, f"ckpt_step{old}.pt"))
 
 
+def refuse_if_others_can_write(path: str) -> None:
+    """Raises CheckpointRefused unless only this user (or root) can have written ``path``.
+
+    weights_only stops code, not tampering: whoever can write the directory can plant a
+    checkpoint with weights of their choosing, and the newest one wins.
+    """
+    st = os.stat(path)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise CheckpointRefused(f"refusing {path}: it belongs to uid {st.st_uid}, not to this job's user "
+                                f"(uid {me}) or root; resume only from a checkpoint directory of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointRefused(f"refusing {path}: others can write it (mode "
+                                f"{stat.S_IMODE(st.st_mode):04o}), so anyone among them could plant a "
+                                f"checkpoint; check its contents, then `chmod go-w {path}`, or use a "
+                                f"--ckpt-dir only you can write")
+
+
+def unpickling_reason(exc: BaseException) -> str:
+    """The telling part of torch's long weights_only error: the global it would have imported."""
+    text = str(exc)
+    found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL (\S+)", text)
+    if found:
+        return f"it needs the global {found.group(1)}"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    return f"{type(exc).__name__}: {first[:160]}"
+
+
+def read_checkpoint(path: str) -> dict:
+    """Loads one checkpoint file with weights_only=True; CheckpointRefused (one line) if it cannot.
+
+    Never falls back to unsafe loading: a file that needs anything beyond tensors and plain
+    values either was planted or predates CKPT_FORMAT 2, and either way must not be unpickled.
+    """
+    refuse_if_others_can_write(path)
+    what_to_do = (f"nothing from it was loaded. If this job did not write it, move it out of "
+                  f"{os.path.dirname(path) or '.'} and find out who could; a checkpoint of an older "
+                  f"train.py (before format {CKPT_FORMAT}) cannot be resumed safely: move it away "
+                  f"to start over")
+    if not zipfile.is_zipfile(path):  # torch.save's format; a bare pickle is never handed to torch.load
+        raise CheckpointRefused(f"refusing {path}: not a torch.save archive (a bare pickle, or damaged); "
+                                + what_to_do)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointRefused(f"refusing {path}: torch.load(weights_only=True) rejects it "
+                                f"({unpickling_reason(exc)}): unpickling it could run code; "
+                                + what_to_do) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointRefused(f"refusing {path}: it does not load ({unpickling_reason(exc)}); "
+                                + what_to_do) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT or \
+            any(key not in ckpt for key in CKPT_KEYS):
+        got = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointRefused(f"refusing {path}: not a format-{CKPT_FORMAT} checkpoint of this train.py "
+                                f"(format {got!r}, or keys missing); " + what_to_do)
+    return ckpt
+
+
+def newest_checkpoint(ckpt_dir: str):
+    """(path, checkpoint) of the newest checkpoint, None if there is none; CheckpointRefused if the
+    directory or that file is not safe to resume from. An older checkpoint is never tried instead:
+    quietly going back in time would hide a planted file."""
+    if not os.path.exists(ckpt_dir):
+        return None
+    refuse_if_others_can_write(ckpt_dir)
+    path = find_latest(ckpt_dir)
+    return (path, read_checkpoint(path)) if path else None
+
+
 def load_checkpoint(args, rank: int):
-    """Rank 0 reads the newest checkpoint and broadcasts it, so hosts need no shared disk."""
+    """Rank 0 reads the newest checkpoint and broadcasts it, so hosts need no shared disk.
+
+    Returns None or (path, checkpoint) on every rank, or raises CheckpointRefused on every rank.
+    (broadcast_object_list pickles between this job's own ranks: what it carries came out of
+    weights_only loading, so it holds nothing but tensors and plain values.)
+    """
     box = [None]
     if rank == 0:
-        path = find_latest(args.ckpt_dir)
-        if path:
-            box[0] = (path, torch.load(path, map_location="cpu", weights_only=False))
+        try:
+            box[0] = newest_checkpoint(args.ckpt_dir)
+        except CheckpointRefused as exc:
+            box[0] = str(exc)  # every rank must learn of the refusal, or the others would hang
     dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise CheckpointRefused(box[0])
     return box[0]
 
 
@@ -240,7 +367,14 @@ def main(argv=None) -> int:
     with torch.no_grad():
         start_loss = loss_fn(model(x_all.to(device)), y_all.to(device)).item()
     step = 0
-    resumed = load_checkpoint(args, rank)
+    try:
+        resumed = load_checkpoint(args, rank)
+    except CheckpointRefused as exc:
+        if rank == 0:
+            sys.stderr.write(f"train: {exc}\n")
+            sys.stderr.flush()
+        dist.destroy_process_group()
+        return REFUSED_EXIT
     if resumed:
         path, ckpt = resumed
         model.load_state_dict(ckpt["model"])
@@ -263,10 +397,8 @@ def main(argv=None) -> int:
 
     def checkpoint() -> None:
         if rank == 0:
-            save_checkpoint(args, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                   "step": step, "epoch": step // steps_per_epoch,
-                                   "start_loss": start_loss, "rng": rng_state(), "world_size": world,
-                                   "config": vars(args)})
+            save_checkpoint(args, make_checkpoint(args, model, optimizer, step, steps_per_epoch,
+                                                  start_loss, world))
         dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to resume
 
     while step < total_steps:
