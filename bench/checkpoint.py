@@ -102,14 +102,14 @@ def ddp_save(model, optimizer, ckpt_dir: str):
 
 
 def ddp_load(model, optimizer, ckpt_dir: str) -> float:
-    """jobs/train.py's resume: rank 0 reads, broadcasts; every rank loads."""
+    """jobs/train.py's resume: rank 0 reads (weights only: no pickled code runs), broadcasts; every rank loads."""
     import torch
     import torch.distributed as dist
     dist.barrier()
     start = time.perf_counter()
     box = [None]
     if dist.get_rank() == 0:
-        box[0] = torch.load(os.path.join(ckpt_dir, "ckpt.pt"), map_location="cpu", weights_only=False)
+        box[0] = torch.load(os.path.join(ckpt_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
     dist.broadcast_object_list(box, src=0)
     model.load_state_dict(box[0]["model"])
     optimizer.load_state_dict(box[0]["optimizer"])

@@ -85,8 +85,10 @@ class RunRecord:
         return self.dir / "output.log"
 
     def make_dir(self) -> Path:
-        """The run directory, 0700 (created with that mode, not chmodded later)."""
-        (home() / "runs").mkdir(parents=True, exist_ok=True, mode=0o700)
+        """The run directory, 0700 (created with that mode, not chmodded later), in ddplaunch's
+        state directory, 0700 too."""
+        home().mkdir(parents=True, exist_ok=True, mode=0o700)
+        (home() / "runs").mkdir(exist_ok=True, mode=0o700)
         self.dir.mkdir(exist_ok=True, mode=0o700)
         return self.dir
 
@@ -143,11 +145,48 @@ def load_run(run_id: str) -> RunRecord:
                                f"{str(err)[:200]}); remove the directory or pass another run id") from None
 
 
+#: What each field of a record must be; a record that says otherwise is corrupt (never half-read).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "run_id": (str,), "spec_path": (str,), "backend": (str,), "hosts": (list,), "spec": (dict,),
+    "plan_text": (str,), "started_at": (int, float), "state": (str,), "launcher_pid": (int,),
+    "launcher_start": (int, type(None)), "launcher_host": (str,), "stages": (list,), "extra": (dict,),
+    "ended_at": (int, float, type(None))}
+_OUTCOME_TYPES: dict[str, tuple[type, ...]] = {"host": (str,), "node_rank": (int,), "state": (str,),
+                                               "exit_code": (int, type(None))}
+
+
 def _record(data: Any) -> RunRecord:
+    """A RunRecord from a record file's JSON, every field of the type it must have.
+
+    Raises:
+        TypeError: naming the first key that is missing or of the wrong type.
+    """
     if not isinstance(data, dict):
         raise TypeError("not a JSON object")
+    for key, types in _FIELD_TYPES.items():
+        if key in data and not isinstance(data[key], types) or isinstance(data.get(key), bool):
+            raise TypeError(f"key {key!r} is {type(data[key]).__name__}, not {' or '.join(t.__name__ for t in types)}")
+    for i, stage in enumerate(data.get("stages") or []):
+        _check_stage(stage, f"stages[{i}]")
+    if not all(isinstance(h, str) for h in data.get("hosts") or []):
+        raise TypeError("key 'hosts' holds something other than host names")
+    for i, rec in enumerate((data.get("extra") or {}).get("recoveries") or []):
+        if not isinstance(rec, dict):
+            raise TypeError(f"key 'extra.recoveries[{i}]' is not an object")
     known = {f.name for f in fields(RunRecord)}
     return RunRecord(**{k: v for k, v in data.items() if k in known})
+
+
+def _check_stage(stage: Any, where: str) -> None:
+    if not isinstance(stage, dict) or not isinstance(stage.get("stage"), str) \
+            or not isinstance(stage.get("outcomes"), list):
+        raise TypeError(f"key {where!r} is not a stage (an object with 'stage' and 'outcomes')")
+    for j, outcome in enumerate(stage["outcomes"]):
+        for key, types in _OUTCOME_TYPES.items():
+            value = outcome.get(key) if isinstance(outcome, dict) else None
+            if not isinstance(outcome, dict) or not isinstance(value, types) or isinstance(value, bool):
+                raise TypeError(f"key '{where}.outcomes[{j}].{key}' is missing or not "
+                                f"{' or '.join(t.__name__ for t in types)}")
 
 
 def list_runs() -> list[RunRecord]:

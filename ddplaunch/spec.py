@@ -9,16 +9,18 @@ cannot honour, is the registry's (registry.py).
 
 from __future__ import annotations
 
+import collections
 import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_validator)
 
 from ddplaunch import registry
 from ddplaunch.errors import SpecError
-from ddplaunch.hostlist import expand_hostlist
+from ddplaunch.hostlist import expand_hosts
 from ddplaunch.yamlsafe import char_name, show
 
 SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -66,6 +68,31 @@ def _env_name(value: str) -> str:
     return value
 
 
+#: The variables ddplaunch sets for every rank: the run's tag (which `down` and the reaper trust),
+#: the stage, host, rendezvous and recovery facts. Others under DDPLAUNCH_ (DDPLAUNCH_CKPT_DIR, the
+#: test hooks) are the user's to set.
+RESERVED_ENV = frozenset(f"DDPLAUNCH_{n}" for n in ("RUN_ID", "STAGE", "HOST", "NODE", "DIST_TIMEOUT",
+                                                    "DIST_BACKEND", "RECOVERY", "MASTER_ADDR"))
+
+
+def _user_env_name(value: str) -> str:
+    """A name the spec may set: not one that ddplaunch sets itself."""
+    _env_name(value)
+    if value.upper() in RESERVED_ENV:
+        raise ValueError(f"{show(value)!r} is set by ddplaunch for every rank (DDPLAUNCH_RUN_ID tags the "
+                         "run's processes); use another name")
+    return value
+
+
+def _interpreter(value: str) -> str:
+    """`python:`: a path or a command name, never something `exec` would read as an option."""
+    _printable(value)
+    if not value.strip() or value.startswith("-"):
+        raise ValueError(f"{show(value)!r} is not an interpreter: give a path (/opt/venv/bin/python) or a "
+                         "command name (python3)")
+    return value
+
+
 def _sbatch_option(value: str) -> str:
     _printable(value)
     if not value.startswith("--"):
@@ -76,6 +103,8 @@ def _sbatch_option(value: str) -> str:
 Line = Annotated[str, AfterValidator(_printable)]
 Arg = Annotated[str, AfterValidator(_no_nul)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
+UserEnvName = Annotated[str, AfterValidator(_user_env_name)]
+Interpreter = Annotated[str, AfterValidator(_interpreter)]
 HostAddr = Annotated[str, _shaped(r"[A-Za-z0-9_.:%\[\]][A-Za-z0-9_.:%\[\]-]{0,252}",
                                   "a host address (a name or IP: letters, digits, . _ - : % [ ])")]
 HostName = Annotated[str, _shaped(r"[A-Za-z0-9_.-]{1,253}", "a host name (letters, digits, . _ -)")]
@@ -89,25 +118,36 @@ SlurmTime = Annotated[str, _shaped(_SLURM_TIME.pattern, "a Slurm time limit (MIN
 SbatchOption = Annotated[str, AfterValidator(_sbatch_option)]
 
 _SECRET_PARTS = ("SECRET", "PASSW", "CREDENTIAL", "APIKEY", "API_KEY", "PRIVATE")
-_SECRET_WORDS = {"PASS", "PASSPHRASE", "CREDS", "COOKIE"}
+_SECRET_WORDS = {"PASSPHRASE", "CREDS", "COOKIE"}
+#: English words that end in PASS and hold no password.
+_PASS_WORDS = {"BYPASS", "COMPASS", "ENCOMPASS", "OVERPASS", "UNDERPASS", "SURPASS", "TRESPASS"}
+#: A URL that carries a password: `scheme://user:PASSWORD@host` (DATABASE_URL, a proxy's URL).
+_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 
 
 def is_secret_name(name: str) -> bool:
     """Whether an env name looks like it holds a secret, whose value ddplaunch never prints.
 
     Matches (case-insensitively) SECRET, PASSW(ORD), CREDENTIAL, API_KEY/APIKEY and PRIVATE
-    anywhere; and, as `_`-separated words: a word ending in TOKEN(S) (not TOKENIZERS), PASS,
-    PASSPHRASE, CREDS, COOKIE, a word starting with AUTH (AUTHKEY, AUTHORIZATION; not AUTHOR),
-    and KEY/KEYS as the last word (OPENAI_KEY; not KEYBOARD_LAYOUT, MONKEY or AWS_ACCESS_KEY_ID).
+    anywhere; and, as `_`-separated words: a word ending in TOKEN(S) (not TOKENIZERS) or PASS
+    (SSHPASS, PGPASS), PASSPHRASE, CREDS, COOKIE, a word starting with AUTH (AUTHKEY,
+    AUTHORIZATION; not AUTHOR), PWD after another word (MYSQL_PWD; not PWD, the working
+    directory), and KEY/KEYS or PAT as the last word (OPENAI_KEY, GH_PAT; not KEYBOARD_LAYOUT,
+    MONKEY or AWS_ACCESS_KEY_ID).
     """
     upper = name.upper()
     if any(part in upper for part in _SECRET_PARTS):
         return True
     words = upper.split("_")
-    if words[-1] in ("KEY", "KEYS"):
+    if words[-1] in ("KEY", "KEYS") or len(words) > 1 and words[-1] in ("PAT", "PWD"):
         return True
-    return any(w.endswith(("TOKEN", "TOKENS")) or w in _SECRET_WORDS
+    return any(w.endswith(("TOKEN", "TOKENS")) or w.endswith("PASS") and w not in _PASS_WORDS or w in _SECRET_WORDS
                or w.startswith("AUTH") and (not w.startswith("AUTHOR") or w.startswith("AUTHORIZ")) for w in words)
+
+
+def is_secret_value(value: str) -> bool:
+    """Whether a value says by its shape that it is secret: a URL with a password in it."""
+    return bool(_URL_PASSWORD.match(value))
 
 
 # --------------------------------------------------------------------------- the model
@@ -119,6 +159,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _nproc_value(value: Any) -> Any:
+    """A process count: a positive integer, or `auto` (the host's GPUs, at least one)."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"must be a positive integer or 'auto', got {show(repr(value))}")
+    return value
+
+
+Nproc = Annotated[Union[int, Literal["auto"]], BeforeValidator(_nproc_value)]
+
+
 class HostSpec(_Strict):
     """One machine. A plain string in YAML is shorthand for `{addr: STRING}`."""
 
@@ -126,7 +178,9 @@ class HostSpec(_Strict):
     name: Optional[HostName] = None
     user: Optional[UserName] = None
     port: Optional[int] = Field(default=None, ge=1, le=65535)
-    python: Optional[Line] = None
+    python: Optional[Interpreter] = None
+    #: processes on this host (a mixed fleet); default: the spec's `nproc_per_node`
+    nproc: Optional[Nproc] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -209,6 +263,9 @@ class JobSpec(_Strict):
     #: After the script returned: leave without interpreter finalization (torch's Gloo threads
     #: sometimes abort there, turning a finished job into a failed one). false: exit normally.
     fast_exit: bool = True
+    #: Seconds between SIGTERM and SIGKILL when ddplaunch stops a run: what a job gets to
+    #: checkpoint (torchrun's own grace for its workers too: TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+    stop_grace: int = Field(default=30, ge=1, le=3600)
 
     @field_validator("args", mode="before")
     @classmethod
@@ -236,12 +293,7 @@ class RecoverySpec(_Strict):
     def _spare_lists(cls, spares: Any) -> Any:
         if isinstance(spares, bool) or isinstance(spares, int) and spares < 0:
             raise ValueError("must be a list of hosts or (slurm) a count of extra nodes >= 0")
-        if not isinstance(spares, list):
-            return spares
-        out: list[Any] = []
-        for h in spares:
-            out += expand_hostlist(h) if isinstance(h, str) and "[" in h else [h]
-        return out
+        return expand_hosts(spares) if isinstance(spares, list) else spares
 
     @property
     def spare_count(self) -> int:
@@ -318,18 +370,13 @@ class ClusterSpec(_Strict):
     @field_validator("hosts", mode="before")
     @classmethod
     def _hostlists(cls, hosts: Any) -> Any:
-        """`gpu[01-04,07]` stands for gpu01..gpu04 and gpu07, as in Slurm, on every backend."""
-        if not isinstance(hosts, list):
-            return hosts
-        out: list[Any] = []
-        for h in hosts:
-            out += expand_hostlist(h) if isinstance(h, str) and "[" in h else [h]
-        return out
-    nproc_per_node: Union[int, Literal["auto"]] = 1
+        """`gpu[01-04,07]` stands for gpu01..gpu04 and gpu07, as in Slurm, on every backend (hostlist.py)."""
+        return expand_hosts(hosts) if isinstance(hosts, list) else hosts
+    nproc_per_node: Nproc = 1
     master: MasterSpec = Field(default_factory=MasterSpec)
-    python: Optional[Line] = None
+    python: Optional[Interpreter] = None
     workdir: Optional[Line] = None
-    env: dict[EnvName, EnvVar] = Field(default_factory=dict)
+    env: dict[UserEnvName, EnvVar] = Field(default_factory=dict)
     setup: list[Arg] = Field(default_factory=list)
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     socket_ifname: Optional[Line] = None
@@ -352,15 +399,6 @@ class ClusterSpec(_Strict):
             raise ValueError(f"unknown backend {show(repr(value), 60)} (registered: {', '.join(registry.names())})")
         return value
 
-    @field_validator("nproc_per_node", mode="before")
-    @classmethod
-    def _nproc(cls, value: Any) -> Any:
-        if value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"must be a positive integer or 'auto', got {show(repr(value))}")
-        return value
-
     @model_validator(mode="after")
     def _consistent(self) -> "ClusterSpec":
         if not self.hosts:
@@ -373,7 +411,7 @@ class ClusterSpec(_Strict):
                              + f"; use backend {others} for several")
         spares = self.recovery.spares if isinstance(self.recovery.spares, list) else []
         labels = [h.label for h in self.hosts] + [h.label for h in spares]
-        dupes = sorted({x for x in labels if labels.count(x) > 1})
+        dupes = sorted(x for x, n in collections.Counter(labels).items() if n > 1)
         if dupes:
             raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))} (a spare must not be a host too)")
         if isinstance(self.recovery.spares, int) and self.recovery.spares and \
@@ -381,6 +419,10 @@ class ClusterSpec(_Strict):
             raise ValueError(f"recovery.spares: backend {self.backend!r} allocates no nodes: list the spare "
                              "hosts by name or address, as under hosts:")
         return self
+
+    def nproc_of(self, host: HostSpec) -> Union[int, str]:
+        """The processes on `host`: its own `nproc`, else `nproc_per_node`."""
+        return host.nproc if host.nproc is not None else self.nproc_per_node
 
     def resolve(self, path: str) -> Path:
         """A path from the spec, relative ones taken from the spec file's directory."""
@@ -412,7 +454,8 @@ class ClusterSpec(_Strict):
     def secret_names(self) -> frozenset[str]:
         """Env names whose values are never printed: `secret: true`, `from_env`, or a secret-looking
         name (`is_secret_name`)."""
-        return frozenset(k for k, v in self.env.items() if v.secret or v.from_env is not None or is_secret_name(k))
+        return frozenset(k for k, v in self.env.items() if v.secret or v.from_env is not None or is_secret_name(k)
+                         or v.value is not None and is_secret_value(v.value))
 
     def env_values(self, environ: Mapping[str, str]) -> dict[str, str]:
         """Every `env:` value, `from_env` entries read from `environ` (the launcher's environment).
@@ -452,7 +495,7 @@ def parse_size(size: Union[int, str]) -> int:
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     text = str(size).strip().upper().removesuffix("B").removesuffix("I")
-    num, suffix = (text[:-1], text[-1]) if text[-1:] in "KMG" else (text, "")
+    num, suffix = (text[:-1], text[-1]) if text and text[-1] in "KMG" else (text, "")
     if not num.isascii() or not num.isdigit() or len(num) > 15 or int(num) == 0:
         raise ValueError(f"size {show(repr(size), 60)} is not a positive byte count like 4096, 64K, 1M or 1G")
     return int(num) * SIZE_SUFFIXES[suffix]

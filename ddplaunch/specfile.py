@@ -14,16 +14,18 @@ import json
 import re
 import typing
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
+import yaml
 from pydantic import BaseModel, ValidationError
 from yaml.nodes import MappingNode, Node
 
 from ddplaunch import registry
 from ddplaunch.errors import SpecError
 from ddplaunch.examples import example_path, is_example
-from ddplaunch.spec import ClusterSpec, summarize_problems
-from ddplaunch.yamlsafe import coercion, load_yaml, node_at, nodes_along, one_line, replace_at, show
+from ddplaunch.spec import ClusterSpec, is_secret_name, summarize_problems
+from ddplaunch.yamlnodes import coercion, node_at, nodes_along, replace_at
+from ddplaunch.yamlsafe import LoadedYaml, load_yaml, one_line, parse_yaml, show
 
 
 # --------------------------------------------------------------------------- backend limits
@@ -92,13 +94,29 @@ def load_spec(path: Union[str, Path]) -> ClusterSpec:
             several problems, the first and `(and N more problems)`.
     """
     try:
-        return _load(path)
+        return _load(load_yaml(path), Path(path).resolve().parent)
     except SpecError as err:
         raise SpecError(one_line(str(err))) from None
 
 
-def _load(path: Union[str, Path]) -> ClusterSpec:
-    doc = load_yaml(path)
+def load_spec_data(data: Mapping[str, Any], base_dir: Union[str, Path] = ".") -> ClusterSpec:
+    """`load_spec` of a spec given as data (what a cluster.yaml holds), read exactly as a file
+    would be; relative paths are taken from `base_dir`.
+
+    Raises:
+        SpecError: as `load_spec`, the spec named `<spec data>` and lines those of its YAML form.
+    """
+    try:
+        text = yaml.safe_dump(dict(data), sort_keys=False, allow_unicode=True)
+    except (yaml.YAMLError, TypeError, ValueError) as err:
+        raise SpecError(f"<spec data>: not data a spec can hold ({type(err).__name__}: {show(str(err), 200)})") from None
+    try:
+        return _load(parse_yaml(text, "<spec data>"), Path(base_dir).resolve())
+    except SpecError as err:
+        raise SpecError(one_line(str(err))) from None
+
+
+def _load(doc: LoadedYaml, base_dir: Path) -> ClusterSpec:
     shown, root = doc.shown, doc.root
     data = {} if doc.data is None else doc.data
     if not isinstance(data, dict):
@@ -114,7 +132,7 @@ def _load(path: Union[str, Path]) -> ClusterSpec:
         problems += _describe(shown, root, err)
         spec = None
     if spec is not None:
-        spec = spec.model_copy(update={"base_dir": str(Path(path).resolve().parent)})
+        spec = spec.model_copy(update={"base_dir": str(base_dir)})
         problems += _backend_limit_problems(spec, root, shown)
     if problems or spec is None:  # a failed validation always brings at least one problem
         problems.sort(key=lambda p: p[0])
@@ -139,9 +157,21 @@ def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, 
             if found is None or null_ok and node.tag == "tag:yaml.org,2002:null":
                 continue
             line = node.start_mark.line + 1
-            problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write {_quoted(loc, node)}"))
+            if loc[0] == "env" and _secret_env(data, str(loc[1])):  # its value is never shown
+                problems.append((line, f"{shown}:{line}: {_dotted(loc)}: YAML would read this unquoted value "
+                                       "as another type and change it (the value is a secret: not shown); "
+                                       "write it in quotes"))
+            else:
+                problems.append((line, f"{shown}:{line}: {_dotted(loc)}: {found}; write {_quoted(loc, node)}"))
             replace_at(data, loc, node.value)
     return problems
+
+
+def _secret_env(data: dict, name: str) -> bool:
+    """Whether env entry `name` holds a secret: by its name, or marked so (`secret: true`, `from_env`)."""
+    entry = (data.get("env") or {}).get(name) if isinstance(data.get("env"), dict) else None
+    marked = isinstance(entry, dict) and (entry.get("secret") is True or "from_env" in entry)
+    return is_secret_name(name) or marked
 
 
 def _quoted(loc: tuple, node: Any) -> str:
@@ -208,8 +238,8 @@ def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tu
             msg += f" (did you mean {hint[0]!r}?)" if hint else f" (allowed: {', '.join(sorted(allowed))})"
         elif e["type"] == "string_type" and coercion(node) and loc:
             msg = f"{coercion(node)}; write {_quoted(loc, node)}"
-        elif "input" in e and e["type"] not in ("missing", "value_error"):
-            msg += f", got {show(repr(e['input']), 100)}"
+        elif "input" in e and e["type"] not in ("missing", "value_error") and loc[:1] != ("env",):
+            msg += f", got {show(repr(e['input']), 100)}"  # an env value may be a secret: never shown
         if msg.startswith("hosts: "):  # model-level messages name their key themselves
             key_path, msg, line = "hosts", msg.removeprefix("hosts: "), node_at(root, ("hosts",))[0]
         if (key_path, msg) not in seen:

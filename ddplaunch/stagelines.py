@@ -6,8 +6,9 @@ payload lines ranks print (`DDPLAUNCH_<NAME>_JSON {...}`: the health check's ver
 rank's start and exit), PyTorch's findings, the job's progress — the clock of the hang watchdog,
 and each node's heartbeat (the watcher's sign that its host lives; never shown or logged), and
 passes each line to the console: shown unless it is noise, a payload, or from a node ddplaunch
-is stopping on purpose (`verbose` shows everything; the log has every line). `fill(result)` hands
-it all to the `StageResult`.
+is stopping on purpose (`verbose` shows everything; the log has every line). A secret's value a
+job prints is replaced by `<secret>` before the line is kept, shown or logged. `fill(result)`
+hands it all to the `StageResult`.
 """
 
 from __future__ import annotations
@@ -16,22 +17,28 @@ import json
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ddplaunch.console import Console
 from ddplaunch.results import Progress, StageResult
+from ddplaunch.spec import SECRET_SHOWN
 from ddplaunch.torchrun_logs import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE,
                                      rank_of)
 
 TAIL_LINES = 40
+#: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
+MASKED_MIN = 4
 
 
 class StageLines:
     """Every line of one launch, from every node."""
 
-    def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None):
+    def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None,
+                 secrets: Sequence[str] = ()):
         self.console = console
         self._on_first_step = on_first_step
+        #: Secret values to mask in every line, longest first (one inside another is masked whole).
+        self._secrets = sorted({s for s in secrets if len(s) >= MASKED_MIN}, key=len, reverse=True)
         self._lock = threading.Lock()
         self._tails: dict[int, deque[str]] = {}
         self._rank_tails: dict[int, deque[str]] = {}
@@ -58,6 +65,8 @@ class StageLines:
             with self._lock:
                 self.heard_at[node_rank] = now
             return
+        for secret in self._secrets:
+            line = line.replace(secret, SECRET_SHOWN)
         if not line.startswith(f"[{host}:"):
             line = f"[{host}] {line}"
         marker = PAYLOAD_RE.search(line)
@@ -162,6 +171,7 @@ class StageLines:
         """Hand the stage's reports to its result: the health check's verdict, the ranks' exits,
         the findings, and each node's worker restarts (the highest restart count its ranks
         started with: torchrun's TORCHELASTIC_RESTART_COUNT)."""
+        self.console.flush()  # the stage's last lines come before anything said about it
         verdicts = self.payloads("HEALTHCHECK")
         result.healthcheck = verdicts[-1][1] if verdicts else None
         result.rank_exits = [p for _, p in self.payloads("RANKEXIT")]

@@ -20,6 +20,7 @@ from ddplaunch.backends.contract import Launcher
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import LaunchPlan, host_python
 from ddplaunch.results import StopEvent
+from ddplaunch.runs import write_private
 from ddplaunch.spec import ClusterSpec, HostSpec
 from ddplaunch.stagelines import StageLines
 
@@ -154,13 +155,13 @@ def _ranges(ranks: list[int]) -> str:
 
 def save_stacks(stacks: list[RankStack], raw: dict[str, Any], summary: list[str], out_dir: Path) -> Path:
     """Write stacks/<host>-rank<r>.txt per process, the raw py-spy JSON per host, and summary.txt."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     for stack in stacks:
         name = f"{stack.host}-rank{stack.rank}" if stack.rank is not None else f"{stack.host}-torchrun-{stack.pid}"
-        (out_dir / f"{name}.txt").write_text(render_stack(stack))
+        write_private(out_dir / f"{name}.txt", render_stack(stack))
     for host, data in raw.items():
-        (out_dir / f"{host}.json").write_text(json.dumps(data, indent=2, sort_keys=True))
-    (out_dir / "summary.txt").write_text("\n".join(summary) + "\n")
+        write_private(out_dir / f"{host}.json", json.dumps(data, indent=2, sort_keys=True))
+    write_private(out_dir / "summary.txt", "\n".join(summary) + "\n")
     return out_dir
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -31,13 +32,19 @@ MAX_BYTES = 1 << 20 if LIBYAML else 128 << 10
 MAX_DEPTH = 32  # nesting levels, aliases expanded (a real spec needs 4)
 MAX_NODES = 10_000  # values (scalars, lists, mappings), those reached through aliases counted as
 #                    if written out: a 1,000-host spec has 7,000; composing is ~20 us a value
+#: Characters of text the document holds with every alias written out: a file of MAX_BYTES holds
+#: at most that much; aliases may repeat some of it, not turn 50 kB into 90 MB
+MAX_EXPANDED = 2 * MAX_BYTES
+#: CPU seconds reading a document may take before it is refused (a spec is read in milliseconds;
+#: CPU time, not wall time: a loaded machine does not refuse a good spec)
+MAX_LOAD_S = 2.0
 MAX_INT_BITS = 64
 MAX_FLOAT_CHARS = 100
 MAX_MESSAGE_BYTES = 4000
 MAX_SHOWN = 200  # characters of a path, key or value quoted in a message
 
-_CORE = "tag:yaml.org,2002:"
-_ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "merge")}
+CORE_TAG = "tag:yaml.org,2002:"
+_ALLOWED_TAGS = {CORE_TAG + t for t in ("str", "int", "float", "bool", "null", "seq", "map", "merge")}
 # Control characters (tab, LF and CR aside) and YAML's other line breaks: never in a spec file.
 _BAD_CHAR = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\ufffe\uffff]")
 _LONG_INT = re.compile(r"[-+]?[0-9][0-9_]*")
@@ -144,7 +151,7 @@ def _line_col(text: str, index: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------- composing
 
 
-class _Problem(Exception):
+class Problem(Exception):
     """A bounded-loading problem found while composing/constructing, with its mark."""
 
     def __init__(self, mark: Any, message: str):
@@ -156,43 +163,63 @@ class _Resolver(Resolver):
     """YAML 1.1 implicit types without timestamps and `=`: a spec never means a date."""
 
     yaml_implicit_resolvers = {
-        first: [(tag, rx) for tag, rx in rules if tag not in (_CORE + "timestamp", _CORE + "value")]
+        first: [(tag, rx) for tag, rx in rules if tag not in (CORE_TAG + "timestamp", CORE_TAG + "value")]
         for first, rules in Resolver.yaml_implicit_resolvers.items()
     }
 
     def resolve(self, kind: type, value: Any, implicit: Any) -> str:
         # A long plain scalar is text: the implicit-type regexes backtrack on megabyte inputs.
         if kind is ScalarNode and implicit[0] and len(value) > MAX_FLOAT_CHARS:
-            return _CORE + ("int" if _LONG_INT.fullmatch(value) else "str")
+            return CORE_TAG + ("int" if _LONG_INT.fullmatch(value) else "str")
         return super().resolve(kind, value, implicit)
 
 
-class _Constructor(SafeConstructor):
-    """SafeConstructor whose integers fit in 64 bits (Python refuses str() past 4300 digits)."""
+def _not_a(node: ScalarNode, what: str) -> "Problem":
+    """An explicitly tagged scalar that is not what its tag says (`!!int "-"`, `!!bool maybe`)."""
+    tag = node.tag.replace(CORE_TAG, "!!")
+    return Problem(node.start_mark, f"{tag} {show(repr(node.value), 60)} is not {what}; remove the tag "
+                                     "or write the value it names")
+
+
+class Constructor(SafeConstructor):
+    """SafeConstructor whose integers fit in 64 bits (Python refuses str() past 4300 digits), and
+    whose tagged scalars that are not what the tag says (`!!int "-"`) are a problem with a line,
+    not an exception."""
 
     def construct_yaml_int(self, node: ScalarNode) -> int:
         digits = node.value.replace("_", "")
         if len(digits) > MAX_INT_BITS + 3:  # 0b + 64 binary digits + sign is the longest in range
-            raise _Problem(node.start_mark, f"integer too large ({len(digits)} characters; at most "
+            raise Problem(node.start_mark, f"integer too large ({len(digits)} characters; at most "
                                             f"{MAX_INT_BITS} bits); quote it if it is text")
-        value = super().construct_yaml_int(node)
+        try:
+            value = super().construct_yaml_int(node)
+        except (ValueError, IndexError):
+            raise _not_a(node, "an integer") from None
         if value.bit_length() > MAX_INT_BITS:
-            raise _Problem(node.start_mark, f"integer too large (at most {MAX_INT_BITS} bits); "
+            raise Problem(node.start_mark, f"integer too large (at most {MAX_INT_BITS} bits); "
                                             "quote it if it is text")
         return value
 
     def construct_yaml_float(self, node: ScalarNode) -> float:
         if len(node.value) > MAX_FLOAT_CHARS:
-            raise _Problem(node.start_mark, f"number too long ({len(node.value)} characters); "
+            raise Problem(node.start_mark, f"number too long ({len(node.value)} characters); "
                                             "quote it if it is text")
         try:
             return super().construct_yaml_float(node)
         except OverflowError:  # sexagesimal 1:2:3...:4.5 past a float's range
-            raise _Problem(node.start_mark, "number too large; quote it if it is text") from None
+            raise Problem(node.start_mark, "number too large; quote it if it is text") from None
+        except (ValueError, IndexError):
+            raise _not_a(node, "a number") from None
+
+    def construct_yaml_bool(self, node: ScalarNode) -> bool:
+        if str(node.value).lower() not in self.bool_values:
+            raise _not_a(node, "true or false")
+        return super().construct_yaml_bool(node)
 
 
-_Constructor.add_constructor(_CORE + "int", _Constructor.construct_yaml_int)  # type: ignore[type-var]
-_Constructor.add_constructor(_CORE + "float", _Constructor.construct_yaml_float)  # type: ignore[type-var]
+Constructor.add_constructor(CORE_TAG + "int", Constructor.construct_yaml_int)  # type: ignore[type-var]
+Constructor.add_constructor(CORE_TAG + "float", Constructor.construct_yaml_float)  # type: ignore[type-var]
+Constructor.add_constructor(CORE_TAG + "bool", Constructor.construct_yaml_bool)  # type: ignore[type-var]
 
 
 class _BoundedComposer(Composer):
@@ -205,51 +232,63 @@ class _BoundedComposer(Composer):
         self._depth = 0
         self._nodes = 0
         self._open_anchors: set[str] = set()
-        self._measured: dict[int, tuple[int, int]] = {}
+        self._measured: dict[int, tuple[int, int, int]] = {}
+        self._chars = 0
+        self._deadline = time.thread_time() + MAX_LOAD_S
 
-    def _measure(self, node: Node) -> tuple[int, int]:
-        """(size, height) of `node` as if every alias in it were written out; size saturates."""
+    def _measure(self, node: Node) -> tuple[int, int, int]:
+        """(size, height, characters) of `node` as if every alias in it were written out; size and
+        characters saturate."""
         known = self._measured.get(id(node))
         if known is not None:
             return known
         size, height = 1, 1
+        chars = len(node.value) if isinstance(node, ScalarNode) else 0
         children: list[Node] = []
         if isinstance(node, SequenceNode):
             children = node.value
         elif isinstance(node, MappingNode):
             children = [n for pair in node.value for n in pair]
         for child in children:
-            s, h = self._measure(child)
+            s, h, c = self._measure(child)
             size, height = min(size + s, MAX_NODES + 1), max(height, h + 1)
-        self._measured[id(node)] = (size, height)
-        return size, height
+            chars = min(chars + c, MAX_EXPANDED + 1)
+        self._measured[id(node)] = (size, height, chars)
+        return size, height, chars
 
     def compose_node(self, parent: Optional[Node], index: Any) -> Node:
         event = self.peek_event()
         if isinstance(event, AliasEvent):
             if event.anchor in self._open_anchors:
-                raise _Problem(event.start_mark, f"alias *{show(event.anchor, 40)} is inside its own anchor "
+                raise Problem(event.start_mark, f"alias *{show(event.anchor, 40)} is inside its own anchor "
                                                  "(a recursive structure); write the value out")
             node = self.anchors.get(event.anchor)
             if node is not None:
-                size, height = self._measure(node)
+                size, height, chars = self._measure(node)
                 self._nodes += size
+                self._chars += chars
                 if self._nodes > MAX_NODES:
-                    raise _Problem(event.start_mark, f"aliases expand to more than {MAX_NODES} values "
+                    raise Problem(event.start_mark, f"aliases expand to more than {MAX_NODES} values "
                                                      "in all (an alias bomb?); write the values out")
+                if self._chars > MAX_EXPANDED:
+                    raise Problem(event.start_mark, f"aliases expand to more than {MAX_EXPANDED} characters "
+                                                     "of text in all (an alias bomb?); write the values out")
                 if self._depth + height > MAX_DEPTH:
-                    raise _Problem(event.start_mark, f"alias *{show(event.anchor, 40)} nests values deeper "
+                    raise Problem(event.start_mark, f"alias *{show(event.anchor, 40)} nests values deeper "
                                                      f"than {MAX_DEPTH} levels")
             return _composed(super().compose_node(parent, index))
         self._nodes += 1
         if self._nodes > MAX_NODES:
-            raise _Problem(event.start_mark, f"more than {MAX_NODES} values; a spec needs far fewer")
+            raise Problem(event.start_mark, f"more than {MAX_NODES} values; a spec needs far fewer")
+        if self._nodes % 256 == 0 and time.thread_time() > self._deadline:
+            raise Problem(event.start_mark, f"reading the spec took more than {MAX_LOAD_S:g} CPU-s; a spec is read "
+                                             "in milliseconds: simplify it")
         if self._depth >= MAX_DEPTH:
-            raise _Problem(event.start_mark, f"values nested deeper than {MAX_DEPTH} levels")
+            raise Problem(event.start_mark, f"values nested deeper than {MAX_DEPTH} levels")
         anchor = getattr(event, "anchor", None)
         if anchor is not None and anchor in self.anchors:
             first = self.anchors[anchor].start_mark.line + 1
-            raise _Problem(event.start_mark, f"anchor &{show(anchor, 40)} is defined twice (first at line "
+            raise Problem(event.start_mark, f"anchor &{show(anchor, 40)} is defined twice (first at line "
                                              f"{first}); rename one")
         self._depth += 1
         if anchor is not None:
@@ -262,10 +301,10 @@ class _BoundedComposer(Composer):
                 self._open_anchors.discard(anchor)
         node = _composed(node)
         if node.tag not in _ALLOWED_TAGS:
-            raise _Problem(node.start_mark, f"tag {show(node.tag.replace(_CORE, '!!'), 60)} is not allowed "
+            raise Problem(node.start_mark, f"tag {show(node.tag.replace(CORE_TAG, '!!'), 60)} is not allowed "
                                             "in a spec; remove it")
         if isinstance(node, ScalarNode) and "\0" in node.value:
-            raise _Problem(node.start_mark, "NUL character in a value; remove it")
+            raise Problem(node.start_mark, "NUL character in a value; remove it")
         return node
 
 
@@ -280,11 +319,11 @@ def _loader_class(libyaml: bool = LIBYAML) -> type:
     if libyaml:
         from yaml._yaml import CParser  # libyaml scans and parses; composing stays in Python
 
-        class _CLoader(_BoundedComposer, CParser, _Constructor, _Resolver):
+        class _CLoader(_BoundedComposer, CParser, Constructor, _Resolver):
             def __init__(self, stream: str) -> None:
                 CParser.__init__(self, stream)
                 _BoundedComposer.__init__(self)
-                _Constructor.__init__(self)
+                Constructor.__init__(self)
                 _Resolver.__init__(self)
 
         return _CLoader
@@ -292,13 +331,13 @@ def _loader_class(libyaml: bool = LIBYAML) -> type:
     from yaml.reader import Reader
     from yaml.scanner import Scanner
 
-    class _PyLoader(Reader, Scanner, Parser, _BoundedComposer, _Constructor, _Resolver):
+    class _PyLoader(Reader, Scanner, Parser, _BoundedComposer, Constructor, _Resolver):
         def __init__(self, stream: str) -> None:
             Reader.__init__(self, stream)
             Scanner.__init__(self)
             Parser.__init__(self)
             _BoundedComposer.__init__(self)
-            _Constructor.__init__(self)
+            Constructor.__init__(self)
             _Resolver.__init__(self)
 
     return _PyLoader
@@ -319,14 +358,24 @@ def load_yaml(path: Union[str, Path]) -> LoadedYaml:
             both lines), a tag other than YAML's core ones, NUL in a string or a huge integer.
     """
     text, shown = read_text(path)
+    return parse_yaml(text, shown)
+
+
+def parse_yaml(text: str, shown: str) -> LoadedYaml:
+    """`load_yaml` of a document already in memory (`shown` names it in messages)."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        raise SpecError(f"{shown}: more than {MAX_BYTES} bytes; a spec may have at most {MAX_BYTES} bytes")
     loader = _Loader(text)
+    root: Optional[Node] = None
     try:
         root = loader.get_single_node()
         if root is not None:
             _check_keys(loader, root, shown)
         data = loader.construct_document(root) if root is not None else None
-    except _Problem as p:
-        raise SpecError(f"{shown}:{p.mark.line + 1}:{p.mark.column + 1}: {p.message}") from None
+    except Problem as p:
+        key = _key_at(root, p.mark) if root is not None else None
+        raise SpecError(f"{shown}:{p.mark.line + 1}:{p.mark.column + 1}: {f'{show(key)}: ' if key else ''}"
+                        f"{p.message}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{shown}:{mark.line + 1}:{mark.column + 1}" if mark else shown
@@ -336,6 +385,25 @@ def load_yaml(path: Union[str, Path]) -> LoadedYaml:
     finally:
         loader.dispose()
     return LoadedYaml(data, root, shown)
+
+
+def _key_at(root: Node, mark: Any) -> Optional[str]:
+    """The dotted key path of the value that starts at `mark` (`healthcheck.enabled`), if any."""
+    stack: list[tuple[Node, tuple]] = [(root, ())]
+    seen: set[int] = set()
+    while stack:
+        node, loc = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if (node.start_mark.line, node.start_mark.column) == (mark.line, mark.column) and loc:
+            return ".".join(str(p) for p in loc)
+        if isinstance(node, SequenceNode):
+            stack.extend((child, loc + (i,)) for i, child in enumerate(node.value))
+        elif isinstance(node, MappingNode):
+            stack.extend((value, loc + (key.value if isinstance(key, ScalarNode) else "?",))
+                         for key, value in node.value)
+    return None
 
 
 def _check_keys(loader: Any, root: Node, shown: str) -> None:
@@ -352,7 +420,7 @@ def _check_keys(loader: Any, root: Node, shown: str) -> None:
         elif isinstance(node, MappingNode):
             first: dict[Any, Node] = {}
             for key_node, value_node in node.value:
-                if isinstance(key_node, ScalarNode) and key_node.tag != _CORE + "merge":
+                if isinstance(key_node, ScalarNode) and key_node.tag != CORE_TAG + "merge":
                     key = loader.construct_object(key_node, deep=True)
                     try:
                         earlier = first.setdefault(key, key_node)
@@ -365,77 +433,3 @@ def _check_keys(loader: Any, root: Node, shown: str) -> None:
             for key_node, value_node in reversed(node.value):
                 key = key_node.value if isinstance(key_node, ScalarNode) else "?"
                 stack.append((value_node, loc + (key,)))
-
-
-# --------------------------------------------------------------------------- helpers for spec.py
-
-
-def node_at(root: Optional[Node], loc: tuple) -> tuple[int, Optional[Node]]:
-    """The 1-based line of the deepest node along `loc` (the key itself when present) and the
-    node reached at the end of `loc` (None when `loc` leaves the document)."""
-    node, line = root, 1
-    if node is not None:
-        line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, MappingNode):
-            for key, value in node.value:
-                if isinstance(key, ScalarNode) and key.value == str(part):
-                    line, node = key.start_mark.line + 1, value
-                    break
-            else:
-                return line, None
-        elif isinstance(node, SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line, None
-    return line, node
-
-
-def nodes_along(root: Optional[Node], pattern: str) -> list[tuple[tuple, int, Node]]:
-    """(loc, line, node) of every node the document has along a dotted `pattern`: `*` is every
-    key of a mapping, `name[]` every item of the list at `name`; line is the key's (or item's)."""
-    found: list[tuple[tuple, int, Node]] = [((), 1, root)] if root is not None else []
-    for part in pattern.split("."):
-        name, each = part.removesuffix("[]"), part.endswith("[]")
-        step: list[tuple[tuple, int, Node]] = []
-        for loc, _, node in found:
-            if not isinstance(node, MappingNode):
-                continue
-            step += [(loc + (k.value,), k.start_mark.line + 1, v) for k, v in node.value
-                     if isinstance(k, ScalarNode) and (name == "*" or k.value == name)]
-        if each:
-            step = [(loc + (i,), item.start_mark.line + 1, item) for loc, _, seq in step
-                    if isinstance(seq, SequenceNode) for i, item in enumerate(seq.value)]
-        found = step
-    return found
-
-
-def replace_at(data: Any, loc: tuple, value: Any) -> None:
-    """Put `value` at `loc` in constructed data, where that place exists (else do nothing)."""
-    for part in loc[:-1]:
-        try:
-            data = data[part]
-        except (KeyError, IndexError, TypeError):
-            return
-    if isinstance(data, dict) and loc[-1] in data or \
-            isinstance(data, list) and isinstance(loc[-1], int) and loc[-1] < len(data):
-        data[loc[-1]] = value
-
-
-def coercion(node: Optional[Node]) -> Optional[str]:
-    """For a plain (unquoted) scalar that YAML turns into a non-string whose str() differs
-    from the text, `'TEXT would become VALUE'`; else None (`1` and `1.5` stay as written)."""
-    if not isinstance(node, ScalarNode) or node.style or node.tag == _CORE + "str":  # libyaml: style ""
-        return None
-    try:
-        value = _Constructor().construct_object(node, deep=True)
-    except (_Problem, yaml.YAMLError):
-        return None
-    if not isinstance(value, bool) and isinstance(value, (int, float)) and str(value) == node.value:
-        return None
-    shown = "true" if value is True else "false" if value is False else "null" if value is None else value
-    if value is None and node.value:
-        return f"{show(node.value, 60)} means no value"
-    text = node.value if node.value else "an empty value"
-    return f"{show(text, 60)} would become {show(shown, 60)}"

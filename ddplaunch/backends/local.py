@@ -8,7 +8,6 @@ found by the run's tag (hostside/procs.py, imported here directly).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,13 +17,13 @@ from typing import Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text
-from ddplaunch.backends.watch import SHUTDOWN_GRACE, NodeEnd, follow
+from ddplaunch.backends.watch import SETTLE_SLACK, NodeEnd, follow
 from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
 from ddplaunch.hostside.procs import run_processes
 from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
 from ddplaunch.results import StageResult, StopEvent
-from ddplaunch.runs import RunRecord
+from ddplaunch.runs import RunRecord, write_private
 from ddplaunch.spec import ClusterSpec, HostSpec
 from ddplaunch.stagelines import StageLines
 
@@ -52,9 +51,10 @@ class LocalBackend(ShellLauncher):
         plan = request.plan
         (node,) = plan.nodes
         run_dir = Path.home() / HOST_RUN_ROOT / plan.run_id
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in reversed([run_dir, *run_dir.parents][:len(Path(HOST_RUN_ROOT).parts) + 1]):
+            d.mkdir(exist_ok=True, mode=0o700)  # ~/.ddplaunch, runs, the run: 0700 from the start
         for src, dst in plan.uploads:
-            shutil.copyfile(src, run_dir / dst)
+            write_private(run_dir / dst, Path(src).read_text())
         (run_dir / f"node{node.node_rank}.pid").unlink(missing_ok=True)
         env_path = run_dir / f"{plan.stage}-node{node.node_rank}.env"
         env_path.unlink(missing_ok=True)
@@ -64,7 +64,7 @@ class LocalBackend(ShellLauncher):
         proc = subprocess.Popen(["bash", "-c", request.line(node)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, text=True, errors="replace")
-        return follow(_LocalStage(plan, proc, lines, run_dir), plan, lines, stop)
+        return follow(_LocalStage(plan, proc, lines, run_dir), plan, lines, stop, stop_grace=self.spec.job.stop_grace)
 
     def close(self) -> None:
         pass
@@ -87,6 +87,7 @@ class LocalBackend(ShellLauncher):
         before = sorted(run_processes(run_id))
         reaper.term_pidfiles(run_id, [str(p) for p in (Path.home() / HOST_RUN_ROOT / run_id).glob("node*.pid")])
         reaper.reap(run_id)
+        reaper.clean(run_id)
         left = sorted(run_processes(run_id))
         return [f"localhost: {describe_reap({'before': before, 'left': left})}"]
 
@@ -117,7 +118,7 @@ class _LocalStage:
 
     def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
         try:
-            self.proc.wait(timeout=min(timeout, SHUTDOWN_GRACE))
+            self.proc.wait(timeout=max(1.0, timeout - SETTLE_SLACK))
         except subprocess.TimeoutExpired:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -139,5 +140,7 @@ class _LocalStage:
     def close(self) -> None:
         self.proc.wait()
         self.reader.join(timeout=5)
-        # Workers live in sessions of their own: end any that outlived torchrun.
+        # Workers live in sessions of their own: end any that outlived torchrun; then nothing of
+        # what the job printed or its environment stays on disk (the launcher's log has every line)
         reaper.reap(self.plan.run_id)
+        reaper.clean(self.plan.run_id)

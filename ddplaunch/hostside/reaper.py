@@ -1,13 +1,16 @@
 """End every process of one run on this host (see procs.py for which processes those are).
 
-Usage: `python - RUN_ID [--term PIDFILE...] [--kill]` with procs.py + this source on stdin or
-`-c`. `--term`: SIGTERM the pids recorded in these files (torchrun stops its workers) — each pid
-only after checking it is the run's. `--kill`: then SIGTERM, and after a grace SIGKILL, whatever of
-the run is left. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
+Usage: `python - RUN_ID [--term PIDFILE...] [--kill] [--clean]` with procs.py + this source on
+stdin or `-c`. `--term`: SIGTERM the pids recorded in these files (torchrun stops its workers) —
+each pid only after checking it is the run's. `--kill`: then SIGTERM, and after a grace SIGKILL,
+whatever of the run is left. `--clean`: then remove what of the run's directory may hold what the
+job printed or its environment (torchrun's per-rank logs, environment files): the launcher's log
+has every line, masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -55,6 +58,24 @@ def reap(run_id, grace=GRACE):
             time.sleep(0.1)
 
 
+def clean(run_id):
+    """Remove the run's torchrun log directories and environment files on this host."""
+    run_dir = os.path.join(os.path.expanduser("~"), ".ddplaunch", "runs", run_id)
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(run_dir, name)
+        if name.startswith("torchrun-") and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(".env") or ".env." in name:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def wait_gone(run_id, pids, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline and any(proc_alive(p) for p in pids):
@@ -63,9 +84,9 @@ def wait_gone(run_id, pids, timeout):
 
 def main(argv):
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
-    kill = "--kill" in rest
+    kill, tidy = "--kill" in rest, "--clean" in rest
     files = rest[rest.index("--term") + 1:] if "--term" in rest else []
-    files = [f for f in files if f != "--kill"]
+    files = [f for f in files if f not in ("--kill", "--clean")]
     before = sorted(run_processes(run_id))
     sent = term_pidfiles(run_id, files)
     if sent:
@@ -73,6 +94,8 @@ def main(argv):
     if kill:
         reap(run_id)
     left = sorted(run_processes(run_id))
+    if tidy and not left:
+        clean(run_id)
     print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left}),
           flush=True)
 

@@ -45,8 +45,15 @@ def build(tmp: Path, arg: str, env_value: str, workdir_name: str) -> ClusterSpec
 
 
 def run_bash(script: str, home: Path, extra: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20,
-                          env={"HOME": str(home), "PATH": os.environ["PATH"], **extra})
+    """Run `script` until its process exits; its output goes to files, not pipes: the node's
+    heartbeat (a background loop holding stdout for up to a second after the exec'd program
+    ended) is no part of what this test waits for."""
+    with open(home / "stdout", "w+") as out, open(home / "stderr", "w+") as err:
+        proc = subprocess.run(["bash", "-c", script], stdout=out, stderr=err, text=True, timeout=20,
+                              env={"HOME": str(home), "PATH": os.environ["PATH"], **extra})
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

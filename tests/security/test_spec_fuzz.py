@@ -1,9 +1,10 @@
 """Fuzzing load_spec: any bytes under any path end in a ClusterSpec or one SpecError line.
 
 Hypothesis builds documents from the spec's real keys with hostile scalars (huge integers,
-control characters, NUL, tabs, YAML's coercible words), anchors and alias bombs, deep nesting and
-duplicate keys, then mutates their bytes (non-UTF-8, truncation) and throws odd path strings at
-the loader. Every call must return a spec or raise SpecError with one line under 4096 bytes,
+control characters, NUL, tabs, YAML's coercible words, explicit tags on values that are not what
+the tag says, empty values, hostlist bombs), anchors and alias bombs (also large scalars referenced
+many times), deep nesting and duplicate keys, then mutates their bytes (non-UTF-8, truncation) and
+throws odd path strings at the loader. Every call must return a spec or raise SpecError with one line under 4096 bytes,
 within 1 s of CPU time (CPU, not wall clock: the CI machine is shared). Derandomized, so CI runs
 the same 2,100 examples every time; `-s` prints the figures.
 """
@@ -100,7 +101,11 @@ WORDS = ["", "~", "null", "yes", "no", "on", "off", "true", "010", "0x1F", "0o17
          "nccl", "slurm", "ssh", "local", "4K", "1M", "16M", "--exclusive", "--mem=0", "~nosuchuser/x",
          "~", "a" * 300, "/" * 300, "jobs/toy_ddp.py", "10.0.0.1", "gpu1", "bob", "01:00:00", "1-12",
          "UNLIMITED", "-oProxyCommand=x", "a b", "a\tb", "{from_env: HOME}", "<secret>", "[key]", "$HOME",
-         "`id`", "$(id)", "'", '"', "\\", "\u2028", "\x85", "\ufeff", "é", "日本"]
+         "`id`", "$(id)", "'", '"', "\\", "\u2028", "\x85", "\ufeff", "é", "日本",
+         "n[1-100000000]", "n[1-65536]", "a[1-300]b[1-300]", "gpu[1-3", "gpu[3-1]", "gpu[1-a]", "x[]", "[1-2]"]
+#: Explicit tags, each also on values that are not what it says (`!!int "-"`, `!!bool maybe`).
+TAGS = ["!!int", "!!bool", "!!float", "!!null", "!!str", "!!binary", "!!timestamp", "!!set", "!!seq", "!!map",
+        "!local", "!<tag:yaml.org,2002:int>"]
 HOSTILE_CHARS = st.characters(codec=None, exclude_categories=("Cs",)) | st.sampled_from(
     ["\x00", "\t", "\n", "\r", "\x1b", "\x7f", "\x85", "\u2028", "\ufffe", ":", "#", "&", "*", "!", "-", " "])
 CLEAN_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=0x24F, exclude_categories=("Cc",)), max_size=24)
@@ -116,7 +121,9 @@ RAW = st.one_of(st.sampled_from(WORDS), TEXT, HUGE_INT, FLOATS, st.integers(0, 7
 def scalar(draw: st.DrawFn) -> str:
     """A scalar rendered plain (raw, may break the syntax), single- or double-quoted."""
     text = draw(RAW)
-    style = draw(st.sampled_from(["plain", "plain", "single", "double", "block"]))
+    style = draw(st.sampled_from(["plain", "plain", "single", "double", "block", "tagged"]))
+    if style == "tagged":
+        return f"{draw(st.sampled_from(TAGS))} {json.dumps(text)}"
     if style == "single":
         return "'" + text.replace("'", "''") + "'"
     if style == "double":
@@ -142,9 +149,13 @@ VALUE = st.recursive(scalar(), flow, max_leaves=8)
 def anchored(draw: st.DrawFn) -> tuple[str, str]:
     """(definition lines, alias) of an alias bomb or a plain anchor, to hang under a real key."""
     width, depth = draw(st.integers(1, 12)), draw(st.integers(1, 10))
-    kind = draw(st.sampled_from(["seq", "map", "merge", "recursive", "plain"]))
+    kind = draw(st.sampled_from(["seq", "map", "merge", "recursive", "plain", "large"]))
     if kind == "recursive":
         return "x0: &a0 [1, *a0]\n", "*a0"
+    if kind == "large":  # a large scalar referenced many times: few values, many bytes
+        size, refs = draw(st.integers(1, 20_000)), draw(st.integers(1, 3_000))
+        return (f"setup: [&a0 {json.dumps('S' * size)}]\nx1: &a1 [" + ", ".join(["*a0"] * refs) + "]\n",
+                draw(st.sampled_from(["*a1", "*a0"])))
     if kind == "plain":
         return f"setup: &a0 {draw(VALUE)}\n", "*a0"
     lines = ["x0: &a0 [" + ", ".join(["lol"] * width) + "]"]
@@ -246,18 +257,40 @@ CLI_CASES = {
     "bigint.yaml": b"rdzv_timeout: " + b"9" * 4301 + b"\n",
     "deep.yaml": b"job: {args: " + b"[" * 5000 + b"]" * 5000 + b"}\n",
     "dupe.yaml": b"name: a\nbackend: local\nname: b\n",
+    # the classes of the second audit: explicit tags, empty scalars, amplification, hostlist bombs
+    "tag-int.yaml": b'rdzv_timeout: !!int "-"\n',
+    "tag-hex.yaml": b'master: {port: !!int "0x"}\n',
+    "tag-bool.yaml": b"healthcheck: {enabled: !!bool maybe}\n",
+    "tag-bool-empty.yaml": b"healthcheck: {enabled: !!bool ''}\n",
+    "empty-size.yaml": b"healthcheck: {sizes: ['']}\n",
+    "amplified.yaml": (b'setup: [&s "echo ' + b"S" * 10_000 + b'"]\njob: {args: [' + b", ".join([b"*s"] * 9000)
+                       + b"]}\n"),
+    "hostlist-bomb.yaml": b'backend: ssh\nhosts: ["n[1-100000000]"]\n',
+    "hostlist-product.yaml": b'backend: ssh\nhosts: ["a[1-1000]b[1-1000]"]\n',
+    "python-dash.yaml": b'python: "-a"\n',
+    "ddplaunch-env.yaml": b"env: {DDPLAUNCH_RUN_ID: someone-elses-run}\n",
 }
+
+
+def _address_space_4g() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
 
 @pytest.mark.parametrize("name", sorted(CLI_CASES))
 def test_cli_validate_exit_2_one_line_no_traceback(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     path.write_bytes(CLI_CASES[name])
+    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ddplaunch", "validate", str(path)], capture_output=True,
-                          text=True, errors="replace", timeout=60, cwd=ROOT,
+                          text=True, errors="replace", timeout=60, cwd=ROOT, preexec_fn=_address_space_4g,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+    took = time.monotonic() - t0
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"ddplaunch: error: {path}:"), proc.stderr[-2000:]
+    assert len(proc.stderr.encode()) < 4096
+    assert took < 2.5, f"{took:.1f}s"

@@ -119,7 +119,7 @@ def test_inputs_at_the_limits_load_within_a_second_of_cpu(tmp_path, text):
 
 def test_4301_digit_integer(tmp_path):
     path = spec_file(tmp_path, "rdzv_timeout: " + "9" * 4301 + "\n")
-    assert refused(path) == (f"{path}:1:15: integer too large (4301 characters; at most 64 bits); "
+    assert refused(path) == (f"{path}:1:15: rdzv_timeout: integer too large (4301 characters; at most 64 bits); "
                              "quote it if it is text")
     path = spec_file(tmp_path, "rdzv_timeout: 99999999999999999999\n")
     assert "integer too large (at most 64 bits)" in refused(path)
@@ -314,15 +314,26 @@ def test_huge_values_are_shortened_in_messages(tmp_path):
                                   "DB_PASSWORD", "PGPASSWORD", "DB_PASS", "PASS", "AWS_CREDENTIALS", "WANDB_API_KEY",
                                   "APIKEY", "OPENAI_KEY", "KEY", "SSH_PRIVATE_KEY_PATH", "AUTH", "GH_AUTH_HEADER",
                                   "AUTHORIZATION", "MY_AUTHTOKEN", "SESSION_COOKIE", "HF_TOKENS", "AUTHKEY",
-                                  "OAUTH_CLIENT_SECRET", "Db_Pass"])
+                                  "OAUTH_CLIENT_SECRET", "Db_Pass", "SSHPASS", "PGPASS", "MYSQL_PWD", "GH_PAT",
+                                  "GITLAB_PAT", "SMB_PASS"])
 def test_secret_names(name):
     assert is_secret_name(name)
+
+
+@pytest.mark.parametrize("value, secret", [("postgres://app:s3cr3t@db:5432/x", True), ("https://u:p@proxy:3128", True),
+                                           ("redis://:hunter2@cache", True), ("postgres://app@db/x", False),
+                                           ("https://example.com/a:b@c", False), ("plain", False)])
+def test_urls_with_a_password_are_secret_whatever_their_name(tmp_path, value, secret):
+    spec = ClusterSpec.model_validate({"env": {"DATABASE_URL": value}})
+    assert ("DATABASE_URL" in spec.secret_names()) is secret
+    if secret:
+        assert spec.redacted()["env"]["DATABASE_URL"] == "<secret>"
 
 
 @pytest.mark.parametrize("name", ["KEYBOARD_LAYOUT", "MONKEY", "PASSENGER", "TOKENIZERS_PARALLELISM", "PWD", "PATH",
                                   "GIT_AUTHOR_NAME", "NCCL_SOCKET_IFNAME", "AWS_ACCESS_KEY_ID", "KEY_FILE_DIR",
                                   "BYPASS_PROXY", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "COMPASS", "GIT_AUTHORS",
-                                  "KEYS_DIR", "TOKENIZER_NAME", "NCCL_IB_HCA"])
+                                  "KEYS_DIR", "TOKENIZER_NAME", "NCCL_IB_HCA", "PAT", "TRESPASS_LOG", "OLDPWD"])
 def test_ordinary_names_are_not_secret(name):
     assert not is_secret_name(name)
 
@@ -413,7 +424,7 @@ def test_backend_limits_ignore_defaults_and_the_table_is_data(tmp_path):
 @pytest.mark.parametrize("text, expected", [
     (BOMB_333, ":7:8: aliases expand to more than"),
     (b"job: {args: " + b"[" * 5000 + b"]" * 5000 + b"}\n", f":1:43: values nested deeper than {MAX_DEPTH} levels"),
-    (b"rdzv_timeout: " + b"9" * 4301 + b"\n", ":1:15: integer too large"),
+    (b"rdzv_timeout: " + b"9" * 4301 + b"\n", ":1:15: rdzv_timeout: integer too large"),
     (b'job: {args: ["a\\0b"]}\n', ":1:14: NUL character in a value"),
     (b"name: a\nname: b\n", ":2: name: duplicate key 'name' (first at line 1)"),
     (b"env:\n  X: 010\n", ':2: env.X: 010 would become 8; write X: "010"'),
@@ -438,3 +449,14 @@ def test_validate_prints_no_secret(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "hunter2" not in proc.stdout and "wk-123" not in proc.stdout
     assert "DB_URL: <secret>" in proc.stdout and "from_env: HF_TOKEN" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["DDPLAUNCH_RUN_ID", "ddplaunch_run_id", "DDPLAUNCH_RECOVERY", "DDPLAUNCH_HOST"])
+def test_variables_ddplaunch_sets_cannot_be_set_by_the_spec(tmp_path, name):
+    msg = refused(spec_file(tmp_path, f"env: {{{name}: x}}\n"))
+    assert f"env.{name}" in msg and "set by ddplaunch for every rank" in msg, msg
+
+
+def test_other_ddplaunch_variables_are_the_users(tmp_path):
+    spec = load_spec(spec_file(tmp_path, "env: {DDPLAUNCH_CKPT_DIR: /ckpt, DDPLAUNCH_HC_FAULT_RANK: '1'}\n"))
+    assert set(spec.env) >= {"DDPLAUNCH_CKPT_DIR", "DDPLAUNCH_HC_FAULT_RANK"}
