@@ -1,6 +1,25 @@
 """ddplaunch: launch PyTorch DDP training on every host of a cluster, safely.
 
-The flow: `load_spec` -> `make_plan` -> backend (local, ssh, slurm) -> report.
+The flow: `load_spec` -> `make_plan` -> backend (local, ssh, slurm) -> report. From Python:
+`ddplaunch.up(spec, ...)`, `ddplaunch.check(spec, ...)` and `ddplaunch.load_spec(spec)` return a
+RunReport or a ClusterSpec (ddplaunch/api.py); errors are DdplaunchError subclasses.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["BackendError", "DdplaunchError", "PlanError", "RunReport", "SpecError", "__version__", "check",
+           "load_spec", "up"]
+
+_API = {"up": "ddplaunch.api", "check": "ddplaunch.api", "load_spec": "ddplaunch.api",
+        "RunReport": "ddplaunch.report", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
+        "PlanError": "ddplaunch.errors", "BackendError": "ddplaunch.errors"}
+
+
+def __getattr__(name: str) -> Any:
+    """The API, imported on first use: the command line's start-up stays light."""
+    if name not in _API:
+        raise AttributeError(f"module 'ddplaunch' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_API[name]), name)

@@ -5,12 +5,19 @@ line from ddplaunch itself, `block` a table or summary as it is. It only display
 lines mean (payloads, findings, tails) is read per stage by `StageLines` (stagelines.py), which
 decides what reaches the terminal — quiet by default, `verbose` shows everything — while the log
 always gets every line. `make_console` adds a live host table (rich) on a terminal.
+
+One line per cluster: the same text from many ranks (or hosts) within `FOLD_S` seconds is shown
+once, with the count and who printed it — `[x6 ranks: dle0:0-1, dle1:2-3, dle2:4-5] UserWarning:
+...` — so a line every rank prints does not fill the screen; the log keeps every line, `verbose`
+shows them all as they come.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
+import time
 from typing import IO, Optional
 
 from rich.console import Console as RichConsole
@@ -19,6 +26,44 @@ from rich.table import Table
 
 #: More hosts than this are summarized as counts per state instead of one row each.
 MAX_ROWS = 16
+#: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
+FOLD_S = 1.0
+#: `[host:rank] text` or `[host] text`: who printed a line, and what.
+_WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
+
+
+class _Fold:
+    """Lines that wait to be shown, each with everyone who printed the same text meanwhile."""
+
+    def __init__(self, first: str, at: float):
+        self.first, self.at = first, at
+        self.who: list[tuple[str, Optional[int]]] = []
+
+    def text(self) -> str:
+        if len(self.who) < 2:
+            return self.first
+        body = _WHO_RE.match(self.first)
+        rest = body.group(3) if body else self.first
+        ranks = [r for _, r in self.who if r is not None]
+        if len(ranks) == len(self.who):
+            by_host: dict[str, list[int]] = {}
+            for host, rank in sorted(self.who, key=lambda w: w[1] or 0):
+                by_host.setdefault(host, []).append(rank or 0)
+            names = ", ".join(f"{h}:{_ranges(rs)}" for h, rs in by_host.items())
+            return f"[x{len(ranks)} ranks: {names}] {rest}"
+        return f"[x{len(self.who)} hosts: {', '.join(sorted(set(h for h, _ in self.who)))}] {rest}"
+
+
+def _ranges(values: list[int]) -> str:
+    """`0-3,5` for [0, 1, 2, 3, 5]."""
+    out, start = [], None
+    values = sorted(set(values))
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
 
 
 class Console:
@@ -28,18 +73,57 @@ class Console:
                  verbose: bool = False):
         self._stream = stream if stream is not None else sys.stdout
         self._log = log
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._once: set[str] = set()
         self.verbose = verbose
+        #: Lines waiting to be shown, by their text without the prefix, oldest first.
+        self._folds: dict[tuple[str, bool], _Fold] = {}
+        self._flusher: Optional[threading.Thread] = None
 
     def line(self, text: str, shown: bool) -> None:
-        """One line of a host: to the log, and to the stream when `shown`."""
+        """One line of a host: to the log, and to the stream when `shown` (after `FOLD_S`, once
+        for everyone who printed the same text meanwhile; at once with `verbose`)."""
         with self._lock:
-            if shown:
-                self._write(text)
             if self._log is not None:
                 self._log.write(text + "\n")
                 self._log.flush()
+            if not shown:
+                return
+            who = _WHO_RE.match(text)
+            if self.verbose or who is None:
+                self._write(text)
+                return
+            key = (who.group(3), who.group(2) is not None)
+            by = (who.group(1), int(who.group(2)) if who.group(2) is not None else None)
+            fold = self._folds.get(key)
+            if fold is not None and by in fold.who:  # the same one again: a new line, after the others
+                self.flush()
+                fold = None
+            if fold is None:
+                fold = self._folds[key] = _Fold(text, time.monotonic())
+            fold.who.append(by)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_when_due, daemon=True)
+                self._flusher.start()
+
+    def _flush_when_due(self) -> None:
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                self.flush(due_only=True)
+                if not self._folds:
+                    self._flusher = None
+                    return
+
+    def flush(self, due_only: bool = False) -> None:
+        """Show the lines that waited (all of them, or those whose `FOLD_S` has passed), oldest first."""
+        with self._lock:
+            now = time.monotonic()
+            for key, fold in list(self._folds.items()):
+                if due_only and now - fold.at < FOLD_S:
+                    break  # younger ones wait too: lines keep their order
+                del self._folds[key]
+                self._write(fold.text())
 
     def first_time(self, key: str) -> bool:
         """True the first time `key` is asked for in this run (a banner shown once)."""
@@ -54,15 +138,21 @@ class Console:
         self.block(f"[ddplaunch] {text}")
 
     def block(self, text: str) -> None:
-        """Lines from ddplaunch as they are (tables, summaries)."""
-        self.line(text.rstrip("\n"), shown=True)
+        """Lines from ddplaunch as they are (tables, summaries), after what waits to be shown."""
+        with self._lock:
+            self.flush()
+            self._write(text.rstrip("\n"))
+            if self._log is not None:
+                self._log.write(text.rstrip("\n") + "\n")
+                self._log.flush()
 
     def state(self, host: str, text: str) -> None:
         """A host's current state (connecting, running a stage, exited): shown live on a
         terminal by `LiveConsole`; plain output has the log lines for it."""
 
     def close(self) -> None:
-        """End live output, if any."""
+        """Show what waits; end live output, if any."""
+        self.flush()
 
     def _write(self, text: str) -> None:
         self._stream.write(text + "\n")
@@ -92,6 +182,7 @@ class LiveConsole(Console):
             self.live.update(self._table())
 
     def close(self) -> None:
+        self.flush()
         self.live.stop()
 
     def _write(self, text: str) -> None:

@@ -36,14 +36,23 @@ STAGES = ("healthcheck", "job")
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
 
-class HostPath(str):
+class HostWord(str):
+    """A value only the host knows, resolved there by the backend's renderer (shellword.py)."""
+
+
+class HostPath(HostWord):
     """A path relative to the home directory on the host (the run's files there); each backend
     renders it for its host (a shell: `"$HOME"/PATH`)."""
 
 
-class GpuCount(str):
+class GpuCount(HostWord):
     """`nproc_per_node: auto`: as many processes as this interpreter (the word's value) sees GPUs,
     at least one, counted on the host when the node's command starts."""
+
+
+class CpuShare(HostWord):
+    """The host's cores divided among its processes (the word's value: how many), at least one:
+    OMP_NUM_THREADS, which torchrun would otherwise set to 1 with a banner on every launch."""
 
 
 def host_run_dir(run_id: str) -> HostPath:
@@ -101,6 +110,8 @@ class NodeCommand:
     args: tuple[str, ...]
     run_id: str
     host: Optional[HostSpec] = None
+    #: Processes on this node: a count, or "auto" (its GPUs, found there).
+    nproc: Union[int, str] = 1
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
@@ -120,7 +131,6 @@ class LaunchPlan:
     backend: str
     master_addr: str
     master_port: int
-    nproc_per_node: Union[int, str]
     nodes: tuple[NodeCommand, ...]
     #: (local source, name in the host run directory) copied before launch.
     uploads: tuple[tuple[str, str], ...] = field(default_factory=tuple)
@@ -135,8 +145,17 @@ class LaunchPlan:
 
     @property
     def world_size(self) -> Optional[int]:
-        """Total ranks, or None when `nproc_per_node: auto` is resolved on the hosts."""
-        return self.nnodes * self.nproc_per_node if isinstance(self.nproc_per_node, int) else None
+        """Total ranks, or None when a node's `auto` count is resolved on its host."""
+        counts = [n.nproc for n in self.nodes]
+        return sum(c for c in counts if isinstance(c, int)) if all(isinstance(c, int) for c in counts) else None
+
+    def layout(self) -> str:
+        """`3 node(s) x 2 proc = world 6`, or `3 node(s) with 1+3+1 procs = world 5` on a mixed fleet."""
+        counts = [str(n.nproc) for n in self.nodes]
+        world = self.world_size if self.world_size is not None else "auto"
+        if len(set(counts)) <= 1:
+            return f"{self.nnodes} node(s) x {counts[0] if counts else 0} proc = world {world}"
+        return f"{self.nnodes} node(s) with {'+'.join(counts)} procs = world {world}"
 
     @property
     def hosts(self) -> list[str]:
@@ -232,7 +251,8 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     nodes = []
     for rank, host in enumerate(spec.hosts):
         python = host_python(spec, host)
-        env = node_env(spec, run_id, stage, host.label, user_env)
+        nproc = 1 if direct else spec.nproc_of(host)
+        env = node_env(spec, run_id, stage, host.label, user_env, nproc)
         if recovery:
             env["DDPLAUNCH_RECOVERY"] = str(recovery)
         torchrun = None
@@ -243,16 +263,15 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         else:
             torchrun = TorchrunArgs(
                 nnodes=len(spec.hosts), node_rank=rank,
-                nproc_per_node=GpuCount(python) if spec.nproc_per_node == "auto" else str(spec.nproc_per_node),
+                nproc_per_node=GpuCount(python) if nproc == "auto" else str(nproc),
                 master_addr=addr, master_port=port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
                 max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
                 signals_to_handle=SIGNALS_TO_HANDLE)
         nodes.append(NodeCommand(
             stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
             setup=tuple(spec.setup), env=tuple(sorted(env.items())), python=python, torchrun=torchrun,
-            script=program.script, args=tuple(program.args), run_id=run_id, host=host))
-    return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr,
-                      master_port=port, nproc_per_node=1 if direct else spec.nproc_per_node,
+            script=program.script, args=tuple(program.args), run_id=run_id, host=host, nproc=nproc))
+    return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
                       nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
                       healthcheck=stage == "healthcheck" or inline_healthcheck)
 
@@ -274,8 +293,9 @@ def healthcheck_args(spec: ClusterSpec, run_id: str, pairwise: bool = False) -> 
 
 
 def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
-             user_env: Mapping[str, str]) -> dict[str, str]:
-    """Every environment variable of one node's processes: ddplaunch's run tags, then the spec's."""
+             user_env: Mapping[str, str], nproc: Union[int, str] = 1) -> dict[str, str]:
+    """Every environment variable of one node's processes (`nproc` of them): ddplaunch's run tags,
+    then the spec's."""
     env = {
         "DDPLAUNCH_RUN_ID": run_id,
         "DDPLAUNCH_STAGE": stage,
@@ -288,6 +308,10 @@ def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
         # pipe (local, srun): lines would arrive late and could set off the hang watchdog
         "PYTHONUNBUFFERED": "1",
     }
+    if spec.job.stop_grace != 30:  # torchrun's default; its SIGKILL follows its SIGTERM this much later
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(spec.job.stop_grace)
+    if isinstance(nproc, int) and nproc > 1:
+        env["OMP_NUM_THREADS"] = CpuShare(str(nproc))
     if spec.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
         env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname

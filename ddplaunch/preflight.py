@@ -8,6 +8,7 @@ fix. Versions are compared across hosts; the master port is probed with a real l
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Union
@@ -18,6 +19,8 @@ from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import host_python, master_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
 
+#: The oldest torch (major, minor) the hosts may have: torchrun's --signals-to-handle came with 2.10.
+MIN_TORCH = (2, 10)
 CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir")
 PROBE_SLACK = 20.0  # a probe's time beyond its port test (python start, facts)
@@ -90,7 +93,7 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "expect": len(spec.hosts), "workdir": spec.workdir_path,
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
-            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_per_node == "auto",
+            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto",
             "probe_s": spec.preflight.timeout}
     if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
@@ -150,11 +153,8 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
                                          "install Python 3 there or set `python:` (or hosts[].python)")
             continue
         rep.checks["python"] = Check(True, f"{f['python']}")
-        rep.checks["torch"] = (Check(True, f["torch"]) if f.get("torch") else
-                               Check(False, f.get("torch_error", "torch missing"),
-                                     f"pip install torch into {f.get('executable')} or point `python:` at a "
-                                     "venv that has it"))
-        _gpus(spec, rep)
+        rep.checks["torch"] = _torch(f)
+        _gpus(spec, rep, h)
         left = f.get("leftovers") or {}
         rep.checks["leftovers"] = (Check(True, "none") if not left else Check(
             False, "; ".join(f"run {r}: pids {' '.join(map(str, p[:5]))}" for r, p in sorted(left.items())),
@@ -178,15 +178,31 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
     return PreflightReport(hosts=hosts, socket_ifname=ifname)
 
 
-def _gpus(spec: ClusterSpec, rep: HostReport) -> None:
+def _torch(f: dict[str, Any]) -> Check:
+    """torch there, and not older than the oldest the launch line works with."""
+    if not f.get("torch"):
+        return Check(False, f.get("torch_error", "torch missing"),
+                     f"pip install torch into {f.get('executable')} or point `python:` at a venv that has it")
+    found = re.match(r"(\d+)\.(\d+)", f["torch"])
+    if found and (int(found.group(1)), int(found.group(2))) < MIN_TORCH:
+        oldest = ".".join(map(str, MIN_TORCH))
+        return Check(False, f"{f['torch']} is older than {oldest}, the oldest ddplaunch launches with "
+                            "(torchrun --signals-to-handle)",
+                     f"pip install 'torch>={oldest}' into {f.get('executable')}")
+    return Check(True, f["torch"])
+
+
+def _gpus(spec: ClusterSpec, rep: HostReport, host: HostSpec) -> None:
     f = rep.facts
     if f.get("gpus") is None:
         rep.checks["gpus"] = Check(None, "not needed (gloo)")
         return
-    want = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else 1
+    nproc = spec.nproc_of(host)
+    want = nproc if isinstance(nproc, int) else 1
     if f["gpus"] < want:
+        key = "hosts[].nproc" if host.nproc is not None else "nproc_per_node"
         rep.checks["gpus"] = Check(False, f"{f['gpus']} GPU(s) {f.get('gpu_error', '')}".strip(),
-                                   f"nproc_per_node is {want}: lower it or fix the driver")
+                                   f"{key} is {want}: lower it or fix the driver")
     elif f.get("gpu_procs"):
         rep.checks["gpus"] = Check(False, f"busy: {', '.join(f['gpu_procs'][:3])}",
                                    "end the processes holding the GPUs (nvidia-smi)")
@@ -228,7 +244,7 @@ def _versions(hosts: list[HostReport]) -> None:
         values = [h.facts.get(key) for h in probed]
         if len(set(values)) <= 1:
             continue
-        majority = max(set(values), key=values.count)
+        majority = max(sorted(set(values), key=str), key=values.count)  # a tie: the same pick every run
         table = ", ".join(f"{h.host}={h.facts.get(key)}" for h in probed)
         for rep in probed:
             if rep.facts.get(key) != majority:

@@ -32,8 +32,10 @@ class RunReport:
     #: Host failures the run survived (recovery.Recovery), and why it did not survive one.
     recoveries: list[Recovery] = field(default_factory=list)
     unrecovered: Optional[str] = None
-    #: Wall time of the run, and the time its job spent between first and last completed step.
+    #: Wall time of the run.
     wall_s: float = 0.0
+    #: A dry run's text: exactly what `up` would execute (ddplaunch.up(..., dry_run=True)).
+    plan_text: Optional[str] = None
 
     @property
     def exit_code(self) -> int:

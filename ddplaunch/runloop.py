@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -20,7 +21,7 @@ from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import Console
 from ddplaunch.errors import PlanError
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
-from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
+from ddplaunch.plan import CpuShare, LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
 from ddplaunch.recovery import RecoveryBudget
 from ddplaunch.report import RunReport
 from ddplaunch.results import Progress, StageResult, StopEvent, describe_exit
@@ -90,6 +91,9 @@ class RunLoop:
         #: launch takes it without probing it again
         self._proven: Optional[tuple[str, str, int]] = None
         self.budget = RecoveryBudget(spec.recovery, [])
+        #: The values of the spec's secrets, masked in everything the ranks print.
+        names = spec.secret_names()
+        self._secrets = [v for k, v in spec.env_values(os.environ).items() if k in names]
 
     def run(self) -> None:
         rescheduled = 0
@@ -208,7 +212,12 @@ class RunLoop:
         self.record.plan_text += request.text()
         self.record.save()
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
-        lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None)
+        omp = plan.nodes[0].env_dict().get("OMP_NUM_THREADS")
+        if self.console.verbose and isinstance(omp, CpuShare) and self.console.first_time("omp"):
+            self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
+                              "set 1 and say so on every launch); env.OMP_NUM_THREADS in the spec chooses")
+        lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None,
+                           secrets=self._secrets)
         watchdog = None
         if plan.stage == "job" and spec.job.hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",

@@ -2,14 +2,14 @@
 
 User data is always quoted (`shlex.quote`); `Raw` fragments, built by ddplaunch itself, pass as
 they are; the plan's typed words (plan.py) are resolved on the host: `HostPath` under `$HOME`,
-`GpuCount` by asking the host's torch. Pure.
+`GpuCount` by asking the host's torch, `CpuShare` from the host's cores. Pure.
 """
 
 from __future__ import annotations
 
 import shlex
 
-from ddplaunch.plan import GpuCount, HostPath
+from ddplaunch.plan import CpuShare, GpuCount, HostPath
 
 _GPU_PROBE = "import torch; print(torch.cuda.device_count() or 1)"
 
@@ -26,4 +26,7 @@ def word(value: str) -> str:
         return '"$HOME"/' + shlex.quote(str(value))
     if isinstance(value, GpuCount):
         return f'"$({shlex.quote(str(value))} -c {shlex.quote(_GPU_PROBE)})"'
+    if isinstance(value, CpuShare):
+        n = int(value)
+        return f'"$(c=$(nproc); echo $(( c / {n} > 1 ? c / {n} : 1 )))"'
     return shlex.quote(value)

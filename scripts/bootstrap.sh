@@ -21,13 +21,14 @@ fi
 
 py=$(command -v python3.11 || command -v python3)
 [[ -x .venv/bin/python ]] || "$py" -m venv .venv
-# torch is pinned in pyproject.toml (2.13.0, the CPU build); never ask for an unpinned torch.
+# torch is pinned by constraints.txt (2.13.0, the CPU build), not by the package, which takes any
+# torch >= 2.10: never ask for an unpinned torch.
 # `up` needs the package; the test bed (--test) also its test extras. Quiet unless it fails.
 extra=""; check="import ddplaunch, torch, fabric, pydantic, numpy"
 [[ "${1:-}" == "--test" ]] && { extra="[test]"; check="$check, pytest, pytest_timeout, jsonschema, hypothesis, mypy"; }
 if ! .venv/bin/python -c "$check" 2>/dev/null || [[ ! -x .venv/bin/py-spy ]]; then
   log=$(mktemp)
-  if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e ".$extra"; } >"$log" 2>&1; then
+  if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -c constraints.txt -e ".$extra"; } >"$log" 2>&1; then
     cat "$log" >&2; rm -f "$log"; echo "bootstrap: pip install failed (output above)" >&2; exit 1
   fi
   rm -f "$log"

@@ -94,6 +94,20 @@ def run_processes(run_id: str) -> dict[int, dict[str, str]]:
             for pid, env in procs.run_processes(run_id, any_netns=True).items()}
 
 
+def run_pythons(run_id: str) -> set[int]:
+    """The run's Python processes (torchrun and its workers), without the shells around them
+    (each node's heartbeat loop and its `sleep`)."""
+    out = set()
+    for pid in run_processes(run_id):
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if b"python" in Path(argv0.decode(errors="replace")).name.encode():
+            out.add(pid)
+    return out
+
+
 def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]:
     """Lines of proc's stdout up to and including the first one containing needle. The deadline
     holds even when the child prints nothing: at the deadline the child is interrupted (then

@@ -96,8 +96,9 @@ def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
                            env={"HOME": str(tmp_path), "PATH": os.environ["PATH"]}).stdout.splitlines()
     want = [word if not isinstance(word, HostPath) else f"{tmp_path}/{word}" for word in node.argv()]
     assert words == want
-    assert head.startswith("cd '/srv/work dir' && . \"$HOME\"/.ddplaunch/runs/r1/job-node1.env && "
-                           f"{HEARTBEAT_LOOP} && source /opt/venv/bin/activate && echo $$ >")
+    env = '"$HOME"/.ddplaunch/runs/r1/job-node1.env'
+    assert head.startswith(f"cd '/srv/work dir' && . {env} && rm -f {env} && "
+                           f"{HEARTBEAT_LOOP} && source /opt/venv/bin/activate && (umask 077 && echo $$ >")
 
 
 def test_ports_are_derived_from_run_id_and_differ_per_stage(ssh_spec):

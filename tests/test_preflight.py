@@ -202,3 +202,14 @@ def test_evaluate_gpus_disk_workdir_and_unreachable_port(tmp_path):
     verdict = [line for line in table.splitlines() if not line.startswith(("a (", "b (", "c (", "d ("))]
     assert all(len(line) <= 80 for line in verdict) and "FAILED on 4 of 4" in table
     assert "a (a): gpus: 1 GPU(s) -> fix: nproc_per_node is 2: lower it or fix the driver" in table.splitlines()
+
+
+def test_a_torch_older_than_the_oldest_supported_is_named_with_its_fix(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nhosts: [a, b, c]\n")
+    report = evaluate(load_spec(path), {"a": facts(torch="2.9.1"), "b": facts(torch="2.10.0"),
+                                        "c": facts(torch="2.10.0")}, launcher_time=1000.0, port=25000)
+    torch_a, torch_b = report.hosts[0].checks["torch"], report.hosts[1].checks["torch"]
+    assert torch_a.ok is False and torch_a.seen.startswith("2.9.1 is older than 2.10")
+    assert torch_a.fix == "pip install 'torch>=2.10' into /venv/bin/python"
+    assert torch_b.ok is True and report.bad_hosts == ["a"]

@@ -189,8 +189,10 @@ exit 3""")
     import io
 
     out = io.StringIO()
-    step = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], StageLines(Console(out)), "x", "7")
+    console = Console(out)
+    step = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], StageLines(console), "x", "7")
     assert step.wait(timeout=30) == 3
+    console.flush()
     assert step.output[0] == [long] and step.output[1] == ["[n2:3] boom"]
     assert step.ends[1][0] == 3 and step.ends[0][1] == "Terminated" and step.first_failure == 1
     assert f"[n1] {long}" in out.getvalue()

@@ -17,7 +17,7 @@ import pytest
 
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
-from tests.ssh_util import (ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec,
+from tests.ssh_util import (ddplaunch, popen_ddplaunch, read_until, run_processes, run_pythons, sim_spec,
                             wait_for, write_env_files)
 
 TOY = {"healthcheck": {"enabled": False}, "job": {"script": "jobs/toy_ddp.py"}}
@@ -99,7 +99,7 @@ def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
     spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
     proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
     read_until(proc, "step=", timeout=180)
-    assert len(run_processes(run_id)) == 9  # 3 torchrun + 6 workers
+    assert len(run_pythons(run_id)) == 9  # 3 torchrun + 6 workers
     t0 = time.time()
     proc.send_signal(getattr(signal, how))
     out, _ = proc.communicate(timeout=60)
@@ -122,7 +122,7 @@ def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
     read_until(proc, "step=", timeout=180)
     proc.send_signal(signal.SIGSTOP)  # launcher frozen: connections stay open, nothing hangs up
     try:
-        assert len(run_processes("ssh-down")) == 6
+        assert len(run_pythons("ssh-down")) == 6
         down = ddplaunch(["down", "ssh-down"], tmp_path, timeout=60)
         assert down.returncode == 0
         assert all("ended pids" in line for line in down.stdout.splitlines()), down.stdout
@@ -189,8 +189,8 @@ def test_env_value_arrives_literally(sim_cluster, tmp_path):
                     env={"NOTE": f"$(touch {marker}); echo"}, job={"script": str(script)})
     proc = ddplaunch(["up", str(spec)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:]
-    for i, h in enumerate(sim_cluster.hosts[:2]):
-        assert f"[{h.name}:{i}] NOTE=$(touch {marker}); echo" in proc.stdout
+    h0, h1 = (h.name for h in sim_cluster.hosts[:2])
+    assert f"[x2 ranks: {h0}:0, {h1}:1] NOTE=$(touch {marker}); echo" in proc.stdout  # one line, folded
     assert not marker.exists()
 
 

@@ -84,11 +84,12 @@ def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, s
     """
     node_id = node.node_rank if node_id is None else node_id
     parts = [f"cd {word(node.workdir)}"]
-    if env_source:
-        parts.append(f". {env_file(node.run_id, node.stage, node_id)}")
+    if env_source:  # read, then removed: the environment (secrets too) stays in the process only
+        env = env_file(node.run_id, node.stage, node_id)
+        parts.append(f". {env} && rm -f {env}")
     parts += [HEARTBEAT_LOOP] if heartbeat else []
     parts += list(node.setup)
-    parts.append(f"echo $$ > {pid_file(node.run_id, node_id)}")
+    parts.append(f"(umask 077 && echo $$ > {pid_file(node.run_id, node_id)})")
     parts.append("exec " + " ".join(word(a) for a in node.argv()))
     return " && ".join(parts)
 
@@ -98,10 +99,8 @@ def render_plan(plans: list[LaunchPlan], heartbeat: bool = True) -> str:
     backend writes (secret values shown as <secret>) and the exact line it executes."""
     out = []
     for plan in plans:
-        world = plan.world_size if plan.world_size is not None else "auto"
         port_note = " (port derived from the run id, checked free at launch)"
-        out.append(f"# run {plan.run_id} stage {plan.stage}: backend {plan.backend}, "
-                   f"{plan.nnodes} node(s) x {plan.nproc_per_node} proc = world {world}, "
+        out.append(f"# run {plan.run_id} stage {plan.stage}: backend {plan.backend}, {plan.layout()}, "
                    f"master {plan.master_addr}:{plan.master_port}{port_note}")
         for src, dst in plan.uploads:
             out.append(f"# upload {src} -> <host run dir>/{dst}")
@@ -152,12 +151,17 @@ class ShellLauncher:
         return ShellRequest(plan, self.heartbeat)
 
 
-def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False) -> tuple[str, str]:
+def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False,
+                   clean: bool = False) -> tuple[str, str]:
     """(command, nonce) of the reaper for `run_id`: optionally SIGTERM the pids in the run's pid
-    files first (each checked to be the run's), then (with `kill`) end whatever of the run is left."""
+    files first (each checked to be the run's), then (with `kill`) end whatever of the run is left,
+    then (with `clean`, once nothing of it is left) remove what could hold its output or its
+    environment: torchrun's per-rank logs and environment files."""
     args: list[str] = [run_id]
     if kill:
         args.append("--kill")
+    if clean:
+        args.append("--clean")
     if term_pid_files:
         args += ["--term", Raw(pid_file(run_id, "*"))]
     return host_program("reaper", python, *args)

@@ -28,8 +28,11 @@ from ddplaunch.torchrun_logs import culprit, parse_torchrun_failures, rank_cause
 
 #: After a node failed, how long the others may report their own failure before they are stopped.
 REPORT_GRACE = 2.0
-#: Seconds torchrun gets to stop its workers after SIGTERM before the run's processes are killed.
-SHUTDOWN_GRACE = 10.0
+#: Seconds torchrun gets to stop its workers after SIGTERM before the run's processes are killed
+#: (`job.stop_grace`; torchrun's own, which the plan hands it: TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+SHUTDOWN_GRACE = 30.0
+#: Seconds beyond the grace for the stopped nodes' sessions or steps to end.
+SETTLE_SLACK = 5.0
 POLL_S = 0.1
 #: Seconds a node may say nothing (a heartbeat every second) before its host is probed.
 DETECT_S = 6.0
@@ -120,10 +123,11 @@ def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageRes
 
 
 def follow(stage: RunningStage, plan: LaunchPlan, lines: StageLines, stop: StopEvent,
-           grace: float = REPORT_GRACE, detect: float = DETECT_S) -> StageResult:
+           grace: float = REPORT_GRACE, detect: float = DETECT_S, stop_grace: float = SHUTDOWN_GRACE) -> StageResult:
     """Follow `stage` until every node ended; fail fast; one outcome per node, never just the first.
-    A node silent for `detect` seconds whose host the backend cannot reach is lost."""
-    watch = _Watch(plan, lines, detect)
+    A node silent for `detect` seconds whose host the backend cannot reach is lost; stopped nodes
+    get `stop_grace` seconds (and a little) to end before `close` kills what is left."""
+    watch = _Watch(plan, lines, detect, stop_grace)
     try:
         cause = watch.wait(stage, stop, grace)
         if cause is not None:
@@ -134,8 +138,8 @@ def follow(stage: RunningStage, plan: LaunchPlan, lines: StageLines, stop: StopE
 
 
 class _Watch:
-    def __init__(self, plan: LaunchPlan, lines: StageLines, detect: float):
-        self.plan, self.lines, self.detect = plan, lines, detect
+    def __init__(self, plan: LaunchPlan, lines: StageLines, detect: float, stop_grace: float):
+        self.plan, self.lines, self.detect, self.stop_grace = plan, lines, detect, stop_grace
         #: When a silent node's host last answered the backend's probe (it is not probed again sooner).
         self._answered: dict[int, float] = {}
         self.result = StageResult(stage=plan.stage, ran_healthcheck=plan.healthcheck,
@@ -214,7 +218,7 @@ class _Watch:
             o = self.result.outcomes[n]
             o.state, o.detail = INTERRUPTED, f"stopped by ddplaunch: {cause}"
         stage.stop(rest)
-        self.take(stage.settle(set(rest), SHUTDOWN_GRACE + 5))
+        self.take(stage.settle(set(rest), self.stop_grace + SETTLE_SLACK))
         ran = time.time() - self.result.started_at
         for n in sorted(stage.never_started(rest)):
             o = self.result.outcomes[n]

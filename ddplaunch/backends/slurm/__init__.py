@@ -82,8 +82,10 @@ class SlurmBackend:
         step = SrunStep(self.client, list(request.argv), env, plan.hosts, lines, f"ddplaunch-{plan.stage}", request.job)
         stage = SrunStage(step, lambda nodes: self._never_started(plan, nodes),
                           lambda node: self._unanswered(plan.hosts[node]),
-                          lambda lost: self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id))
-        result = follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout)
+                          lambda lost: self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id),
+                          self.spec.job.stop_grace)
+        result = follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
+                        stop_grace=self.spec.job.stop_grace)
         if stage.rc != 0 and not result.interrupted:
             result.rescheduled = self.alloc.requeued()
         return result
@@ -133,7 +135,7 @@ class SlurmBackend:
         """End what is left of the run on `nodes` (by its tag), as a probe step."""
         hosts = [HostSpec(addr=n, name=n) for n in nodes]
         self.probe(lambda h: reaper_command(host_python(self.spec, None), run_id, kill=True,
-                                            term_pid_files=True)[0], timeout=45, hosts=hosts)
+                                            term_pid_files=True, clean=True)[0], timeout=45, hosts=hosts)
 
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:
         """Of `nodes`, those that wrote no pid file: their setup lines never reached `exec torchrun`."""

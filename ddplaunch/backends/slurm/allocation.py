@@ -21,7 +21,6 @@ from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: Job states in which an allocation will never run (again).
@@ -40,7 +39,7 @@ class Allocation:
         self.order: dict[str, int] = {}
         self.inside = os.environ.get("SLURM_JOB_ID")
         explicit = "hosts" in spec.model_fields_set
-        self.nodelist = [n for h in spec.hosts for n in expand_hostlist(h.label)] if explicit else None
+        self.nodelist = [h.label for h in spec.hosts] if explicit else None  # hostlists expanded by the spec
         spares = spec.recovery.spares
         self.spare_names = [h.label for h in spares] if isinstance(spares, list) else []
         #: The allocation's nodes held as spares, once it runs.

@@ -24,7 +24,7 @@ from ddplaunch.backends.slurm.step import LabelledLines
 from ddplaunch.plan import LaunchPlan
 from ddplaunch.shellword import Raw, word
 from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
-from ddplaunch.torchrun_logs import PAYLOAD_RE
+from ddplaunch.torchrun_logs import HEARTBEAT, PAYLOAD_RE
 
 DETACHED_TEMPLATE = "detached.sbatch.j2"
 #: The master of a detached run: set by the batch script to the allocation's first node.
@@ -122,7 +122,7 @@ def _stage_exports(steps: list[StepRequest], common: dict[str, str]) -> list[lis
 def render_detached(spec: ClusterSpec, plans: list[LaunchPlan], output_path: str,
                     nodelist: Optional[list[str]]) -> DetachedRequest:
     """The sbatch request of a detached run: every stage of `plans`, in order (pure)."""
-    steps = [step_request(detached_plan(p), "", spec.slurm.cpus_per_task) for p in plans]
+    steps = [step_request(detached_plan(p), "", spec.slurm.cpus_per_task, heartbeat=False) for p in plans]
     common = dict(steps[0].env)
     for s in steps[1:]:
         common = {k: v for k, v in common.items() if dict(s.env).get(k) == v}
@@ -187,7 +187,7 @@ class OutputReader:
 
     def _shown(self, node: Optional[int], text: str) -> list[str]:
         if node is not None:
-            if PAYLOAD_RE.search(text):
+            if PAYLOAD_RE.search(text) or text == HEARTBEAT:
                 return []
             host = self.hosts[node] if node < len(self.hosts) else f"node{node}"
             return [text if text.startswith(f"[{host}:") else f"[{host}] {text}"]

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import jinja2
 
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
-from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.plan import HostWord, LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
 from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
 
@@ -111,9 +111,13 @@ def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:
 NODE_ID = Raw("$SLURM_NODEID")
 
 
+#: On a mixed fleet, the step's shell sets this variable to its node's process count first.
+NPROC = Raw('"$n"')
+
+
 def step_template(plan: LaunchPlan) -> NodeCommand:
     """The one command an srun step runs on every node of `plan`: node 0's command with the node
-    rank and host taken from the step."""
+    rank and host taken from the step (and the process count, where nodes differ: `node_counts`)."""
     node = plan.nodes[0]
     host = Raw('"$SLURMD_NODENAME"')
     env = dict(node.env)
@@ -121,10 +125,24 @@ def step_template(plan: LaunchPlan) -> NodeCommand:
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = Raw('"[$SLURMD_NODENAME:\\${rank}] "')
     if "GROUP_RANK" in env:  # started directly: one rank per node
         env["RANK"] = env["GROUP_RANK"] = Raw('"$SLURM_NODEID"')
+    mixed = len({str(n.nproc) for n in plan.nodes}) > 1
+    if mixed:
+        env["OMP_NUM_THREADS"] = Raw('"$(c=$(nproc); echo $(( c / n > 1 ? c / n : 1 )))"')
     torchrun = node.torchrun and replace(
         node.torchrun, node_rank=Raw('"$SLURM_NODEID"'),
+        nproc_per_node=NPROC if mixed else node.torchrun.nproc_per_node,
         log_dir=Raw(word(in_run_dir(plan.run_id, f"torchrun-{plan.stage}-node")) + '"$SLURM_NODEID"'))
     return replace(node, host_label=host, env=tuple(sorted(env.items())), torchrun=torchrun, host=None)
+
+
+def node_counts(plan: LaunchPlan) -> list[str]:
+    """On a mixed fleet (nodes with different process counts), the step's first line: each node
+    sets `n` to its own count by its name; else nothing."""
+    if len({str(n.nproc) for n in plan.nodes}) <= 1:
+        return []
+    cases = " ".join(f"{word(n.host_label)}) n={word(n.torchrun.nproc_per_node if n.torchrun else str(n.nproc))};;"
+                     for n in plan.nodes)
+    return [f'case "$SLURMD_NODENAME" in {cases} esac']
 
 
 @dataclass(frozen=True)
@@ -146,10 +164,8 @@ class StepRequest:
 
     def text(self) -> str:
         plan = self.plan
-        world = plan.world_size if plan.world_size is not None else "auto"
-        out = [f"# run {plan.run_id} stage {plan.stage}: backend slurm, {plan.nnodes} node(s) x "
-               f"{plan.nproc_per_node} proc = world {world}, master {plan.master_addr}:{plan.master_port} "
-               f"(port derived from the run id, checked free at launch)"]
+        out = [f"# run {plan.run_id} stage {plan.stage}: backend slurm, {plan.layout()}, master "
+               f"{plan.master_addr}:{plan.master_port} (port derived from the run id, checked free at launch)"]
         if self.upload:
             names = ", ".join(Path(src).name for src in self.staged())
             out.append(f"# upload {names} to every node (one base64 line each, on the stdin of:)")
@@ -172,15 +188,20 @@ def upload_step(srun: Sequence[str], run_id: str, names: Sequence[str]) -> tuple
     return tuple(base + ["--input=all", "--job-name=ddplaunch-upload", "bash", "-c", stage_files(run_id, names)])
 
 
-def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None) -> StepRequest:
-    """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run)."""
+def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None,
+                 heartbeat: bool = True) -> StepRequest:
+    """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run); `heartbeat`:
+    each node says it lives every second (for the launcher's watcher; a detached run has none)."""
     node = step_template(plan)
-    per_node = {k: v for k, v in node.env if isinstance(v, Raw)}
-    common = tuple((k, v) for k, v in node.env if not isinstance(v, Raw))
+    # values each node finds itself (its name, its cores) are exported by the step's shell; the
+    # rest travel in srun's process environment
+    per_node = {k: v if isinstance(v, Raw) else Raw(word(v)) for k, v in node.env if isinstance(v, (Raw, HostWord))}
+    common = tuple((k, v) for k, v in node.env if k not in per_node)
     run_dir = word(host_run_dir(plan.run_id))
     body = [f"(umask 077 && mkdir -p {run_dir} && rm -f {pid_file(plan.run_id, NODE_ID)})"]
+    body += node_counts(plan)
     body.append("export " + " ".join(f"{k}={v}" for k, v in sorted(per_node.items())))
-    body.append(shell_line(node, env_source=False, node_id=NODE_ID))
+    body.append(shell_line(node, env_source=False, node_id=NODE_ID, heartbeat=heartbeat))
     nodes = ",".join(plan.hosts)
     srun = ["srun", f"--jobid={job}", f"--nodes={plan.nnodes}", f"--ntasks={plan.nnodes}",
             "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=0", "--label", "--overlap",

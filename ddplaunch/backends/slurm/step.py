@@ -164,9 +164,10 @@ class SrunStage(LossAware):
     what is left of the run on the nodes that were not lost."""
 
     def __init__(self, step: SrunStep, never_started: Callable[[list[int]], set[int]],
-                 unanswered: Callable[[int], Optional[str]], reap: Callable[[set[int]], None]):
+                 unanswered: Callable[[int], Optional[str]], reap: Callable[[set[int]], None],
+                 stop_grace: float = SHUTDOWN_GRACE):
         super().__init__(unanswered)
-        self.step, self._never_started, self._reap = step, never_started, reap
+        self.step, self._never_started, self._reap, self.stop_grace = step, never_started, reap, stop_grace
         self.rc: Optional[int] = None
 
     def poll(self) -> list[NodeEnd]:
@@ -189,7 +190,7 @@ class SrunStage(LossAware):
     def stop(self, nodes: list[int]) -> None:
         # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost, srun
         # would wait for that node's end, which never comes
-        self.step.stop(grace=LOST_STOP_GRACE if self._lost else SHUTDOWN_GRACE)
+        self.step.stop(grace=LOST_STOP_GRACE if self._lost else self.stop_grace)
 
     def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
         self.step.wait(timeout=timeout)

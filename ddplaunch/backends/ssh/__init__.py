@@ -176,7 +176,8 @@ class SshBackend(ShellLauncher):
                          lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
                                                      [hosts[i] for i in lost]),
                          lambda node: unanswered(hosts[node].addr, hosts[node].port or self.spec.ssh.port))
-        return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout)
+        return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
+                      stop_grace=self.spec.job.stop_grace)
 
     def down(self, record: RunRecord) -> list[str]:
         lines = []
@@ -269,7 +270,7 @@ class SshBackend(ShellLauncher):
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:
         command, nonce = reaper_command(host_python(self.spec, host), run_id, kill=True,
-                                        term_pid_files=term_pid_files)
+                                        term_pid_files=term_pid_files, clean=True)
         _, out = self._exec(host, command, timeout=45)
         return describe_reap(parse_answer(out, nonce))
 
