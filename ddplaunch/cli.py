@@ -161,13 +161,15 @@ def status(run_id: str | None) -> None:
 @cli.command()
 @click.argument("run_id", required=False)
 @click.option("--host", help="Only lines from this host.")
+@click.option("--rank", type=click.IntRange(min=0), help="Only lines of this global rank.")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the run ends.")
 @_handle_errors
-def logs(run_id: str | None, host: str | None, follow: bool) -> None:
-    """Print a run's log, every host's lines prefixed [host:rank] (default: the latest run here)."""
+def logs(run_id: str | None, host: str | None, rank: int | None, follow: bool) -> None:
+    """Print a run's log, every host's lines prefixed [host:rank] (default: the latest run here):
+    every line, also those the screen showed once for many ranks."""
     from ddplaunch.runview import logs as run_logs
 
-    for line in run_logs(_pick(run_id), host, follow):
+    for line in run_logs(_pick(run_id), host, follow, rank):
         click.echo(line)
 
 

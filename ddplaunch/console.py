@@ -29,7 +29,7 @@ MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
 FOLD_S = 1.0
 #: `[host:rank] text` or `[host] text`: who printed a line, and what.
-_WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
+WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
 
 
 class _Fold:
@@ -42,7 +42,7 @@ class _Fold:
     def text(self) -> str:
         if len(self.who) < 2:
             return self.first
-        body = _WHO_RE.match(self.first)
+        body = WHO_RE.match(self.first)
         rest = body.group(3) if body else self.first
         ranks = [r for _, r in self.who if r is not None]
         if len(ranks) == len(self.who):
@@ -89,7 +89,7 @@ class Console:
                 self._log.flush()
             if not shown:
                 return
-            who = _WHO_RE.match(text)
+            who = WHO_RE.match(text)
             if self.verbose or who is None:
                 self._write(text)
                 return

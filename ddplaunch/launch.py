@@ -124,8 +124,7 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
     try:
         with open_private(record.log_path) as log, _stop_on_signals() as stop, \
                 contextlib.closing(make_console(stream, log, [h.label for h in spec.hosts], opts.verbose)) as console:
-            console.note(f"run {run_id}: {spec.backend} backend, {spec.nproc_per_node} proc per host; "
-                         f"record in {record.dir}")
+            console.note(f"run {run_id}: {spec.backend} backend, {_procs(spec)}; record in {record.dir}")
             with contextlib.closing(make_backend(spec, RunContext(run_id, record.dir, stop))) as backend:
                 RunLoop(spec, backend, opts, console, stop, record, report).run()
     except BaseException:
@@ -140,6 +139,12 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
     stream.write(summarize(report) + "\n")
     stream.flush()
     return report
+
+
+def _procs(spec: ClusterSpec) -> str:
+    """`2 proc per host`, or `1+3+1 procs per host` on a mixed fleet."""
+    counts = [str(spec.nproc_of(h)) for h in spec.hosts] or [str(spec.nproc_per_node)]
+    return f"{counts[0]} proc per host" if len(set(counts)) == 1 else f"{'+'.join(counts)} procs per host"
 
 
 @contextlib.contextmanager

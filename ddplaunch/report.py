@@ -39,6 +39,9 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
+        """0, 1 or 130, as `ddplaunch up` exits (a dry run: 0, it ran nothing)."""
+        if self.plan_text is not None:
+            return 0
         return exit_code(self.stages, self.final_stage, self.blocked)
 
 

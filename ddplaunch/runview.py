@@ -11,6 +11,7 @@ from typing import Any, Iterator, Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, RunContext
+from ddplaunch.console import WHO_RE
 from ddplaunch.errors import DdplaunchError
 from ddplaunch.results import StopEvent
 from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
@@ -49,11 +50,17 @@ def status(record: RunRecord) -> list[str]:
     return status_lines(settle(record, backend)) + (scheduler.describe(record) if scheduler else [])
 
 
-def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False) -> Iterator[str]:
-    """A run's log lines (only `host`'s when given); with `follow`, until the run has ended (or its
-    launcher died)."""
+def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
+         rank: Optional[int] = None) -> Iterator[str]:
+    """A run's log lines (only `host`'s, only global rank `rank`'s, when given); with `follow`,
+    until the run has ended (or its launcher died)."""
     def mine(line: str) -> bool:
-        return host is None or line.startswith((f"[{host}:", f"[{host}]"))
+        if host is None and rank is None:
+            return True
+        who = WHO_RE.match(line)
+        if who is None or host is not None and who.group(1) != host:
+            return False
+        return rank is None or who.group(2) == str(rank)
 
     backend = record_backend(record)
     scheduler = scheduler_of(backend)

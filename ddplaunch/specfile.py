@@ -23,7 +23,9 @@ from yaml.nodes import MappingNode, Node
 from ddplaunch import registry
 from ddplaunch.errors import SpecError
 from ddplaunch.examples import example_path, is_example
-from ddplaunch.spec import ClusterSpec, is_secret_name, summarize_problems
+from ddplaunch.hostfile import read_hostfile
+from ddplaunch.spec import ClusterSpec, summarize_problems
+from ddplaunch.specvalues import is_secret_name
 from ddplaunch.yamlnodes import coercion, node_at, nodes_along, replace_at
 from ddplaunch.yamlsafe import LoadedYaml, load_yaml, one_line, parse_yaml, show
 
@@ -126,6 +128,7 @@ def _load(doc: LoadedYaml, base_dir: Path) -> ClusterSpec:
         line = node_at(root, ("base_dir",))[0]
         problems.append((line, f"{shown}:{line}: base_dir: unknown key 'base_dir'"))
         data = {k: v for k, v in data.items() if k != "base_dir"}
+    data = _hosts_from_file(data, root, shown, base_dir)
     try:
         spec = ClusterSpec.model_validate(data)
     except ValidationError as err:
@@ -139,6 +142,28 @@ def _load(doc: LoadedYaml, base_dir: Path) -> ClusterSpec:
         raise SpecError(summarize_problems([msg for _, msg in problems]))
     _check_paths(spec, root, shown)
     return spec
+
+
+def _hosts_from_file(data: dict, root: Optional[Node], shown: str, base_dir: Path) -> dict:
+    """`hosts: {file: PATH}` replaced by the hosts of that hostfile (hostfile.py); PATH is taken
+    from the spec file's directory."""
+    hosts = data.get("hosts")
+    if not isinstance(hosts, dict) or "file" not in hosts:
+        return data
+    line = node_at(root, ("hosts", "file"))[0]
+    if set(hosts) != {"file"} or not isinstance(hosts["file"], str) or not hosts["file"]:
+        raise SpecError(f"{shown}:{line}: hosts: a hostfile is given as `hosts: {{file: PATH}}` (a path, "
+                        "nothing else)")
+    try:
+        path = base_dir / Path(hosts["file"]).expanduser()
+    except RuntimeError:
+        raise SpecError(f"{shown}:{line}: hosts.file: {show(hosts['file'])!r}: cannot expand ~; write the "
+                        "full path") from None
+    try:
+        listed = read_hostfile(path)
+    except SpecError as err:
+        raise SpecError(f"{shown}:{line}: hosts.file: {err}") from None
+    return {**data, "hosts": listed}
 
 
 #: Where a string is meant and YAML's coercion of an unquoted value would change it (`*`: every

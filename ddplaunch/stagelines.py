@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ddplaunch.console import Console
 from ddplaunch.results import Progress, StageResult
-from ddplaunch.spec import SECRET_SHOWN
+from ddplaunch.specvalues import SECRET_SHOWN
 from ddplaunch.torchrun_logs import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE,
                                      rank_of)
 

@@ -88,8 +88,9 @@ def char_name(char: str) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-def read_text(path: Union[str, Path]) -> tuple[str, str]:
-    """The decoded text of `path` and its shown name; every failure is one SpecError.
+def read_text(path: Union[str, Path], what: str = "cluster spec") -> tuple[str, str]:
+    """The decoded text of `path` (a `what`: cluster spec, hostfile) and its shown name; every
+    failure is one SpecError.
 
     Raises:
         SpecError: unusable path, missing/unreadable/non-regular/oversized file, not UTF-8, or a
@@ -97,6 +98,8 @@ def read_text(path: Union[str, Path]) -> tuple[str, str]:
     """
     raw = os.fsdecode(os.fspath(path))
     shown = show(raw)
+    spec = what == "cluster spec"
+    noun, example = ("spec file", " such as cluster.yaml") if spec else (what, "")
     if not raw:
         raise SpecError("(empty path): pass the path of a cluster spec such as cluster.yaml")
     if "\0" in raw:
@@ -104,7 +107,7 @@ def read_text(path: Union[str, Path]) -> tuple[str, str]:
     try:
         fd = os.open(raw, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SpecError(f"{shown}: no such file; pass the path of a cluster spec such as cluster.yaml") from None
+        raise SpecError(f"{shown}: no such file; pass the path of a {what}{example}") from None
     except OSError as err:
         raise SpecError(f"{shown}: cannot read: {err.strerror or err}") from None
     except ValueError:  # e.g. a lone surrogate that no file system name can hold
@@ -112,9 +115,9 @@ def read_text(path: Union[str, Path]) -> tuple[str, str]:
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
-            raise SpecError(f"{shown}: is a directory; pass the spec file inside it")
+            raise SpecError(f"{shown}: is a directory; pass the {noun} inside it")
         if not stat.S_ISREG(info.st_mode):
-            raise SpecError(f"{shown}: not a regular file; pass the path of a cluster spec file")
+            raise SpecError(f"{shown}: not a regular file; pass the path of a {what}{' file' if spec else ''}")
         if info.st_size > MAX_BYTES:
             raise SpecError(f"{shown}: {info.st_size} bytes; a spec may have at most {MAX_BYTES} bytes")
         with os.fdopen(fd, "rb", closefd=False) as f:

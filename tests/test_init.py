@@ -215,6 +215,27 @@ def test_wheel_holds_every_module_of_the_tree(wheel_install: tuple[Path, Path]) 
                          "packages in pyproject.toml")
 
 
+def test_wheel_takes_the_torch_it_finds(wheel_install: tuple[Path, Path]) -> None:
+    """The wheel never pins torch: what this environment has (2.13.0 from constraints.txt) meets
+    every requirement, so installing it installs nothing else; `pip check` is clean."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    wheel, _ = wheel_install
+    with zipfile.ZipFile(wheel) as zf:
+        (meta,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = zf.read(meta).decode().splitlines()
+    requires = [Requirement(ln.split(":", 1)[1].strip()) for ln in lines if ln.startswith("Requires-Dist:")]
+    runtime = [r for r in requires if r.marker is None]
+    (torch,) = [r for r in runtime if r.name == "torch"]
+    assert str(torch.specifier) == ">=2.10" and not any(s.operator in ("==", "===", "~=") for s in torch.specifier)
+    unmet = [f"{r} (have {version(r.name)})" for r in runtime if not r.specifier.contains(version(r.name))]
+    assert unmet == []
+    check = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_wheel_resolves_examples_from_the_installed_package(wheel_install: tuple[Path, Path],
                                                            tmp_path: Path) -> None:
     _, target = wheel_install

@@ -166,6 +166,46 @@ def test_sigint_ends_every_process_exit_130(env, tmp_path):
     assert "stage job: INTERRUPTED" in rest
 
 
+GRACEFUL_JOB = """import signal, sys, time
+def on_term(*_):
+    print("saving", flush=True)
+    time.sleep(6)
+    print("saved", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("grace, saved", [(2, False), (15, True)])
+def test_stop_grace_is_the_time_a_job_gets_to_save_when_stopped(env, tmp_path, grace, saved):
+    """job.stop_grace: SIGTERM, then SIGKILL that many seconds later (torchrun's 30 s otherwise):
+    a 6 s save is cut short by 2 s and completes within 15 s."""
+    (tmp_path / "graceful.py").write_text(GRACEFUL_JOB)
+    path = spec_file(tmp_path, f"""\
+        healthcheck: {{enabled: false}}
+        job: {{script: {tmp_path / "graceful.py"}, stop_grace: {grace}}}
+    """, nproc=1)
+    run_id = f"grace-{grace}"
+    proc = subprocess.Popen([sys.executable, "-m", "ddplaunch", "up", str(path), "--run-id", run_id],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    seen = []
+    for line in proc.stdout:  # until the job has its handler in place
+        seen.append(line)
+        if "ready" in line:
+            break
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    took = time.time() - t0
+    assert proc.returncode == 130, "".join(seen) + rest
+    log = (tmp_path / "state" / "runs" / run_id / "output.log").read_text()
+    assert "saving" in log and ("saved" in log) == saved, log
+    assert (took < grace + 8) if not saved else (6 <= took < grace + 8), took
+    assert list(run_processes(run_id)) == []
+
+
 def test_runs_status_logs_and_down_of_a_finished_run(env, tmp_path):
     path = spec_file(tmp_path, "healthcheck: {enabled: false}\n")
     assert ddplaunch(["up", str(path), "--run-id", "rec-1"], env).returncode == 0

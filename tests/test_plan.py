@@ -130,3 +130,56 @@ def test_heartbeat_says_the_host_lives_and_ends_with_its_process():
     took = time.monotonic() - t0
     assert out.stdout.splitlines() == ["DDPLAUNCH_ALIVE"] * 3 and out.stderr == ""
     assert took < 4.5, f"the heartbeat outlived its process by {took - 2.2:.1f}s"
+
+
+MIXED = """\
+backend: ssh
+hosts:
+  - {addr: 10.9.0.11, name: a, nproc: 1}
+  - {addr: 10.9.0.12, name: b, nproc: 3}
+  - {addr: 10.9.0.13, name: c}
+nproc_per_node: 2
+python: /opt/venv/bin/python
+workdir: /srv
+job: {script: jobs/train.py}
+"""
+
+
+def test_a_mixed_fleet_gives_each_host_its_own_process_count(tmp_path):
+    path = tmp_path / "mixed.yaml"
+    path.write_text(MIXED)
+    plan = make_plan(load_spec(path), "m1", "job", 25000)
+    assert [n.torchrun.nproc_per_node for n in plan.nodes] == ["1", "3", "2"]
+    assert plan.world_size == 6 and plan.layout() == "3 node(s) with 1+3+2 procs = world 6"
+    assert [dict(n.env).get("OMP_NUM_THREADS") for n in plan.nodes] == [None, "3", "2"]
+    text = dry_run(load_spec(path), UpOptions(run_id="m1"))
+    assert "--nproc-per-node 3" in text and "world 6" in text
+
+
+def test_hostfile_gives_the_hosts_and_their_slots(tmp_path):
+    (tmp_path / "hostfile").write_text("# DeepSpeed style\nworker-1 slots=4\n\nworker-2 slots=1 max_slots=8  # small\n"
+                                       "worker-3\n")
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nhosts: {file: hostfile}\nnproc_per_node: 2\nworkdir: /srv\n"
+                    "job: {script: jobs/train.py}\n")
+    spec = load_spec(path)
+    assert [(h.addr, spec.nproc_of(h)) for h in spec.hosts] == [("worker-1", 4), ("worker-2", 1), ("worker-3", 2)]
+
+
+@pytest.mark.parametrize("content, found", [
+    ("worker-1 slots=x\n", "hostfile:1: 'slots=x': a line is `NAME slots=N`"),
+    ("ok slots=1\nbad;name slots=2\n", "hostfile:2: 'bad;name' is not a host name or address"),
+    ("w slots=0\n", "hostfile:1: w: slots=0; a host runs at least one process"),
+    ("# nothing\n\n", "hostfile: no hosts in the file"),
+    (None, "hostfile: no such file; pass the path of a hostfile"),
+])
+def test_a_bad_hostfile_is_one_line_naming_the_spec_key_and_the_file_line(tmp_path, content, found):
+    from ddplaunch.errors import SpecError
+
+    if content is not None:
+        (tmp_path / "hostfile").write_text(content)
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nworkdir: /srv\nhosts:\n  file: hostfile\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value).startswith(f"{path}:4: hosts.file: {tmp_path}/") and found in str(err.value), err.value

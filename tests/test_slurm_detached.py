@@ -86,7 +86,7 @@ def test_each_stage_runs_the_attached_torchrun_line(tmp_path, launch):
     lines = srun_lines(request.script)
     assert len(lines) == len(plans) == (2 if launch == "separate" else 1)
     for plan, words in zip(plans, lines):
-        attached = step_request(plan, "77")
+        attached = step_request(plan, "77", heartbeat=False)  # no launcher listens for a detached run's
         assert f"--job-name=ddplaunch-{plan.stage}" in words
         body = words.pop()
         # the same torchrun invocation; only the master is the allocation's first node

@@ -196,3 +196,17 @@ exit 3""")
     assert step.output[0] == [long] and step.output[1] == ["[n2:3] boom"]
     assert step.ends[1][0] == 3 and step.ends[0][1] == "Terminated" and step.first_failure == 1
     assert f"[n1] {long}" in out.getvalue()
+
+
+def test_a_mixed_fleet_step_gives_each_node_its_count_by_name(tmp_path):
+    """One srun step for every node: each node's shell picks its own process count (and threads)."""
+    spec = load(tmp_path, "cpu")
+    hosts = [h.model_copy(update={"nproc": n}) for h, n in zip(SlurmBackend(spec, RUN).hosts(False), (1, 3))]
+    plan = make_plan(spec.model_copy(update={"hosts": hosts}), "mx", "job", 25000)
+    body = step_request(plan, "77").argv[-1]
+    counts = body[body.index('case "$SLURMD_NODENAME" in'):body.index(" esac") + 5]
+    for host, want in zip(hosts, ("1", "3")):
+        out = subprocess.run(["bash", "-c", counts + ' && echo "$n"'], capture_output=True, text=True, timeout=10,
+                             env={"SLURMD_NODENAME": host.label, "PATH": os.environ["PATH"]})
+        assert out.stdout.strip() == want, (host.label, out)
+    assert '--nproc-per-node "$n"' in body and 'c / n > 1 ? c / n : 1' in body

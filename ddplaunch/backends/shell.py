@@ -19,7 +19,8 @@ from typing import Sequence, Union
 from ddplaunch.hostcmd import host_program
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import SECRET_SHOWN, ClusterSpec, HostSpec
+from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.specvalues import SECRET_SHOWN
 from ddplaunch.torchrun_logs import HEARTBEAT
 
 #: While the node's shell, and the torchrun it becomes, lives: a line every second that says so

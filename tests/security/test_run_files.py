@@ -6,7 +6,6 @@ and in the log, every file is 0600 and every directory 0700. A corrupt run recor
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import ClusterSpec, EnvVar, is_secret_name
+from ddplaunch.spec import ClusterSpec, EnvVar
+from ddplaunch.specvalues import is_secret_name
 from ddplaunch.specfile import backend_limits, load_spec
 from ddplaunch.yamlsafe import MAX_BYTES, MAX_DEPTH, MAX_NODES, show
 

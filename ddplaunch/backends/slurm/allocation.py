@@ -42,6 +42,9 @@ class Allocation:
         self.nodelist = [h.label for h in spec.hosts] if explicit else None  # hostlists expanded by the spec
         spares = spec.recovery.spares
         self.spare_names = [h.label for h in spares] if isinstance(spares, list) else []
+        #: What the spec says of a node beyond its name (its own `nproc`), by name.
+        listed = [*(spec.hosts if explicit else []), *(spares if isinstance(spares, list) else [])]
+        self.given = {h.label: h for h in listed}
         #: The allocation's nodes held as spares, once it runs.
         self.spare_nodes: list[str] = []
 
@@ -72,7 +75,7 @@ class Allocation:
                             "hosts are the node list of the allocation; drop one of the two")
         if not allocate and not self.inside:
             if self.nodelist:
-                return [HostSpec(addr=n, name=n) for n in self.nodelist]
+                return [self.host(n) for n in self.nodelist]
             # placeholders for a dry run: Slurm names the nodes when it allocates them
             return [HostSpec.model_construct(addr=f"<node{i}>", name=f"<node{i}>")
                     for i in range(self.spec.slurm.nodes or 1)]
@@ -83,12 +86,16 @@ class Allocation:
         else:
             free = [n for n in names if not self.nodelist or n not in self.nodelist]
             self.spare_nodes = free[:self.spec.recovery.spare_count]
-        return [HostSpec(addr=n, name=n) for n in names
-                if n not in self.spare_nodes and (not self.nodelist or n in self.nodelist)]
+        return [self.host(n) for n in names if n not in self.spare_nodes and (not self.nodelist or n in self.nodelist)]
 
     def spares(self) -> list[HostSpec]:
         """The nodes held as spares (known once the allocation runs)."""
-        return [HostSpec(addr=n, name=n) for n in self.spare_nodes]
+        return [self.host(n) for n in self.spare_nodes]
+
+    def host(self, node: str) -> HostSpec:
+        """Node `node` as a host of the plan: its name, and its process count where the spec gives one."""
+        given = self.given.get(node)
+        return HostSpec(addr=node, name=node, nproc=given.nproc if given is not None else None)
 
     def _inside_nodes(self, record: bool) -> list[str]:
         assert self.inside is not None

@@ -23,7 +23,8 @@ from ddplaunch.backends.slurm.render import StepRequest, sbatch_options, step_re
 from ddplaunch.backends.slurm.step import LabelledLines
 from ddplaunch.plan import LaunchPlan
 from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
+from ddplaunch.spec import ClusterSpec
+from ddplaunch.specvalues import SECRET_SHOWN
 from ddplaunch.torchrun_logs import HEARTBEAT, PAYLOAD_RE
 
 DETACHED_TEMPLATE = "detached.sbatch.j2"

@@ -19,7 +19,8 @@ import jinja2
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
 from ddplaunch.plan import HostWord, LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import SECRET_SHOWN, ClusterSpec
+from ddplaunch.spec import ClusterSpec
+from ddplaunch.specvalues import SECRET_SHOWN
 
 ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
 #: How a value known only once the allocation exists appears in a dry run.

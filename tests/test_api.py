@@ -1,0 +1,42 @@
+"""The Python API (ddplaunch.up/check/load_spec) without running anything: specs as paths and
+as data, dry runs that return what `up --dry-run` prints, bad input as documented exceptions.
+A real run through the API is in test_habits.py (from a plain Python process)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+import ddplaunch
+from ddplaunch.errors import PlanError, SpecError
+from ddplaunch.launch import UpOptions, dry_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_load_spec_takes_a_path_or_the_data_of_one():
+    from_file = ddplaunch.load_spec(ROOT / "cluster.yaml")
+    data = {"backend": "local", "nproc_per_node": 1, "job": {"script": "jobs/toy_ddp.py"}}
+    from_data = ddplaunch.load_spec(data, base_dir=ROOT)
+    assert from_file.backend == from_data.backend == "local" and from_data.nproc_per_node == 1
+    assert ddplaunch.load_spec(from_data) is from_data
+
+
+def test_bad_spec_data_is_a_spec_error_naming_the_key():
+    with pytest.raises(SpecError, match=r"<spec data>:\d+: nproc_per_node: must be a positive integer"):
+        ddplaunch.load_spec({"backend": "local", "nproc_per_node": 0}, base_dir=ROOT)
+
+
+def test_dry_run_reports_exactly_what_the_cli_prints():
+    out = io.StringIO()
+    report = ddplaunch.up(str(ROOT / "cluster.yaml"), dry_run=True, run_id="api-1", stream=out)
+    assert report.run_id == "api-1" and report.exit_code == 0 and report.stages == []
+    cli_text = dry_run(ddplaunch.load_spec(ROOT / "cluster.yaml"), UpOptions(run_id="api-1"))
+    assert report.plan_text == cli_text and "torch.distributed.run" in report.plan_text
+
+
+def test_unknown_option_is_a_plan_error():
+    with pytest.raises(PlanError, match="unknown option skip_health; the options are"):
+        ddplaunch.check(ROOT / "cluster.yaml", dry_run=True, skip_health=True)
