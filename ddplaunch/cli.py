@@ -114,10 +114,13 @@ def validate(spec: str) -> None:
 
     from ddplaunch.specfile import load_spec
 
+    from ddplaunch.launch import before_stages
+
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "
                f"{loaded.nproc_per_node} proc per node)")
     click.echo(yaml.safe_dump(loaded.redacted(), sort_keys=False), nl=False)
+    click.echo(before_stages(loaded), nl=False)
 
 
 @cli.command()

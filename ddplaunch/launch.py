@@ -62,6 +62,16 @@ def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     return backend.allocation_text() + "".join(backend.render(plan).text() for plan in plans)
 
 
+def before_stages(spec: ClusterSpec) -> str:
+    """What the backend does before any stage, as the dry run shows it (ssh: how each host is
+    reached and where the master is; slurm: the allocation asked for), for `validate`."""
+    backend = make_backend(spec, RunContext("validate", run_dir("validate"), StopEvent()))
+    try:
+        return backend.allocation_text()
+    finally:
+        backend.close()
+
+
 def _scheduler(backend: Launcher[Any]) -> Scheduler:
     scheduler = scheduler_of(backend)
     if scheduler is None:

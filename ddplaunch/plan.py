@@ -174,12 +174,19 @@ def stage_port_key(run_id: str, stage: str) -> str:
     return f"{run_id}:{stage}"
 
 
+def rendezvous_addr(host: HostSpec) -> str:
+    """The address the other hosts reach `host` by: what the backend found (an ssh config alias's
+    address), else `addr` (localhost as 127.0.0.1, which torchrun binds)."""
+    if host.reach:
+        return host.reach
+    return "127.0.0.1" if host.addr == "localhost" else host.addr
+
+
 def master_addr(spec: ClusterSpec) -> str:
-    """`master.addr`, else the first host (localhost as 127.0.0.1, which torchrun binds)."""
+    """`master.addr`, else the first host's rendezvous address."""
     if spec.master.addr:
         return spec.master.addr
-    addr = spec.hosts[0].addr
-    return "127.0.0.1" if addr == "localhost" else addr
+    return rendezvous_addr(spec.hosts[0])
 
 
 def host_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:

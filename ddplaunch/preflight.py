@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.examples import is_example
 from ddplaunch.hostcmd import host_program, parse_answer
-from ddplaunch.plan import host_python, master_addr
+from ddplaunch.plan import host_python, master_addr, rendezvous_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: The oldest torch (major, minor) the hosts may have: torchrun's --signals-to-handle came with 2.10.
@@ -89,13 +89,13 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     """(shell line that probes `host`, nonce of its answer line)."""
     master = master_addr(spec)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
-            "listen": host.addr == master or (master == "127.0.0.1" and host.addr == "localhost"),
+            "listen": rendezvous_addr(host) == master,
             "expect": len(spec.hosts), "workdir": spec.workdir_path,
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
             "need_gpus": spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto",
             "probe_s": spec.preflight.timeout}
-    if not any(h.addr == master for h in spec.hosts) and host is spec.hosts[0]:
+    if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
     if args["listen"]:
         args["probe_s"] = listen_seconds(spec, parallel)
@@ -137,12 +137,15 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
     lo, hi = launcher_time if isinstance(launcher_time, tuple) else (launcher_time, launcher_time)
     hosts = []
     for h in spec.hosts:
-        rep = HostReport(host=h.label, addr=h.addr, facts=raw.get(h.label, {}))
+        rep = HostReport(host=h.label, addr=h.reach or h.addr, facts=raw.get(h.label, {}))
         hosts.append(rep)
         f = rep.facts
         if "error" in f:  # the backend's message starts with the host, which the row names already
-            seen = f["error"].removeprefix(f"{h.label} ({h.addr}")
-            seen = seen.split("): ", 1)[1] if seen.startswith((")", ":")) and "): " in seen else f["error"]
+            seen = f["error"]
+            if seen.startswith(f"{h.label} (") and "): " in seen:
+                seen = seen.split("): ", 1)[1]
+            elif seen.startswith(f"{h.label}: "):
+                seen = seen.removeprefix(f"{h.label}: ")
             rep.checks["reach"] = Check(False, seen, f.get("fix") or REACH_FIX)
             continue
         rep.checks["reach"] = Check(True, "ok")
@@ -261,6 +264,16 @@ def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
     return None if name == "lo" else name
 
 
+def _behind_dead_jumps(bad: list[HostReport]) -> dict[str, list[str]]:
+    """{a jump host's failure: the hosts that could not be reached through it}."""
+    out: dict[str, list[str]] = {}
+    for h in bad:
+        reach = h.checks.get("reach")
+        if reach is not None and reach.ok is False and reach.seen.startswith("jump host "):
+            out.setdefault(reach.seen, []).append(h.host)
+    return out
+
+
 def render_table(report: PreflightReport) -> str:
     """One screen for any number of hosts: a verdict naming every check (within 80 columns), then
     only the hosts that failed, one line per failing check with its fix."""
@@ -271,9 +284,16 @@ def render_table(report: PreflightReport) -> str:
     verdict = f"ok on {len(report.hosts)} host(s)" if report.ok else f"FAILED on {len(bad)} of {len(report.hosts)} host(s)"
     lines = textwrap.wrap(f"pre-flight: {verdict} in {report.elapsed_s:.1f}s; checks: " + " ".join(names), 80,
                           subsequent_indent="  ")
+    behind = _behind_dead_jumps(bad)
+    for seen, hosts in behind.items():  # a dead jump host: one line, not one per host behind it
+        fix = next(c.fix for h in bad for n, c in h.failures() if n == "reach" and c.seen == seen)
+        lines.append(f"{seen} (hosts behind it: {', '.join(hosts)}) -> fix: {fix}")
     for h in bad:  # one line each, whatever its length: it is the line people grep for
         for name, c in h.failures():
-            lines.append(f"{h.host} ({h.addr}): {name}: {c.seen} -> fix: {c.fix}")
+            if name == "reach" and c.seen in behind:
+                continue
+            where = h.host if h.addr == h.host else f"{h.host} ({h.addr})"
+            lines.append(f"{where}: {name}: {c.seen} -> fix: {c.fix}")
     if bad and len(bad) < len(report.hosts):
         lines.append(f"  every check ok on the other {len(report.hosts) - len(bad)} host(s)")
     if report.socket_ifname:

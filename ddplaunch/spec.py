@@ -57,10 +57,16 @@ class HostSpec(_Strict):
     python: Optional[Interpreter] = None
     #: processes on this host (a mixed fleet); default: the spec's `nproc_per_node`
     nproc: Optional[Nproc] = None
+    #: The address the other hosts reach this one by, where `addr` is a name only the launcher
+    #: knows (an ssh config alias): found by the SSH backend, never read from a spec.
+    reach: Optional[str] = Field(default=None, exclude=True)
 
     @model_validator(mode="before")
     @classmethod
     def _from_string(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "reach" in value:
+            raise ValueError("unknown key 'reach' (the SSH backend finds a host's address itself; to set the "
+                             "master's, use master.addr)")
         return {"addr": value} if isinstance(value, str) else value
 
     @property
@@ -181,7 +187,8 @@ class SshSpec(_Strict):
 
     user: Optional[UserName] = None
     key: Optional[Line] = None
-    port: int = Field(default=22, ge=1, le=65535)
+    #: None: the ssh config's Port, else 22 (backends/ssh/routes.py)
+    port: Optional[int] = Field(default=None, ge=1, le=65535)
     known_hosts: Optional[Line] = None
     host_key_policy: Literal["strict", "accept-new"] = "strict"
     connect_timeout: float = Field(default=10, gt=0)

@@ -8,6 +8,7 @@ cut out of its per-rank lines for the failure summary.
 from __future__ import annotations
 
 import re
+import signal
 from typing import Optional
 
 PAYLOAD_RE = re.compile(r"\bDDPLAUNCH_([A-Z]+)_JSON (\{.*\})\s*$")
@@ -59,9 +60,11 @@ def parse_torchrun_failures(lines: list[str]) -> list[tuple[int, int, Optional[i
 def culprit(failures: list[tuple[int, int, Optional[int]]], own_lines) -> Optional[tuple[int, int, Optional[int]]]:
     """The failed rank that failed first in fact: torchrun's root cause has one-second resolution
     and often names a rank that only saw its peer die; prefer a rank whose own last lines do not
-    say so (`own_lines(rank)` gives them)."""
+    say so (`own_lines(rank)` gives them), nor was ended by torchrun itself (it SIGTERMs a
+    node's other workers once one failed; such a rank has nothing to say)."""
     for entry in failures:
-        if not any(VICTIM_RE.search(line) for line in own_lines(entry[0])):
+        stopped = entry[2] == -signal.SIGTERM and len(failures) > 1
+        if not stopped and not any(VICTIM_RE.search(line) for line in own_lines(entry[0])):
             return entry
     return failures[0] if failures else None
 

@@ -36,6 +36,14 @@ job: {script: jobs/train.py, args: [--epochs, "2"], max_restarts: 1}
 """
 
 
+@pytest.fixture(autouse=True)
+def _no_ssh_config(tmp_path, monkeypatch):
+    """Renderings do not depend on who runs the tests: no ~/.ssh/config, one local user name."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("USER", "LOGNAME"):
+        monkeypatch.setenv(name, "alice")
+
+
 @pytest.fixture
 def ssh_spec(tmp_path):
     path = tmp_path / "golden.yaml"

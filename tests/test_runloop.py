@@ -60,7 +60,7 @@ def test_preflight_gate_stops_before_anything_is_launched(tmp_path):
     script = FakeScript(unreachable={"f2"})
     report, out, _ = run(tmp_path, script)
     assert report.exit_code == 1 and report.blocked == "pre-flight" and script.launched == []
-    assert "f2 (f2): reach: no answer -> fix: plug it in" in out
+    assert "f2: reach: no answer -> fix: plug it in" in out
     assert "stopped by the pre-flight gate: no job was started" in out
 
 
@@ -263,3 +263,16 @@ def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
     from ddplaunch.runs import load_run, status_lines
 
     assert "  recovery 1: lost f2; replaced f2 -> f4" in status_lines(load_run("fake-rec2"))
+
+
+def test_a_worker_torchrun_stopped_itself_is_not_the_culprit():
+    """torchrun SIGTERMs a node's other workers once one failed: the node's culprit is the rank
+    that failed (here only a victim of a peer elsewhere), not the one it stopped."""
+    from ddplaunch.torchrun_logs import culprit
+
+    failures = [(4, 0, 1), (5, 1, -15)]  # torchrun's order: root cause first
+    own = {4: ["RuntimeError: Read error [10.0.0.2]:1: Connection reset by peer"], 5: ["step=7 loss=0.1"]}
+    assert culprit(failures, own.__getitem__) == (4, 0, 1)
+    alone = [(5, 1, -15)]
+    assert culprit(alone, own.__getitem__) == (5, 1, -15)  # SIGTERM from outside: the one failure there is
+    assert culprit([(2, 0, 1), (3, 1, -9)], {2: ["Connection reset by peer"], 3: ["step=7"]}.__getitem__) == (3, 1, -9)

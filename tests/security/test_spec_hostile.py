@@ -411,7 +411,7 @@ def test_backend_limits(tmp_path, text, line, key_path, backend, reason):
 def test_backend_limits_ignore_defaults_and_the_table_is_data(tmp_path):
     load_spec(ROOT / "cluster.yaml")  # sets every ssh:/slurm: key, all to their defaults
     spec = load_spec(spec_file(tmp_path, "backend: slurm\nhosts: [a]\nsync: []\nmaster: {addr: null}\n"
-                                         "ssh: {port: 22}\nhosts: [b]\n".replace("hosts: [b]\n", "")))
+                                         "ssh: {port: null}\nhosts: [b]\n".replace("hosts: [b]\n", "")))
     assert spec.backend == "slurm"
     limits = {name: backend_limits(name) for name in ("local", "ssh", "slurm")}
     assert limits["ssh"] == {"slurm": "only used by backend: slurm"}  # a section another backend owns

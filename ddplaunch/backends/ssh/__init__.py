@@ -1,32 +1,34 @@
 """SSH backend: one torchrun per host over Fabric connections, in parallel, with fail-fast.
 
-Fabric makes and configures the connections (one per host per run); each node's stage runs in
-its own session with a pty (session.py), so a dropped connection (even a SIGKILLed ddplaunch)
-HUPs the remote torchrun. Host keys are verified against known_hosts (Fabric would accept any
-key). backends/watch.py follows the started stage; stopping a node is explicit: SIGTERM to the
-recorded torchrun pid, then the run's tag finds leftovers.
+Each host is reached as the user's ssh config says (routes.py: aliases, User, Port,
+IdentityFile, ProxyJump, ProxyCommand; the spec's values win), over one connection per host and
+one per jump host (connect.py), every host key verified. Each node's stage runs in its own session
+with a pty (session.py), so a dropped connection (even a SIGKILLed ddplaunch) HUPs the remote
+torchrun. backends/watch.py follows the started stage; stopping a node is explicit: SIGTERM to the
+recorded torchrun pid, then the run's tag finds leftovers. Where a host's name is an alias only the
+launcher knows, the rendezvous uses its address (`HostSpec.reach`): the config's HostName, or
+what the host's own sshd saw the connection arrive on.
 """
 
 from __future__ import annotations
 
 import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command
+from ddplaunch.backends.ssh.connect import Connector
+from ddplaunch.backends.ssh.routes import Route, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
-from ddplaunch.backends.watch import follow, unanswered, unstarted
+from ddplaunch.backends.watch import follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
-from ddplaunch.plan import NodeCommand, host_python
+from ddplaunch.plan import NodeCommand, host_python, master_addr
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.shellword import word
@@ -35,9 +37,6 @@ from ddplaunch.stagelines import StageLines
 
 #: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
 MAX_PARALLEL = 64
-#: The pre-flight's fix for a host whose key is unknown, changed or revoked (never "check the host is up").
-HOST_KEY_FIX = ("verify the host's key out of band, then fix ssh.known_hosts as the message says "
-                "(ssh.host_key_policy: accept-new only adds keys of hosts not yet known)")
 #: How long a node's session may take to say it listens, then to take the run's files.
 OPEN_TIMEOUT = 30.0
 T = TypeVar("T")
@@ -51,50 +50,64 @@ class SshBackend(ShellLauncher):
 
     def __init__(self, spec: ClusterSpec, run: Optional[RunContext] = None):
         super().__init__(spec)
-        self._conns: dict[str, Connection] = {}
+        self.routes = resolve_routes(spec, [*spec.hosts, *super().spares()])
+        self.connector = Connector(spec, self.routes)
         self._synced: set[str] = set()
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ connections
 
     def connect(self, host: HostSpec) -> Connection:
-        """An open, host-key-verified connection to `host` (cached).
+        """An open, host-key-verified connection to `host` along its route (cached).
 
         Raises:
-            BackendError: unreachable, refused, auth failed or host key not trusted — the
-                message names the host and the fix.
+            BackendError: unreachable (or its jump host is), refused, auth failed or host key not
+                trusted — the message names the host (or the jump host) and the fix.
         """
-        with self._lock:
-            conn = self._conns.get(host.label)
-        if conn is not None and conn.is_connected:
-            return conn
-        ssh = self.spec.ssh
-        kwargs: dict[str, Any] = {"timeout": ssh.connect_timeout, "banner_timeout": ssh.connect_timeout,
-                                  "auth_timeout": ssh.connect_timeout}
-        if ssh.key:
-            kwargs.update(key_filename=[str(self.spec.resolve(ssh.key))], look_for_keys=False,
-                          allow_agent=False)
-        conn = Connection(host.addr, user=host.user or ssh.user, port=host.port or ssh.port,
-                          connect_kwargs=kwargs)
-        known = Path(self.spec.resolve(ssh.known_hosts) if ssh.known_hosts else "~/.ssh/known_hosts").expanduser()
-        # Fabric installs AutoAddPolicy: replace it so unknown keys are refused (strict) or
-        # appended under a lock (accept-new); changed and @revoked keys are always refused, and no
-        # line of the file is ever rewritten.
-        configure(conn.client, known, ssh.host_key_policy)
-        try:
-            conn.open()
-        except (paramiko.SSHException, OSError) as err:
-            raise _connect_error(host, conn.port, known, ssh.connect_timeout, err) from None
-        conn.transport.set_keepalive(5)
-        with self._lock:
-            self._conns[host.label] = conn
-        return conn
+        return self.connector.connect(host.label)
 
     def close(self) -> None:
-        with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            conn.close()
+        self.connector.close()
+
+    def hosts(self, allocate: bool = True) -> list[HostSpec]:
+        return self._reachable(list(self.spec.hosts), allocate)
+
+    def spares(self) -> list[HostSpec]:
+        return self._reachable(super().spares(), allocate=True)
+
+    def _reachable(self, hosts: list[HostSpec], allocate: bool) -> list[HostSpec]:
+        """`hosts`, each with the address the others reach it by where its name is an alias only
+        the launcher knows (routes.reach_addr); one whose config names no address is asked at
+        launch (what its sshd saw the connection arrive on), marked in a dry run."""
+        out = []
+        answers: dict[str, Optional[str]] = {}
+        if allocate:  # an unreachable host stays unasked: the pre-flight names it
+            ask = [h for h in hosts if needs_asking(h, self.routes[h.label])]
+            answers = {h.label: value for h, value, _ in self._each(self._own_addr, ask)}
+        for h in hosts:
+            route = self.routes[h.label]
+            reach = reach_addr(h, route)
+            if needs_asking(h, route):
+                reach = answers.get(h.label) or f"<{h.label}'s address, asked at launch>"
+            out.append(h.model_copy(update={"reach": reach}) if reach else h)
+        return out
+
+    def _own_addr(self, host: HostSpec) -> Optional[str]:
+        """The address `host`'s sshd took the connection on (SSH_CONNECTION's third field)."""
+        command, nonce = marked('set -- $SSH_CONNECTION; echo "$3"')
+        _, out = self._exec(host, command, timeout=self.spec.ssh.connect_timeout)
+        answer = parse_answer(out, nonce)
+        return str(answer) if answer not in (None, "") else None
+
+    def allocation_text(self) -> str:
+        """How each host is reached and where the rendezvous is, for the dry run and `validate`."""
+        lines = ["# connections (spec, then ~/.ssh/config, then OpenSSH's defaults):"]
+        for label, route in self.routes.items():
+            lines.append(f"#   {label}: {route.describe()}")
+        hosts = self.hosts(allocate=False)
+        if hosts:
+            master = master_addr(self.spec.model_copy(update={"hosts": hosts}))
+            lines.append(f"# master address: {master} ({_master_why(self.spec, hosts[0], self.routes[hosts[0].label])})")
+        return "\n".join(lines) + "\n"
 
     def _each(self, fn: Callable[[HostSpec], T], hosts: Optional[list[HostSpec]] = None
               ) -> list[tuple[HostSpec, Optional[T], Optional[BackendError]]]:
@@ -141,7 +154,7 @@ class SshBackend(ShellLauncher):
     # ------------------------------------------------------------------ the contract
 
     def port_free(self, addr: str, port: int) -> bool:
-        host = next((h for h in self.spec.hosts if h.addr == addr), self.spec.hosts[0])
+        host = next((h for h in self.spec.hosts if addr in (h.addr, h.reach)), self.spec.hosts[0])
         try:
             code, _ = self._exec(host, f"{word(host_python(self.spec, host))} -c {word(port_probe(port))}")
         except BackendError:
@@ -175,7 +188,7 @@ class SshBackend(ShellLauncher):
         stage = SshStage(plan, channels, lines, self._term,
                          lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
                                                      [hosts[i] for i in lost]),
-                         lambda node: unanswered(hosts[node].addr, hosts[node].port or self.spec.ssh.port))
+                         lambda node: self.connector.unanswered(hosts[node].label))
         return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
                       stop_grace=self.spec.job.stop_grace)
 
@@ -262,10 +275,7 @@ class SshBackend(ShellLauncher):
     def _reap_all(self, hosts: list[HostSpec], run_id: str, lost: list[HostSpec]) -> None:
         """End what is left of the run on `hosts`; drop the connections to the `lost` ones (a later
         stage connects afresh if one comes back)."""
-        with self._lock:
-            gone = [self._conns.pop(h.label) for h in lost if h.label in self._conns]
-        for conn in gone:  # the transport's own thread ends when its socket closes
-            threading.Thread(target=conn.close, daemon=True).start()
+        self.connector.drop([h.label for h in lost])
         self._each(lambda h: self._reap(h, run_id), hosts)
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:
@@ -275,25 +285,12 @@ class SshBackend(ShellLauncher):
         return describe_reap(parse_answer(out, nonce))
 
 
-def _connect_error(host: HostSpec, port: int, known: Path, timeout: float, err: BaseException) -> BackendError:
-    """What failed when connecting to `host`, and the fix."""
-    where = f"{host.label} ({host.addr})"
-    if isinstance(err, RevokedHostKeyError):
-        return BackendError(f"{where}: {err}", fix=HOST_KEY_FIX)
-    if isinstance(err, paramiko.BadHostKeyException):
-        return BackendError(
-            f"{where}: host key MISMATCH — {known} has a different key ({err.expected_key.get_name()}) "
-            f"than the host presented; refusing to connect. If the host was reinstalled, remove its "
-            f"old key: ssh-keygen -R {host.addr} -f {known}", fix=HOST_KEY_FIX)
-    if isinstance(err, paramiko.SSHException) and "not found in known_hosts" in str(err):
-        return BackendError(
-            f"{where}: host key unknown — not in {known}; add it after checking it (ssh-keyscan "
-            f"{host.addr} >> {known}) or set ssh.host_key_policy: accept-new", fix=HOST_KEY_FIX)
-    if isinstance(err, paramiko.SSHException):
-        return BackendError(f"{where}: SSH failed: {err}")
-    if isinstance(err, (socket.timeout, TimeoutError)):
-        return BackendError(f"{host.label} ({host.addr}:{port}): no answer within "
-                            f"ssh.connect_timeout={timeout}s (host down or unreachable)")
-    assert isinstance(err, OSError)
-    return BackendError(f"{host.label} ({host.addr}:{port}): cannot connect: {err.strerror or err} "
-                        "(is sshd running?)")
+def _master_why(spec: ClusterSpec, first: HostSpec, route: Route) -> str:
+    """Why the master address is what it is, for the dry run."""
+    if spec.master.addr:
+        return "master.addr"
+    if reach_addr(first, route):
+        return f"{first.label}'s HostName in your ssh config"
+    if needs_asking(first, route):
+        return f"{first.label} is an alias of your ssh config for a name the hosts may not know: its own sshd says"
+    return f"the first host, {first.label}"
