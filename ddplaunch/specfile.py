@@ -111,7 +111,8 @@ def load_spec_data(data: Mapping[str, Any], base_dir: Union[str, Path] = ".") ->
     try:
         text = yaml.safe_dump(dict(data), sort_keys=False, allow_unicode=True)
     except (yaml.YAMLError, TypeError, ValueError) as err:
-        raise SpecError(f"<spec data>: not data a spec can hold ({type(err).__name__}: {show(str(err), 200)})") from None
+        raise SpecError(f"<spec data>: not data a spec can hold ({type(err).__name__}: "
+                        f"{show(str(err), 200)})") from None
     try:
         return _load(parse_yaml(text, "<spec data>"), Path(base_dir).resolve())
     except SpecError as err:

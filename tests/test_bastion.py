@@ -164,3 +164,25 @@ def test_a_port_from_the_ssh_config_is_honoured(sim_cluster, tmp_path):
         sshd.terminate()
         sshd.wait(timeout=10)
 
+
+
+def test_a_master_known_only_inside_the_cluster_says_its_own_address(sim_cluster, tmp_path):
+    """gpu-3's HostName is the cluster's own name for it (only the hosts resolve it), reached
+    through the bastion: the launcher asks gpu-3 which address its sshd was reached on."""
+    h = sim_cluster.hosts
+    entries = {"gpu-1": {"HostName": h[0].addr}, "gpu-3": {"HostName": h[2].name, "ProxyJump": "gpu-1"}}
+    home = ssh_home(sim_cluster, tmp_path, entries)
+    known = tmp_path / "known_hosts"  # the cluster's keys, gpu-3's also under its cluster name
+    lines = Path(sim_cluster.known_hosts).read_text().splitlines()
+    key = next(ln.split(" ", 1)[1] for ln in lines if ln.startswith(h[2].addr + " "))
+    known.write_text("\n".join(lines) + f"\n{h[2].name} {key}\n")
+    (tmp_path / "where.py").write_text(WHERE_JOB)
+    spec = alias_spec(sim_cluster, tmp_path, ["gpu-3", "gpu-1"], healthcheck={"enabled": False},
+                      ssh={"known_hosts": str(known), "connect_timeout": 5}, job={"script": str(tmp_path / "where.py")})
+    dry = run(["up", str(spec), "--dry-run"], tmp_path, home)
+    assert "# master address: <gpu-3's address, asked at launch> (gpu-3 is an alias" in dry.stdout, dry.stdout
+    with unroutable(h[2].addr):
+        out = run(["up", str(spec), "--run-id", "jump-ask"], tmp_path, home)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if "WHERE " in ln]
+    assert {w["master"] for w in json.loads(line.split("WHERE ", 1)[1])} == {h[2].addr}

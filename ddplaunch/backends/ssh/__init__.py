@@ -22,7 +22,7 @@ from fabric import Connection
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command
 from ddplaunch.backends.ssh.connect import Connector
-from ddplaunch.backends.ssh.routes import Route, needs_asking, reach_addr, resolve_routes
+from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.backends.watch import follow, unstarted
@@ -86,17 +86,18 @@ class SshBackend(ShellLauncher):
         for h in hosts:
             route = self.routes[h.label]
             reach = reach_addr(h, route)
-            if needs_asking(h, route):
-                reach = answers.get(h.label) or f"<{h.label}'s address, asked at launch>"
+            if needs_asking(h, route):  # unanswered: its HostName (the pre-flight names the host)
+                unknown = route.hostname if allocate else f"<{h.label}'s address, asked at launch>"
+                reach = answers.get(h.label) or unknown
             out.append(h.model_copy(update={"reach": reach}) if reach else h)
         return out
 
     def _own_addr(self, host: HostSpec) -> Optional[str]:
         """The address `host`'s sshd took the connection on (SSH_CONNECTION's third field)."""
-        command, nonce = marked('set -- $SSH_CONNECTION; echo "$3"')
+        command, nonce = marked('set -- $SSH_CONNECTION; echo "\\"$3\\""')  # a JSON string
         _, out = self._exec(host, command, timeout=self.spec.ssh.connect_timeout)
         answer = parse_answer(out, nonce)
-        return str(answer) if answer not in (None, "") else None
+        return answer if isinstance(answer, str) and is_ip(answer) else None
 
     def allocation_text(self) -> str:
         """How each host is reached and where the rendezvous is, for the dry run and `validate`."""
@@ -106,7 +107,8 @@ class SshBackend(ShellLauncher):
         hosts = self.hosts(allocate=False)
         if hosts:
             master = master_addr(self.spec.model_copy(update={"hosts": hosts}))
-            lines.append(f"# master address: {master} ({_master_why(self.spec, hosts[0], self.routes[hosts[0].label])})")
+            why = _master_why(self.spec, hosts[0], self.routes[hosts[0].label])
+            lines.append(f"# master address: {master} ({why})")
         return "\n".join(lines) + "\n"
 
     def _each(self, fn: Callable[[HostSpec], T], hosts: Optional[list[HostSpec]] = None
