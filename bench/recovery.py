@@ -140,7 +140,6 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> 
         if hit is None:
             row["error"] = "never reached the crash step:\n" + lines.text()[-2000:]
             return row
-        last_before = max(int(m.group(1)) for _, line in lines.lines if (m := STEP_RE.search(line)))
         t_crash = time.time()
         sim_fault(cluster, cluster.hosts[VICTIM].name, crash=True)
         resumed = lines.wait(lambda line: RESUMED_RE.search(line) is not None, give_up, after=t_crash)
@@ -149,8 +148,13 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> 
             first = lines.wait(lambda line: STEP_RE.search(line) is not None,
                                max(1.0, t_crash + give_up - time.time()), after=resumed[0] - 1e-6)
         if first is not None:
+            # The last step done before the crash is the last one printed before the relaunch: lines
+            # still in flight at t_crash count, and every printed step all_reduced over all ranks.
+            last_before = max(int(m.group(1)) for t, line in list(lines.lines)
+                              if t < resumed[0] and (m := STEP_RE.search(line)))
             row["resumed_s"] = round(first[0] - t_crash, 1)
-            row["redone"] = last_before - int(RESUMED_RE.search(resumed[1]).group(1))
+            row["last_step"], row["resumed_from"] = last_before, int(RESUMED_RE.search(resumed[1]).group(1))
+            row["redone"] = row["last_step"] - row["resumed_from"]
         if kind == "ddplaunch":
             proc.wait(timeout=max(60.0, t_crash + give_up - time.time()))
             record = json.loads((Path(env["DDPLAUNCH_HOME"]) / "runs" / tag / "record.json").read_text())
@@ -186,10 +190,11 @@ def table(rows: list[dict], ref: str, give_up: float) -> str:
         def med(xs: list) -> str:
             return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "-"
         label = "ddplaunch, 3 hosts + 1 spare" if kind == "ddplaunch" else "torchrun --nnodes 3:4 (c10d), pdsh"
+        # elastic runs are stopped once resumed (their world changed: nothing to compare): "-", not 0/N
+        equal = f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)}" if kind == "ddplaunch" else "-"
         out.append(f"| {label} | {len(mine)} | {med(named)} | {med(resumed)}"
                    f"{'' if len(resumed) == len(mine) else f'; {len(mine) - len(resumed)} not resumed within {give_up:.0f}s'}"
-                   f" | {med([r['redone'] for r in mine if 'redone' in r])} | "
-                   f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)} |")
+                   f" | {med([r['redone'] for r in mine if 'redone' in r])} | {equal} |")
     return "\n".join(out)
 
 

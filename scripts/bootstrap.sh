@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Set up ddplaunch on a fresh Debian 12 machine (Python 3.11): system packages, .venv, the package.
 #   scripts/bootstrap.sh          what `ddplaunch up cluster.yaml` needs (python3-venv, the venv)
-#   scripts/bootstrap.sh --test   also what the test bed needs: openssh-server, iperf3, Slurm, munge
+#   scripts/bootstrap.sh --test   also what the test bed needs: openssh-server, iperf3, Slurm, munge,
+#                                 podman (+ runc, uidmap) and debootstrap for the container test image
 # Idempotent and quick when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(python3-venv python3-pip)
 [[ "${1:-}" == "--test" ]] && pkgs+=(openssh-server openssh-client iperf3 iproute2 procps util-linux
-                                     slurm-wlm slurmctld slurmd slurm-client munge)
+                                     slurm-wlm slurmctld slurmd slurm-client munge
+                                     podman runc uidmap debootstrap)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ((${#missing[@]})); then
