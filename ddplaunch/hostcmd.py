@@ -12,7 +12,7 @@ import json
 import re
 import secrets
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddplaunch.plan import HOSTSIDE
 from ddplaunch.shellword import word
@@ -24,10 +24,12 @@ def program_source(name: str) -> str:
     return (HOSTSIDE / "procs.py").read_text() + "\n" + (HOSTSIDE / f"{name}.py").read_text()
 
 
-def host_program(name: str, python: str, *args: str) -> tuple[str, str]:
-    """(shell command, nonce) that runs hostside program `name` with `python` and `args`."""
+def host_program(name: str, python: str, *args: str, before: Sequence[str] = ()) -> tuple[str, str]:
+    """(shell command, nonce) that runs hostside program `name` with `python` and `args`, after the
+    words `before` (a container runtime's command: the program runs inside the image)."""
     nonce = secrets.token_hex(6)
-    words = [word(python), "-c", word(program_source(name)), nonce, *(word(a) for a in args)]
+    words = [*(word(b) for b in before), word(python), "-c", word(program_source(name)), nonce,
+             *(word(a) for a in args)]
     return " ".join(words), nonce
 
 

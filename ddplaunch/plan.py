@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
+from ddplaunch.container import ContainerRun, container_name, container_run
 from ddplaunch.errors import PlanError
+from ddplaunch.hostwords import CpuShare, GpuCount, HostPath
 from ddplaunch.examples import example_path
 from ddplaunch.spec import ClusterSpec, HostSpec, parse_size
 
@@ -34,25 +36,6 @@ HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "coll
 STAGES = ("healthcheck", "job")
 #: torchrun forwards these to its workers; SIGUSR2 is Slurm's preemption warning (NCCL owns SIGUSR1).
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
-
-
-class HostWord(str):
-    """A value only the host knows, resolved there by the backend's renderer (shellword.py)."""
-
-
-class HostPath(HostWord):
-    """A path relative to the home directory on the host (the run's files there); each backend
-    renders it for its host (a shell: `"$HOME"/PATH`)."""
-
-
-class GpuCount(HostWord):
-    """`nproc_per_node: auto`: as many processes as this interpreter (the word's value) sees GPUs,
-    at least one, counted on the host when the node's command starts."""
-
-
-class CpuShare(HostWord):
-    """The host's cores divided among its processes (the word's value: how many), at least one:
-    OMP_NUM_THREADS, which torchrun would otherwise set to 1 with a banner on every launch."""
 
 
 def host_run_dir(run_id: str) -> HostPath:
@@ -112,14 +95,17 @@ class NodeCommand:
     host: Optional[HostSpec] = None
     #: Processes on this node: a count, or "auto" (its GPUs, found there).
     nproc: Union[int, str] = 1
+    #: The container torchrun runs in (container.py), if any.
+    container: Optional[ContainerRun] = None
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
 
     def argv(self) -> list[str]:
-        """python [-m torch.distributed.run OPTIONS] SCRIPT ARGS, as words (typed words included)."""
+        """[the container runtime's command] python [-m torch.distributed.run OPTIONS] SCRIPT ARGS,
+        as words (typed words included)."""
         head = [self.python, *self.torchrun.words()] if self.torchrun else [self.python, "-u"]
-        return [*head, self.script, *self.args]
+        return [*(self.container.words() if self.container else []), *head, self.script, *self.args]
 
 
 @dataclass(frozen=True)
@@ -190,9 +176,18 @@ def master_addr(spec: ClusterSpec) -> str:
 
 
 def host_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:
-    """The interpreter on `host`: `hosts[].python`, else `python`, else the one running ddplaunch
-    (right for local runs and hosts sharing this file system, like the simulated cluster)."""
-    return (host.python if host else None) or spec.python or sys.executable
+    """The interpreter the ranks run with on `host`: `hosts[].python`, else `python`, else the one
+    running ddplaunch (right for local runs and hosts sharing this file system, like the simulated
+    cluster); in a container the image's (`python:`, else python3)."""
+    fallback = "python3" if spec.container else sys.executable
+    return (host.python if host else None) or spec.python or fallback
+
+
+def tool_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:
+    """The interpreter ddplaunch's own programs (probe, reaper, stack dump: standard library only)
+    run with on `host` itself: the ranks' one, except with a container, where that is the image's
+    and the host's own python3 runs them."""
+    return "python3" if spec.container else host_python(spec, host)
 
 
 @dataclass(frozen=True)
@@ -270,17 +265,34 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         else:
             torchrun = TorchrunArgs(
                 nnodes=len(spec.hosts), node_rank=rank,
-                nproc_per_node=GpuCount(python) if nproc == "auto" else str(nproc),
+                # in a container the host counts its GPUs itself (`python:` is the image's)
+                nproc_per_node=GpuCount("" if spec.container else python) if nproc == "auto" else str(nproc),
                 master_addr=addr, master_port=port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
                 max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
                 signals_to_handle=SIGNALS_TO_HANDLE)
         nodes.append(NodeCommand(
             stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
             setup=tuple(spec.setup), env=tuple(sorted(env.items())), python=python, torchrun=torchrun,
-            script=program.script, args=tuple(program.args), run_id=run_id, host=host, nproc=nproc))
+            script=program.script, args=tuple(program.args), run_id=run_id, host=host, nproc=nproc,
+            container=_container(spec, run_id, stage, rank, env)))
     return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
                       nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
                       healthcheck=stage == "healthcheck" or inline_healthcheck)
+
+
+def _container(spec: ClusterSpec, run_id: str, stage: str, rank: int, env: Mapping[str, str]
+               ) -> Optional[ContainerRun]:
+    """The node's container, if the spec has one: workdir, the run directory and the job script's
+    own directory (when it is elsewhere) bound; every variable of `env` passed by name."""
+    if spec.container is None:
+        return None
+    extra = []
+    script = spec.job.script
+    if os.path.isabs(script) and not script.startswith(spec.workdir_path.rstrip("/") + "/"):
+        folder = os.path.dirname(script)
+        extra.append(f"{folder}:{folder}:ro")
+    return container_run(spec.container, run_id, container_name(run_id, stage, rank), spec.workdir_path,
+                         host_run_dir(run_id), list(env), extra)
 
 
 def healthcheck_args(spec: ClusterSpec, run_id: str, pairwise: bool = False) -> list[str]:

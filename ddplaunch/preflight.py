@@ -16,13 +16,17 @@ from typing import Any, Optional, Union
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.examples import is_example
 from ddplaunch.hostcmd import host_program, parse_answer
+from ddplaunch.container import image_check, probe_words
 from ddplaunch.plan import host_python, master_addr, rendezvous_addr
 from ddplaunch.spec import ClusterSpec, HostSpec
 
 #: The oldest torch (major, minor) the hosts may have: torchrun's --signals-to-handle came with 2.10.
 MIN_TORCH = (2, 10)
-CHECKS = ("reach", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
-          "clock", "disk", "workdir")
+CHECKS = ("reach", "image", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
+          "clock", "disk", "workdir", "shm")
+#: A container's /dev/shm below this fails with NCCL (and is a warning with Gloo): Docker's
+#: 64 MB default breaks NCCL's shared-memory transport.
+MIN_SHM = 1 << 30
 PROBE_SLACK = 20.0  # a probe's time beyond its port test (python start, facts)
 
 
@@ -33,6 +37,8 @@ class Check:
     ok: Optional[bool]
     seen: str = ""
     fix: str = ""
+    #: ok, but worth saying (shown after the failures, with its fix)
+    warn: bool = False
 
 
 @dataclass
@@ -99,7 +105,10 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
         args["listen"] = True  # master.addr is an alias of the first host
     if args["listen"]:
         args["probe_s"] = listen_seconds(spec, parallel)
-    return host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True))
+    image = spec.container if spec.container is not None and spec.container.runtime != "pyxis" else None
+    before = probe_words(image, run_id, host.label, spec.workdir_path) if image else []
+    text, nonce = host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True), before=before)
+    return (f"{image_check(image, nonce, spec.workdir_path)}; {text}" if image else text), nonce
 
 
 def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int]) -> PreflightReport:
@@ -140,20 +149,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
         rep = HostReport(host=h.label, addr=h.reach or h.addr, facts=raw.get(h.label, {}))
         hosts.append(rep)
         f = rep.facts
-        if "error" in f:  # the backend's message starts with the host, which the row names already
-            seen = f["error"]
-            if seen.startswith(f"{h.label} (") and "): " in seen:
-                seen = seen.split("): ", 1)[1]
-            elif seen.startswith(f"{h.label}: "):
-                seen = seen.removeprefix(f"{h.label}: ")
-            rep.checks["reach"] = Check(False, seen, f.get("fix") or REACH_FIX)
-            continue
-        rep.checks["reach"] = Check(True, "ok")
-        if "exit" in f:
-            py = host_python(spec, h)
-            missing = f["exit"] == 127 or "No such file" in f.get("output", "")
-            rep.checks["python"] = Check(False, f"{py}: " + ("not found" if missing else f["output"][-120:]),
-                                         "install Python 3 there or set `python:` (or hosts[].python)")
+        if not _probed(spec, rep, h):
             continue
         rep.checks["python"] = Check(True, f"{f['python']}")
         rep.checks["torch"] = _torch(f)
@@ -174,11 +170,74 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
         rep.checks["workdir"] = (Check(True, "ok") if f["script_ok"] else Check(
             False, f"{spec.workdir_path}/{spec.job.script} missing" if f["workdir_ok"]
             else f"workdir {spec.workdir_path} missing", "create it or list the files under `sync:`"))
+        if spec.container is not None:
+            _in_container(spec, rep)
     _versions(hosts)
     ifname = _agree_iface(spec, hosts)
     for rep in hosts:
         rep.checks = {name: rep.checks[name] for name in CHECKS if name in rep.checks}
     return PreflightReport(hosts=hosts, socket_ifname=ifname)
+
+
+def _probed(spec: ClusterSpec, rep: HostReport, h: HostSpec) -> bool:
+    """Whether the probe ran on the host (in its image); else the check that says why it did not."""
+    f = rep.facts
+    if "error" in f:  # the backend's message starts with the host, which the row names already
+        seen = f["error"]
+        if seen.startswith(f"{h.label} (") and "): " in seen:
+            seen = seen.split("): ", 1)[1]
+        elif seen.startswith(f"{h.label}: "):
+            seen = seen.removeprefix(f"{h.label}: ")
+        rep.checks["reach"] = Check(False, seen, f.get("fix") or REACH_FIX)
+        return False
+    rep.checks["reach"] = Check(True, "ok")
+    if "image_error" in f:
+        rep.checks["image"] = Check(False, f["image_error"], _image_fix(spec, f["image_error"]))
+        return False
+    if "workdir_error" in f:  # a container binds it: nothing else was probed
+        rep.checks["workdir"] = Check(False, f["workdir_error"], "create it or list the files under `sync:`")
+        return False
+    if spec.container is not None:
+        rep.checks["image"] = Check(True, spec.container.image)
+    if "exit" in f:
+        py = host_python(spec, h)
+        missing = f["exit"] == 127 or "No such file" in f.get("output", "")
+        where = "the image has no such interpreter: set `python:` to the image's" if spec.container else \
+            "install Python 3 there or set `python:` (or hosts[].python)"
+        rep.checks["python"] = Check(False, f"{py}: " + ("not found" if missing else f["output"][-120:]), where)
+        return False
+    return True
+
+
+def _image_fix(spec: ClusterSpec, error: str) -> str:
+    """What to do about an image the probe could not run."""
+    c = spec.container
+    assert c is not None
+    if "not found on the host" in error:
+        return f"install {c.runtime} on the host"
+    if c.runtime in ("docker", "podman"):
+        return (f"{c.runtime} pull {c.image} on the host (or load it), or set container.pull: missing"
+                if c.pull == "never" else f"check the image name and that the host can pull it ({c.runtime} pull {c.image})")
+    return f"put {c.image} on the host (a shared file system), or use a docker:// image"
+
+
+def _in_container(spec: ClusterSpec, rep: HostReport) -> None:
+    """What only a container can get wrong: its /dev/shm, and workdir writable as its user."""
+    f = rep.facts
+    if f.get("workdir_ok") and f.get("workdir_writable") is False:
+        rep.checks["workdir"] = Check(False, f"workdir {spec.workdir_path} not writable as uid {f.get('uid')} "
+                                      "inside the image", "mount it writable, or make it writable for that user")
+    shm = f.get("shm_bytes")
+    if shm is None or shm >= MIN_SHM:
+        rep.checks["shm"] = Check(True, f"{(shm or 0) / 2**30:.1f} GB" if shm else "unknown")
+        return
+    seen = f"/dev/shm is {shm / 2**20:.0f} MB inside the container"
+    fix = "drop --shm-size/--ipc from container.options (host IPC is the default) or give --shm-size=8g"
+    if spec.dist_backend == "nccl":
+        rep.checks["shm"] = Check(False, seen + " (NCCL needs more)", fix)
+    else:
+        rep.checks["shm"] = Check(True, seen + " (fine for Gloo; NCCL and DataLoader workers need more)", fix,
+                                  warn=True)
 
 
 def _torch(f: dict[str, Any]) -> Check:
@@ -296,6 +355,10 @@ def render_table(report: PreflightReport) -> str:
             lines.append(f"{where}: {name}: {c.seen} -> fix: {c.fix}")
     if bad and len(bad) < len(report.hosts):
         lines.append(f"  every check ok on the other {len(report.hosts) - len(bad)} host(s)")
+    for h in report.hosts:
+        for name, c in h.checks.items():
+            if c.warn:
+                lines.append(f"{h.host}: {name}: warning: {c.seen} -> fix: {c.fix}")
     if report.socket_ifname:
         lines.append(f"every host reaches the master through {report.socket_ifname}: using it for Gloo/NCCL")
     return "\n".join(lines)

@@ -33,6 +33,8 @@ class Registration:
     runs_here: bool = False
     #: Its nodes come from an allocation it makes: spares may be a count of extra nodes.
     allocates: bool = False
+    #: The container runtimes it can run ranks in (`container.runtime`).
+    runtimes: tuple[str, ...] = ("docker", "podman", "apptainer", "enroot")
     one_line: str = ""
 
     def load(self) -> Callable[..., Any]:
@@ -82,6 +84,7 @@ register(Registration(
     one_line="Fabric, one connection per host"))
 register(Registration(
     "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",), allocates=True,
+    runtimes=("docker", "podman", "apptainer", "enroot", "pyxis"),
     one_line="srun steps of one allocation",
     limits={"sync": "Slurm jobs read the shared file system: put the files there",
             "hosts[].user": "Slurm starts every step as the submitting user",

@@ -21,7 +21,8 @@ from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import Console
 from ddplaunch.errors import PlanError
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
-from ddplaunch.plan import CpuShare, LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
+from ddplaunch.hostwords import CpuShare
+from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
 from ddplaunch.recovery import RecoveryBudget
 from ddplaunch.report import RunReport
 from ddplaunch.results import Progress, StageResult, StopEvent, describe_exit

@@ -19,7 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from ddplaunch import registry
 from ddplaunch.errors import SpecError
 from ddplaunch.hostlist import expand_hosts
-from ddplaunch.specvalues import (SECRET_SHOWN, Arg, EnvName, HostAddr, HostName, Interpreter, Line, SbatchOption,
+from ddplaunch.specvalues import (SECRET_SHOWN, Arg, EnvName, HostAddr, HostName, Interpreter, Line, Mount, SbatchOption,
                                   SlurmName, SlurmNames, SlurmTime, UserEnvName, UserName, is_secret_name,
                                   is_secret_value)
 from ddplaunch.yamlsafe import show
@@ -156,6 +156,18 @@ class JobSpec(_Strict):
             if isinstance(args, list) else args
 
 
+class ContainerSpec(_Strict):
+    """Every rank inside the user's image (container.py renders each runtime's command)."""
+
+    #: an image name (registry or local); apptainer: a .sif path or docker://...; enroot: a .sqsh or a name
+    image: Line
+    runtime: Literal["docker", "podman", "apptainer", "enroot", "pyxis"] = "docker"
+    mounts: list[Mount] = Field(default_factory=list)
+    #: extra flags for the runtime's run command (`--shm-size=8g` replaces the host IPC default)
+    options: list[Arg] = Field(default_factory=list)
+    pull: Literal["missing", "always", "never"] = "missing"
+
+
 class RecoverySpec(_Strict):
     """Self-healing: how many host losses a run survives, and with what (runloop.py, recovery.py)."""
 
@@ -271,6 +283,7 @@ class ClusterSpec(_Strict):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    container: Optional[ContainerSpec] = None
     sync: list[Line] = Field(default_factory=list)
     # Not a YAML key: the directory of the spec file, against which relative paths resolve.
     base_dir: str = Field(default=".", exclude=True)
@@ -297,6 +310,10 @@ class ClusterSpec(_Strict):
         dupes = sorted(x for x, n in collections.Counter(labels).items() if n > 1)
         if dupes:
             raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))} (a spare must not be a host too)")
+        runtimes = registry.registration(self.backend).runtimes
+        if self.container is not None and self.container.runtime not in runtimes:
+            raise ValueError(f"container.runtime: backend {self.backend!r} cannot run {self.container.runtime!r} "
+                             f"(pyxis is srun's own --container-image); use one of {', '.join(runtimes)}")
         if isinstance(self.recovery.spares, int) and self.recovery.spares and \
                 not registry.registration(self.backend).allocates:
             raise ValueError(f"recovery.spares: backend {self.backend!r} allocates no nodes: list the spare "

@@ -266,8 +266,10 @@ def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tu
             msg = f"{coercion(node)}; write {_quoted(loc, node)}"
         elif "input" in e and e["type"] not in ("missing", "value_error") and loc[:1] != ("env",):
             msg += f", got {show(repr(e['input']), 100)}"  # an env value may be a secret: never shown
-        if msg.startswith("hosts: "):  # model-level messages name their key themselves
-            key_path, msg, line = "hosts", msg.removeprefix("hosts: "), node_at(root, ("hosts",))[0]
+        named = re.match(r"^([a-z_]+(?:\.[a-z_]+)*): ", msg) if not loc else None
+        if named:  # model-level messages name their key themselves (`hosts: ...`)
+            key_path, msg = named.group(1), msg[named.end():]
+            line = node_at(root, tuple(key_path.split(".")))[0]
         if (key_path, msg) not in seen:
             seen.add((key_path, msg))
             out.append((line, f"{shown}:{line}: {key_path}: {msg}"))

@@ -134,3 +134,15 @@ def is_secret_name(name: str) -> bool:
 def is_secret_value(value: str) -> bool:
     """Whether a value says by its shape that it is secret: a URL with a password in it."""
     return bool(_URL_PASSWORD.match(value))
+
+
+def _mount(value: str) -> str:
+    """`SRC:DST[:ro]`: absolute paths, no `,` (a runtime's list separator) and nothing else."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")) or \
+            not all(p.startswith("/") for p in parts[:2]) or "," in value:
+        raise ValueError(f"{show(value)!r} is not a mount: write SRC:DST or SRC:DST:ro (absolute paths, no commas)")
+    return value
+
+
+Mount = Annotated[Line, AfterValidator(_mount)]

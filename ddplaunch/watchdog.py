@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.hostcmd import host_program, parse_answer
-from ddplaunch.plan import LaunchPlan, host_python
+from ddplaunch.plan import LaunchPlan, tool_python
 from ddplaunch.results import StopEvent
 from ddplaunch.runs import write_private
 from ddplaunch.spec import ClusterSpec, HostSpec
@@ -50,7 +50,7 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     nonces: dict[str, str] = {}
 
     def command(host: HostSpec) -> str:
-        python = host_python(spec, host)
+        python = tool_python(spec, host)
         text, nonces[host.label] = host_program("stacks", python, run_id, python)
         return text
 

@@ -12,10 +12,10 @@ import signal
 import pytest
 
 from tests import ssh_util
-from tests.simfixture import noisy_sim_cluster, sim_cluster, slurm_cluster  # noqa: F401  (re-exported fixtures)
+from tests.simfixture import image, noisy_sim_cluster, sim_cluster, slurm_cluster  # noqa: F401  (re-exported fixtures)
 
 #: Fixtures that stand for a real system (root, sshd, Slurm): a test using one is a real-system test.
-REAL_FIXTURES = {"sim_cluster", "slurm_cluster", "bed", "noisy_sim_cluster"}
+REAL_FIXTURES = {"sim_cluster", "slurm_cluster", "bed", "noisy_sim_cluster", "image"}
 STRICT = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _ran: list[str] = []
 _skipped_real: list[tuple[str, str]] = []

@@ -78,3 +78,33 @@ def noisy_sim_cluster() -> Iterator[SimCluster]:
                         subnet=os.environ.get("DDPLAUNCH_TEST_NOISY_SUBNET", "10.213.10.0/24"),
                         rc_noise=True) as cluster:
         yield cluster
+
+
+def podman_skip_reason() -> str | None:
+    """Reason to skip real-container tests here, or None."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return "needs root (podman as root, debootstrap)"
+    if shutil.which("podman") is None or shutil.which("debootstrap") is None:
+        return "needs podman, runc, uidmap, debootstrap: scripts/bootstrap.sh --test"
+    return None
+
+
+@pytest.fixture(scope="session")
+def image() -> str:
+    """The real-container test image (ddplaunch/sim/image.py), built on first use (~2 minutes,
+    1.15 GB) and kept in podman's storage as the cache."""
+    import sys
+    import time
+
+    from ddplaunch.sim.image import ensure_test_image
+
+    reason = podman_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    t0 = time.monotonic()
+    name = ensure_test_image()
+    sys.stderr.write(f"test image {name} ready in {time.monotonic() - t0:.1f}s\n")
+    return name
+

@@ -9,7 +9,8 @@ import pytest
 
 from ddplaunch.launch import UpOptions, dry_run
 from ddplaunch.backends.shell import HEARTBEAT_LOOP, env_text, render_plan, shell_line
-from ddplaunch.plan import PORT_RANGE, HostPath, derive_port, make_plan
+from ddplaunch.hostwords import HostPath
+from ddplaunch.plan import PORT_RANGE, derive_port, make_plan
 from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
 
@@ -191,3 +192,36 @@ def test_a_bad_hostfile_is_one_line_naming_the_spec_key_and_the_file_line(tmp_pa
     with pytest.raises(SpecError) as err:
         load_spec(path)
     assert str(err.value).startswith(f"{path}:4: hosts.file: {tmp_path}/") and found in str(err.value), err.value
+
+
+CONTAINER_SPEC = """\
+name: ctr
+backend: ssh
+hosts: [{addr: 10.9.0.11, name: n1}, {addr: 10.9.0.12, name: n2}]
+nproc_per_node: auto
+workdir: /srv/work
+env: {WANDB_API_KEY: s3cret}
+healthcheck: {enabled: false}
+job: {script: /opt/jobs/train.py}
+container: {image: IMAGE, runtime: RUNTIME, mounts: [/data:/data:ro]}
+"""
+
+
+@pytest.mark.parametrize("runtime, image", [("docker", "nvcr.io/nvidia/pytorch:24.10-py3"),
+                                            ("podman", "localhost/train:1"),
+                                            ("apptainer", "/shared/images/pytorch.sif"),
+                                            ("enroot", "/shared/images/pytorch.sqsh")])
+def test_container_dry_run_golden(tmp_path, runtime, image):
+    """Each runtime's command in front of torchrun (renderings only: docker, apptainer and enroot
+    do not run here; podman does, in tests/test_containers.py)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(CONTAINER_SPEC.replace("RUNTIME", runtime).replace("IMAGE", image))
+    text = dry_run(load_spec(path), UpOptions(run_id="ctr-1"))
+    check_golden(f"container_{runtime}.plan.txt", text)
+    assert "s3cret" not in text and "--env WANDB_API_KEY" in text.replace("--env=", "--env ") or runtime == "apptainer"
+    for line in (ln for ln in text.splitlines() if ln.startswith("cd ")):
+        inside = line.split(f" {image} ", 1)[1]  # the image's interpreter runs torchrun, inside
+        assert inside.startswith("python3 -m torch.distributed.run") or runtime == "enroot" and \
+            inside.startswith("sh -c 'cd \"$1\" && shift && exec \"$@\"' sh /srv/work python3 -m torch.distributed.run")
+        assert subprocess.run(["bash", "-n", "-c", line], capture_output=True, timeout=10).returncode == 0
+

@@ -214,3 +214,22 @@ def test_a_torch_older_than_the_oldest_supported_is_named_with_its_fix(tmp_path)
     assert torch_a.ok is False and torch_a.seen.startswith("2.9.1 is older than 2.10")
     assert torch_a.fix == "pip install 'torch>=2.10' into /venv/bin/python"
     assert torch_b.ok is True and report.bad_hosts == ["a"]
+
+
+def test_container_checks_name_a_missing_image_and_a_small_dev_shm(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: ssh\nhosts: [a, b, c]\ncontainer: {image: img:1, runtime: docker, pull: never}\n")
+    spec = load_spec(path)
+    raw = {"a": {"image_error": "image img:1 is not on the host (container.pull: never)"},
+           "b": facts(shm_bytes=16 << 20, workdir_writable=True),
+           "c": facts(shm_bytes=64 << 30, workdir_writable=False)}
+    report = evaluate(spec, raw, launcher_time=1000.0, port=25000)
+    a, b, c = report.hosts
+    assert a.checks["image"].ok is False and "docker pull img:1" in a.checks["image"].fix and "python" not in a.checks
+    assert b.checks["shm"].ok is True and b.checks["shm"].warn and "16 MB" in b.checks["shm"].seen  # Gloo: a warning
+    assert c.checks["workdir"].ok is False and "not writable as uid" in c.checks["workdir"].seen
+    table = __import__("ddplaunch.preflight", fromlist=["render_table"]).render_table(report)
+    assert "b: shm: warning: /dev/shm is 16 MB inside the container" in table
+    nccl = load_spec(path).model_copy(update={"dist_backend": "nccl"})
+    assert evaluate(nccl, {"b": raw["b"]} | {k: facts(shm_bytes=64 << 30) for k in "ac"}, launcher_time=1000.0,
+                    port=25000).hosts[1].checks["shm"].ok is False

@@ -67,6 +67,27 @@ slurm:
   sbatch_extra: ["--exclusive", "--mem=0"]
 job: {script: jobs/train.py}
 """,
+    "pyxis": """\
+name: pyxis
+backend: slurm
+python: /usr/bin/python
+workdir: /lustre/proj/work
+nproc_per_node: auto
+hosts: ["dgx[01-02]"]
+env: {NCCL_DEBUG: WARN}
+container: {image: "nvcr.io#nvidia/pytorch:24.10-py3", runtime: pyxis, mounts: [/lustre/data:/data:ro]}
+job: {script: jobs/train.py}
+""",
+    "podman": """\
+name: pod
+backend: slurm
+python: /opt/venv/bin/python
+workdir: /srv/work
+nproc_per_node: 2
+slurm: {nodes: 2}
+container: {image: localhost/train:1, runtime: podman, options: [--shm-size=8g]}
+job: {script: jobs/train.py}
+""",
 }
 
 #: The run a backend is made for, in tests that start nothing.

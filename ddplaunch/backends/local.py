@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text
+from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text, runtime_of
 from ddplaunch.backends.watch import SETTLE_SLACK, NodeEnd, follow
 from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
@@ -86,10 +86,11 @@ class LocalBackend(ShellLauncher):
         run_id = record.run_id
         before = sorted(run_processes(run_id))
         reaper.term_pidfiles(run_id, [str(p) for p in (Path.home() / HOST_RUN_ROOT / run_id).glob("node*.pid")])
+        containers = reaper.remove_containers(run_id, runtime_of(self.spec))
         reaper.reap(run_id)
         reaper.clean(run_id)
         left = sorted(run_processes(run_id))
-        return [f"localhost: {describe_reap({'before': before, 'left': left})}"]
+        return [f"localhost: {describe_reap({'before': before, 'left': left, 'containers': containers})}"]
 
 
 class _LocalStage:
@@ -98,6 +99,8 @@ class _LocalStage:
     def __init__(self, plan: LaunchPlan, proc: subprocess.Popen, lines: StageLines, run_dir: Path):
         self.plan, self.proc, self.run_dir = plan, proc, run_dir
         self.host = plan.nodes[0].host_label
+        container = plan.nodes[0].container
+        self.runtime = container.runtime if container is not None else None
         self.reader = threading.Thread(target=self._pump, args=(lines,), daemon=True)
         self.reader.start()
 
@@ -125,6 +128,7 @@ class _LocalStage:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        reaper.remove_containers(self.plan.run_id, self.runtime)
         reaper.reap(self.plan.run_id, grace=2.0)
         return [NodeEnd(0, self.proc.returncode)]
 
@@ -142,5 +146,6 @@ class _LocalStage:
         self.reader.join(timeout=5)
         # Workers live in sessions of their own: end any that outlived torchrun; then nothing of
         # what the job printed or its environment stays on disk (the launcher's log has every line)
+        reaper.remove_containers(self.plan.run_id, self.runtime)
         reaper.reap(self.plan.run_id)
         reaper.clean(self.plan.run_id)

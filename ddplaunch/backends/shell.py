@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 from ddplaunch.hostcmd import host_program
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
@@ -128,6 +128,12 @@ class ShellRequest:
         return shell_line(node, heartbeat=self.heartbeat)
 
 
+def runtime_of(spec: ClusterSpec) -> Optional[str]:
+    """The container runtime whose containers a run's teardown removes by label (docker, podman)."""
+    runtime = spec.container.runtime if spec.container is not None else None
+    return runtime if runtime in ("docker", "podman") else None
+
+
 class ShellLauncher:
     """What the shell backends fill alike: the spec's hosts as they are (no allocation), and the
     request they execute."""
@@ -153,16 +159,19 @@ class ShellLauncher:
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False,
-                   clean: bool = False) -> tuple[str, str]:
+                   clean: bool = False, containers: Optional[str] = None) -> tuple[str, str]:
     """(command, nonce) of the reaper for `run_id`: optionally SIGTERM the pids in the run's pid
-    files first (each checked to be the run's), then (with `kill`) end whatever of the run is left,
-    then (with `clean`, once nothing of it is left) remove what could hold its output or its
-    environment: torchrun's per-rank logs and environment files."""
+    files first (each checked to be the run's), then (with `kill`) remove the run's `containers`
+    (a runtime: docker, podman) and end whatever of the run is left, then (with `clean`, once
+    nothing of it is left) remove what could hold its output or its environment: torchrun's
+    per-rank logs and environment files."""
     args: list[str] = [run_id]
     if kill:
         args.append("--kill")
     if clean:
         args.append("--clean")
+    if containers:
+        args += ["--containers", containers]
     if term_pid_files:
         args += ["--term", Raw(pid_file(run_id, "*"))]
     return host_program("reaper", python, *args)
@@ -174,4 +183,6 @@ def describe_reap(answer: object) -> str:
         return "no answer from the reaper"
     before, left = answer.get("before") or [], answer.get("left") or []
     text = "nothing left" if not before else f"ended pids {' '.join(map(str, before))}"
+    gone = answer.get("containers") or []
+    text += f"; removed {len(gone)} container(s)" if gone else ""
     return text + (f"; STILL ALIVE: {' '.join(map(str, left))}" if left else "")

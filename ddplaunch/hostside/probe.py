@@ -177,6 +177,13 @@ def main():
     out["script_ok"] = out["workdir_ok"] and (args["script"] is None
                                               or os.path.isfile(os.path.join(workdir, args["script"])))
     out["disk_free_gb"] = shutil.disk_usage(workdir if out["workdir_ok"] else "/").free / 1e9
+    out["workdir_writable"] = out["workdir_ok"] and os.access(workdir, os.W_OK)
+    out["uid"] = os.getuid()
+    try:  # what NCCL and DataLoader workers share memory through (a container's may be tiny)
+        shm = os.statvfs("/dev/shm")
+        out["shm_bytes"] = shm.f_blocks * shm.f_frsize
+    except OSError:
+        out["shm_bytes"] = None
     for t in threads:
         t.join()
     print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps(out, sort_keys=True), flush=True)

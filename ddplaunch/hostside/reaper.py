@@ -1,8 +1,10 @@
 """End every process of one run on this host (see procs.py for which processes those are).
 
-Usage: `python - RUN_ID [--term PIDFILE...] [--kill] [--clean]` with procs.py + this source on
-stdin or `-c`. `--term`: SIGTERM the pids recorded in these files (torchrun stops its workers) —
-each pid only after checking it is the run's. `--kill`: then SIGTERM, and after a grace SIGKILL,
+Usage: `python - RUN_ID [--term PIDFILE...] [--kill] [--clean] [--containers RUNTIME]` with
+procs.py + this source on stdin or `-c`. `--term`: SIGTERM the pids recorded in these files
+(torchrun stops its workers) — each pid only after checking it is the run's. `--containers`
+(docker, podman): with `--kill`, first remove the run's containers of this user (by their labels:
+the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grace SIGKILL,
 whatever of the run is left. `--clean`: then remove what of the run's directory may hold what the
 job printed or its environment (torchrun's per-rank logs, environment files): the launcher's log
 has every line, masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
@@ -12,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -76,6 +79,21 @@ def clean(run_id):
                 pass
 
 
+def remove_containers(run_id, runtime):
+    """Remove (stopping them) the containers of this run and this user; their ids."""
+    if runtime not in ("docker", "podman") or shutil.which(runtime) is None:
+        return []
+    labels = [f"label=ddplaunch.run={run_id}", f"label=ddplaunch.user={os.getuid()}:{os.getgid()}"]
+    try:
+        found = subprocess.run([runtime, "ps", "-aq", "--filter", labels[0], "--filter", labels[1]],
+                               capture_output=True, text=True, timeout=30).stdout.split()
+        if found:
+            subprocess.run([runtime, "rm", "-f", *found], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return found
+
+
 def wait_gone(run_id, pids, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline and any(proc_alive(p) for p in pids):
@@ -85,19 +103,23 @@ def wait_gone(run_id, pids, timeout):
 def main(argv):
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
     kill, tidy = "--kill" in rest, "--clean" in rest
+    runtime = rest[rest.index("--containers") + 1] if "--containers" in rest[:-1] else None
+    if runtime is not None:
+        rest = [a for a in rest if a not in ("--containers", runtime)]
     files = rest[rest.index("--term") + 1:] if "--term" in rest else []
     files = [f for f in files if f not in ("--kill", "--clean")]
     before = sorted(run_processes(run_id))
     sent = term_pidfiles(run_id, files)
     if sent:
         wait_gone(run_id, sent, GRACE * 2)
+    containers = remove_containers(run_id, runtime) if kill else []
     if kill:
         reap(run_id)
     left = sorted(run_processes(run_id))
     if tidy and not left:
         clean(run_id)
-    print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left}),
-          flush=True)
+    print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left,
+                                                     "containers": containers}), flush=True)
 
 
 if __name__ == "__main__":

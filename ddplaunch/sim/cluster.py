@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddplaunch.sim import netns, slurm, sshd
+from ddplaunch.sim.image import podman_env
 from ddplaunch.sim.proc import SimError, require_root, require_tool
 from ddplaunch.sim.specs import render_slurm_spec, render_spec
 from ddplaunch.sim.state import (DEFAULT_PREFIX, DEFAULT_SUBNET, STATE_FILE, SimCluster, SimConfig, SimHost,
@@ -107,10 +108,11 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
     netns.create_network(naming, cfg.n_hosts, controller=cfg.slurm)
     save_state(cluster)  # from here on `down` finds everything, even if a later step fails
     entries = []
+    podman_settings = [f"{k}={v}" for k, v in podman_env().items()]  # for the container tests
     for h in hosts:
         host_dir = cluster.host_dir(h)
         host_dir.mkdir(parents=True, exist_ok=True)
-        sshd.write_sshd_config(host_dir, h.addr, authorized, check=h is hosts[0])
+        sshd.write_sshd_config(host_dir, h.addr, authorized, check=h is hosts[0], set_env=podman_settings)
         entries.append((h.addr, sshd.public_key(host_dir / "ssh_host_ed25519_key")))
     # all at once; one that failed is stopped with its namespace by the teardown of sim_up
     pids = sshd.start_sshds([(cluster.host_dir(h), cluster.enter_prefix(h)) for h in hosts])

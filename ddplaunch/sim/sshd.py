@@ -71,7 +71,7 @@ def known_hosts_text(entries: Sequence[tuple[str, str]]) -> str:
 
 
 def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_keys: Path,
-                     penalties_off: bool = False) -> str:
+                     penalties_off: bool = False, set_env: Sequence[str] = ()) -> str:
     """The sshd_config of one sim host (pure). `penalties_off` adds `PerSourcePenalties no`
     (OpenSSH 9.8+, where every login of the sim comes from the one bridge address and a few
     probes that close without authenticating would get that address refused)."""
@@ -97,11 +97,15 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
         "Subsystem sftp /usr/lib/openssh/sftp-server",
         "LogLevel INFO",
         *(["PerSourcePenalties no"] if penalties_off else []),  # OpenSSH >= 9.8: one source IP
+        # what every session of the host gets, as a site's system config would give it (podman's
+        # containers.conf for this VM: runc, cgroupfs, rlimits no higher than root's here)
+        *[f"SetEnv {assignment}" for assignment in set_env],
         "",
     ])
 
 
-def write_sshd_config(host_dir: Path, addr: str, authorized_keys: Path, check: bool = True) -> Path:
+def write_sshd_config(host_dir: Path, addr: str, authorized_keys: Path, check: bool = True,
+                      set_env: Sequence[str] = ()) -> Path:
     """Create a fresh host key and the sshd_config for one host under `host_dir`; returns the
     config. With `check`, `sshd -t` validates it (do it for one host: the rest differ only in
     addresses and paths)."""
@@ -109,7 +113,8 @@ def write_sshd_config(host_dir: Path, addr: str, authorized_keys: Path, check: b
     new_keypair(host_key, f"ddplaunch-sim-host-{addr}")
     config = host_dir / "sshd_config"
     config.write_text(sshd_config_text(addr=addr, host_key=host_key, pid_file=host_dir / "sshd.pid",
-                                       authorized_keys=authorized_keys, penalties_off=_penalties_option()))
+                                       authorized_keys=authorized_keys, penalties_off=_penalties_option(),
+                                       set_env=set_env))
     mkdir_privsep()
     if check:
         run([SSHD, "-t", "-f", str(config)])

@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, Request, RunContext
-from ddplaunch.backends.shell import pid_file, reaper_command, stage_bundle
+from ddplaunch.backends.shell import pid_file, reaper_command, runtime_of, stage_bundle
 from ddplaunch.backends.slurm.allocation import Allocation
 from ddplaunch.backends.slurm.client import SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.detached import (DetachedRequest, final_state, follow_output, job_active,
                                                render_detached)
-from ddplaunch.backends.slurm.render import AT_LAUNCH, StepRequest, in_step_order, step_request
+from ddplaunch.backends.slurm.render import AT_LAUNCH, StepRequest, in_step_order, pyxis_of, step_request
 from ddplaunch.backends.slurm.step import SrunStage, SrunStep
 from ddplaunch.backends.watch import follow, unanswered, unstarted
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.hostcmd import port_probe
-from ddplaunch.plan import LaunchPlan, host_python
+from ddplaunch.plan import LaunchPlan, tool_python
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.shellword import word
@@ -66,7 +66,8 @@ class SlurmBackend:
 
     def render(self, plan: LaunchPlan) -> StepRequest:
         job = self.alloc.job.job_id if self.alloc.job else (self.alloc.inside or AT_LAUNCH)
-        return step_request(in_step_order(plan, self.alloc.order), job, self.spec.slurm.cpus_per_task)
+        return step_request(in_step_order(plan, self.alloc.order), job, self.spec.slurm.cpus_per_task,
+                            pyxis=pyxis_of(self.spec))
 
     def launch(self, request: StepRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
@@ -113,7 +114,7 @@ class SlurmBackend:
     def port_free(self, addr: str, port: int) -> bool:
         host = HostSpec(addr=addr, name=addr)
         probe = port_probe(port)
-        (_, answer, err), = self.probe(lambda h: f"{word(host_python(self.spec, None))} -c {word(probe)}",
+        (_, answer, err), = self.probe(lambda h: f"{word(tool_python(self.spec, None))} -c {word(probe)}",
                                        timeout=20, hosts=[host])
         return err is not None or answer is None or answer[0] == 0
 
@@ -134,8 +135,9 @@ class SlurmBackend:
     def _reap(self, nodes: list[str], run_id: str) -> None:
         """End what is left of the run on `nodes` (by its tag), as a probe step."""
         hosts = [HostSpec(addr=n, name=n) for n in nodes]
-        self.probe(lambda h: reaper_command(host_python(self.spec, None), run_id, kill=True,
-                                            term_pid_files=True, clean=True)[0], timeout=45, hosts=hosts)
+        self.probe(lambda h: reaper_command(tool_python(self.spec, None), run_id, kill=True, term_pid_files=True,
+                                            clean=True, containers=runtime_of(self.spec))[0],
+                   timeout=45, hosts=hosts)
 
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:
         """Of `nodes`, those that wrote no pid file: their setup lines never reached `exec torchrun`."""

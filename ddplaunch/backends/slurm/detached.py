@@ -19,7 +19,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import jinja2
 
 from ddplaunch.backends.shell import stage_bundle
-from ddplaunch.backends.slurm.render import StepRequest, sbatch_options, step_request, template_dir, upload_step
+from ddplaunch.backends.slurm.render import (StepRequest, pyxis_of, sbatch_options, step_request, template_dir,
+                                             upload_step)
 from ddplaunch.backends.slurm.step import LabelledLines
 from ddplaunch.plan import LaunchPlan
 from ddplaunch.shellword import Raw, word
@@ -123,7 +124,8 @@ def _stage_exports(steps: list[StepRequest], common: dict[str, str]) -> list[lis
 def render_detached(spec: ClusterSpec, plans: list[LaunchPlan], output_path: str,
                     nodelist: Optional[list[str]]) -> DetachedRequest:
     """The sbatch request of a detached run: every stage of `plans`, in order (pure)."""
-    steps = [step_request(detached_plan(p), "", spec.slurm.cpus_per_task, heartbeat=False) for p in plans]
+    steps = [step_request(detached_plan(p), "", spec.slurm.cpus_per_task, heartbeat=False, pyxis=pyxis_of(spec))
+             for p in plans]
     common = dict(steps[0].env)
     for s in steps[1:]:
         common = {k: v for k, v in common.items() if dict(s.env).get(k) == v}

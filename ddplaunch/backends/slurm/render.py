@@ -17,9 +17,11 @@ from typing import Optional, Sequence
 import jinja2
 
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
-from ddplaunch.plan import HostWord, LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.container import container_name, pyxis_options
+from ddplaunch.hostwords import HostWord
+from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec import ClusterSpec, ContainerSpec
 from ddplaunch.specvalues import SECRET_SHOWN
 
 ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
@@ -133,7 +135,10 @@ def step_template(plan: LaunchPlan) -> NodeCommand:
         node.torchrun, node_rank=Raw('"$SLURM_NODEID"'),
         nproc_per_node=NPROC if mixed else node.torchrun.nproc_per_node,
         log_dir=Raw(word(in_run_dir(plan.run_id, f"torchrun-{plan.stage}-node")) + '"$SLURM_NODEID"'))
-    return replace(node, host_label=host, env=tuple(sorted(env.items())), torchrun=torchrun, host=None)
+    container = node.container and replace(
+        node.container, name=Raw(word(container_name(plan.run_id, plan.stage, "")) + '"$SLURM_NODEID"'))
+    return replace(node, host_label=host, env=tuple(sorted(env.items())), torchrun=torchrun, host=None,
+                   container=container)
 
 
 def node_counts(plan: LaunchPlan) -> list[str]:
@@ -189,8 +194,13 @@ def upload_step(srun: Sequence[str], run_id: str, names: Sequence[str]) -> tuple
     return tuple(base + ["--input=all", "--job-name=ddplaunch-upload", "bash", "-c", stage_files(run_id, names)])
 
 
+def pyxis_of(spec: ClusterSpec) -> Optional[ContainerSpec]:
+    """The spec's container when srun runs it itself (pyxis), else None."""
+    return spec.container if spec.container is not None and spec.container.runtime == "pyxis" else None
+
+
 def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None,
-                 heartbeat: bool = True) -> StepRequest:
+                 heartbeat: bool = True, pyxis: Optional[ContainerSpec] = None) -> StepRequest:
     """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run); `heartbeat`:
     each node says it lives every second (for the launcher's watcher; a detached run has none)."""
     node = step_template(plan)
@@ -209,6 +219,8 @@ def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None
             f"--job-name=ddplaunch-{plan.stage}", "--export=ALL"]
     if cpus_per_task:
         srun.append(f"--cpus-per-task={cpus_per_task}")
+    if pyxis is not None:  # the whole step runs in the image
+        srun += pyxis_options(pyxis, node.workdir)
     upload = upload_step(srun, plan.run_id, [dst for _, dst in plan.uploads]) if plan.uploads else ()
     return StepRequest(plan=plan, job=job, argv=tuple(srun + ["bash", "-c", " && ".join(body)]), env=common,
                        upload=upload)

@@ -20,7 +20,8 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command
+from ddplaunch.backends.shell import (ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command,
+                                      runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
@@ -28,7 +29,7 @@ from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.backends.watch import follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
-from ddplaunch.plan import NodeCommand, host_python, master_addr
+from ddplaunch.plan import NodeCommand, master_addr, tool_python
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.shellword import word
@@ -158,7 +159,7 @@ class SshBackend(ShellLauncher):
     def port_free(self, addr: str, port: int) -> bool:
         host = next((h for h in self.spec.hosts if addr in (h.addr, h.reach)), self.spec.hosts[0])
         try:
-            code, _ = self._exec(host, f"{word(host_python(self.spec, host))} -c {word(port_probe(port))}")
+            code, _ = self._exec(host, f"{word(tool_python(self.spec, host))} -c {word(port_probe(port))}")
         except BackendError:
             return True  # unreachable: `run` reports every host's connection problem
         return code == 0
@@ -281,8 +282,8 @@ class SshBackend(ShellLauncher):
         self._each(lambda h: self._reap(h, run_id), hosts)
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:
-        command, nonce = reaper_command(host_python(self.spec, host), run_id, kill=True,
-                                        term_pid_files=term_pid_files, clean=True)
+        command, nonce = reaper_command(tool_python(self.spec, host), run_id, kill=True,
+                                        term_pid_files=term_pid_files, clean=True, containers=runtime_of(self.spec))
         _, out = self._exec(host, command, timeout=45)
         return describe_reap(parse_answer(out, nonce))
 
