@@ -49,12 +49,12 @@ class _Fold:
             by_host: dict[str, list[int]] = {}
             for host, rank in sorted(self.who, key=lambda w: w[1] or 0):
                 by_host.setdefault(host, []).append(rank or 0)
-            names = ", ".join(f"{h}:{_ranges(rs)}" for h, rs in by_host.items())
+            names = ", ".join(f"{h}:{rank_ranges(rs)}" for h, rs in by_host.items())
             return f"[x{len(ranks)} ranks: {names}] {rest}"
         return f"[x{len(self.who)} hosts: {', '.join(sorted(set(h for h, _ in self.who)))}] {rest}"
 
 
-def _ranges(values: list[int]) -> str:
+def rank_ranges(values: list[int]) -> str:
     """`0-3,5` for [0, 1, 2, 3, 5]."""
     out, start = [], None
     values = sorted(set(values))

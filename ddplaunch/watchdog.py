@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher
+from ddplaunch.console import rank_ranges
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.plan import LaunchPlan, tool_python
 from ddplaunch.results import StopEvent
@@ -137,20 +138,9 @@ def summarize_stacks(stacks: list[RankStack]) -> str:
             parts.append(f"torchrun ({hosts}): {where}")
             continue
         ranks = [m.rank for m in members if m.rank is not None]
-        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranges(ranks)} ({hosts}): {where}")
+        parts.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {rank_ranges(ranks)} ({hosts}): {where}")
     return " — ".join(parts)
 
-
-def _ranges(ranks: list[int]) -> str:
-    """`0-3,5` for [0, 1, 2, 3, 5]."""
-    out, start = [], None
-    ranks = sorted(set(ranks))
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
 
 
 def save_stacks(stacks: list[RankStack], raw: dict[str, Any], summary: list[str], out_dir: Path) -> Path:
