@@ -142,7 +142,6 @@ def summarize_stacks(stacks: list[RankStack]) -> str:
     return " — ".join(parts)
 
 
-
 def save_stacks(stacks: list[RankStack], raw: dict[str, Any], summary: list[str], out_dir: Path) -> Path:
     """Write stacks/<host>-rank<r>.txt per process, the raw py-spy JSON per host, and summary.txt."""
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
