@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from ddplaunch.sim.sshd import SSHD
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, launcher_env, read_until, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
@@ -122,18 +123,21 @@ def test_ctrl_c_through_the_jump_leaves_nothing_behind_the_bastion(sim_cluster, 
 
 def test_a_dead_bastion_is_named_in_one_line(sim_cluster, tmp_path):
     h = sim_cluster.hosts
-    entries = {"bastion": {"HostName": h[0].addr}, "gpu-2": {"HostName": h[1].addr, "ProxyJump": "bastion"},
+    # the bastion's sshd is down: nothing listens where the config says it does
+    entries = {"bastion": {"HostName": h[0].addr, "Port": "2299"},
+               "gpu-2": {"HostName": h[1].addr, "ProxyJump": "bastion"},
                "gpu-3": {"HostName": h[2].addr, "ProxyJump": "bastion"}, "gpu-4": {"HostName": h[3].addr}}
     home = ssh_home(sim_cluster, tmp_path, entries)
     spec = alias_spec(sim_cluster, tmp_path, ["gpu-4", "gpu-2", "gpu-3"])
-    with unroutable(h[0].addr, h[1].addr, h[2].addr):  # the bastion is down (for the launcher)
+    with unroutable(h[1].addr, h[2].addr):  # only the bastion reaches them
         out = run(["check", str(spec)], tmp_path, home, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     named = [ln for ln in out.stdout.splitlines() if "jump host bastion" in ln]
     assert len(named) == 1, out.stdout
-    assert named[0].startswith(f"jump host bastion ({h[0].addr}:22): ")  # cannot connect (a route drops it)
+    assert named[0].startswith(f"jump host bastion ({h[0].addr}:2299): cannot connect: ")
     assert "(hosts behind it: gpu-2, gpu-3) -> fix: check that jump host bastion is up" in named[0]
     assert "gpu-4" not in named[0] and not any(ln.startswith(("gpu-2", "gpu-3")) for ln in out.stdout.splitlines())
+    check_doc_example("dead-jump", out.stdout, [x.name for x in h], [r"jump host ", r"\[ddplaunch\] pre-flight failed"])
 
 
 def test_a_port_from_the_ssh_config_is_honoured(sim_cluster, tmp_path):

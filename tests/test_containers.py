@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from ddplaunch.sim.image import IMAGE_MARKER, IMAGE_VENV, podman_env
+from tests.doc_examples import check_doc_example
 from tests.ssh_util import (ROOT, ddplaunch, launcher_env, popen_ddplaunch, read_until, run_processes, sim_spec,
                             started, wait_for)
 from tests.test_slurm import slurm_spec
@@ -83,6 +84,8 @@ def test_a_missing_image_is_named_by_the_preflight_and_nothing_starts(sim_cluste
         in out.stdout, out.stdout
     assert "stopped by the pre-flight gate: no job was started" in out.stdout
     assert "INSIDE=" not in out.stdout and containers_of("ctr-missing") == []
+    check_doc_example("missing-image", out.stdout, [h.name for h in sim_cluster.hosts],
+                      [r"\S+ \(\S+\): image: ", r"\[ddplaunch\] pre-flight failed", r"stopped by the pre-flight"])
 
 
 def test_check_names_a_small_dev_shm_inside_the_container(sim_cluster, image, tmp_path):
@@ -93,6 +96,7 @@ def test_check_names_a_small_dev_shm_inside_the_container(sim_cluster, image, tm
     assert out.returncode == 0, text[-3000:]  # with Gloo a warning, not a failure
     warned = [ln for ln in text.splitlines() if ": shm: warning: /dev/shm is 16 MB inside the container" in ln]
     assert len(warned) == 2, text
+    check_doc_example("small-shm", text, [h.name for h in sim_cluster.hosts], [r"\S+: shm: warning"])
 
 
 def test_every_rank_runs_inside_the_image_on_slurm(slurm_cluster, image, tmp_path):
