@@ -33,6 +33,7 @@ LABEL_RUN = "ddplaunch.run"
 LABEL_USER = "ddplaunch.user"
 GPU_TEST = "[ -e /dev/nvidiactl ]"
 IB_TEST = "[ -e /dev/infiniband ]"
+CDI_TEST = "{ [ -e /etc/cdi/nvidia.yaml ] || [ -e /var/run/cdi/nvidia.yaml ]; }"
 #: Options with which the user sizes IPC themselves: then no `--ipc=host`.
 _IPC_OPTIONS = ("--ipc", "--shm-size")
 
@@ -86,13 +87,12 @@ def _oci(c: ContainerRun, client: str) -> list[str]:
     if client == "docker":
         out += ["--init", HostFlags("--gpus=all", GPU_TEST), HostUser("--user=")]
     else:  # podman maps the user itself when rootless (keep-id); CDI names the GPUs
-        out += [HostFlags("--device=nvidia.com/gpu=all", "{ [ -e /etc/cdi/nvidia.yaml ] || [ -e /var/run/cdi/nvidia.yaml ]; }"),
-                HostFlags("--userns=keep-id", '[ "$(id -u)" != 0 ]')]
+        out += [HostFlags("--device=nvidia.com/gpu=all", CDI_TEST), HostFlags("--userns=keep-id", '[ "$(id -u)" != 0 ]')]
     out += [HostFlags("--device=/dev/infiniband --ulimit=memlock=-1:-1", IB_TEST), f"--workdir={c.workdir}"]
     for bind in c.binds:
         out += ["-v", bind]
-    for name in c.env_names:
-        out += ["--env", name]  # the value comes from the client's own environment
+    for var in c.env_names:
+        out += ["--env", var]  # the value comes from the client's own environment
     return out + [*c.options, c.image]
 
 
@@ -109,8 +109,8 @@ def _enroot(c: ContainerRun) -> list[str]:
     out = ["enroot", "start"]
     for bind in c.binds:
         out += ["--mount", bind]
-    for name in c.env_names:
-        out += ["--env", name]
+    for var in c.env_names:
+        out += ["--env", var]
     return out + [*c.options, c.image, "sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", c.workdir]
 
 
