@@ -76,7 +76,15 @@ class PreflightReport:
         return {"ok": self.ok, "elapsed_s": round(self.elapsed_s, 3), "socket_ifname": self.socket_ifname,
                 "checks": list(CHECKS), "bad_hosts": self.bad_hosts,
                 "hosts": [{"host": h.host, "addr": h.addr, "ok": h.ok,
-                           "checks": {k: asdict(v) for k, v in h.checks.items()}} for h in self.hosts]}
+                           "checks": {k: _cell(v) for k, v in h.checks.items()}} for h in self.hosts]}
+
+
+def _cell(check: Check) -> dict[str, Any]:
+    """A check's cell in the JSON summary: `warn` only where it is set."""
+    cell = asdict(check)
+    if not check.warn:
+        del cell["warn"]
+    return cell
 
 
 #: What to do about a host the backend could not reach, unless the backend's error says better.

@@ -4,6 +4,7 @@ processes by its environment tag (all sim hosts share this machine's PID namespa
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,17 @@ from ddplaunch.hostside import procs
 from tests.torchrun_util import poll, wait_for  # noqa: F401  (re-exported for the sim tests)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def ranks_showing(out: str, text: str) -> int:
+    """How many ranks printed `text` on the console: a line folded as `[xN ranks: ...] text` counts N
+    (folding depends on timing, so a test must not count lines)."""
+    total = 0
+    for line in out.splitlines():
+        if text in line:
+            folded = re.match(r"^\[x(\d+) ranks: ", line)
+            total += int(folded.group(1)) if folded else 1
+    return total
 
 
 def sim_spec(cluster, tmp_path: Path, n_hosts: int = 3, **overrides: Any) -> Path:

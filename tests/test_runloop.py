@@ -276,3 +276,26 @@ def test_a_worker_torchrun_stopped_itself_is_not_the_culprit():
     alone = [(5, 1, -15)]
     assert culprit(alone, own.__getitem__) == (5, 1, -15)  # SIGTERM from outside: the one failure there is
     assert culprit([(2, 0, 1), (3, 1, -9)], {2: ["Connection reset by peer"], 3: ["step=7"]}.__getitem__) == (3, 1, -9)
+
+
+def test_the_json_schema_knows_every_check_state_and_stage_the_code_writes(tmp_path):
+    """docs/check-schema.json is a contract: a check, state or stage added to the code without it
+    fails here, not in a user's validator."""
+    import jsonschema
+
+    from ddplaunch.plan import STAGES
+    from ddplaunch.preflight import CHECKS
+    from ddplaunch.report import summary_json
+    from ddplaunch.results import STATE_ORDER
+    from tests.ssh_util import ROOT
+
+    schema = json.loads((ROOT / "docs" / "check-schema.json").read_text())
+    preflight = schema["properties"]["preflight"]["oneOf"][1]
+    assert preflight["properties"]["checks"]["items"]["enum"] == list(CHECKS)
+    outcome = schema["properties"]["stages"]["items"]["properties"]["outcomes"]["items"]
+    assert sorted(outcome["properties"]["state"]["enum"]) == sorted(STATE_ORDER)
+    assert schema["properties"]["stages"]["items"]["properties"]["stage"]["enum"] == list(STAGES)
+    report, _, _ = run(tmp_path, FakeScript(unreachable={"f2"}), recovery=RECOVER)
+    summary = json.loads(summary_json(report))
+    jsonschema.validate(summary["preflight"], preflight)  # the real pre-flight's cells, from scripted facts
+    jsonschema.validate(summary["stages"], schema["properties"]["stages"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ssh_util import ROOT, launcher_env
+from tests.ssh_util import ROOT, launcher_env, ranks_showing
 
 SECRET = "tok-5f3a-very-secret-9c1e"
 SHOW = "import os; print('token length', len(os.environ['HF_TOKEN']), os.environ['HF_TOKEN'] == os.environ['WANT'])"
@@ -60,7 +60,7 @@ def _run(spec: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedP
 
 def _assert_nowhere(tmp_path: Path, proc: subprocess.CompletedProcess, ps: PsWatcher, ranks: int) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
-    assert proc.stdout.count("token length 25 True") == ranks, proc.stdout[-2000:]
+    assert ranks_showing(proc.stdout, "token length 25 True") == ranks, proc.stdout[-2000:]
     assert len(ps.seen) > 5, "ps was not polled during the run"
     assert not [snap for snap in ps.seen if SECRET in snap], "the secret was on a command line"
     assert SECRET not in proc.stdout + proc.stderr

@@ -87,8 +87,10 @@ def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
                              keep_trailing_newline=True)
     script = env.get_template(ALLOCATION_TEMPLATE).render(
         run_id=run_id, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
-    return AllocationRequest(script=script, argv=("sbatch", "--parsable",
-                                                  *sbatch_options(spec, run_id, output_path, nodelist, nodes)))
+    # The allocation outlives a node's failure (--no-kill): ddplaunch names the lost host itself and
+    # ends or heals the run; Slurm's own kill would race it and cancel the healthy nodes' steps too.
+    opts = set(sbatch_options(spec, run_id, output_path, nodelist, nodes)) | {"--no-kill"}
+    return AllocationRequest(script=script, argv=("sbatch", "--parsable", *sorted(opts)))
 
 
 def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:
