@@ -91,20 +91,22 @@ def _cell(check: Check) -> dict[str, Any]:
 REACH_FIX = "check the host is up and reachable (ssh: sshd runs and ssh.* is right; slurm: the node's slurmd answers)"
 
 
-def listen_seconds(spec: ClusterSpec, parallel: int) -> float:
+def listen_seconds(spec: ClusterSpec, parallel: int, hosts: Optional[int] = None) -> float:
     """How long the master's probe listens: `preflight.timeout` for each wave of the launcher's
-    fan-out (hosts probed `parallel` at a time), so the last wave's hosts still find it; it stops
+    fan-out (`hosts` probed `parallel` at a time), so the last wave's hosts still find it; it stops
     as soon as every host got through."""
-    return spec.preflight.timeout * -(-len(spec.hosts) // max(1, parallel))
+    return spec.preflight.timeout * -(-(hosts or len(spec.hosts)) // max(1, parallel))
 
 
 def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int],
-                  parallel: int) -> tuple[str, str]:
-    """(shell line that probes `host`, nonce of its answer line)."""
+                  parallel: int, expect: Optional[int] = None) -> tuple[str, str]:
+    """(shell line that probes `host`, nonce of its answer line); the master waits for `expect`
+    hosts (default: all) to reach its port."""
     master = master_addr(spec)
+    expect = expect or len(spec.hosts)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
             "listen": rendezvous_addr(host) == master,
-            "expect": len(spec.hosts), "workdir": spec.workdir_path,
+            "expect": expect, "workdir": spec.workdir_path,
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
             "need_gpus": spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto",
@@ -112,7 +114,7 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
     if args["listen"]:
-        args["probe_s"] = listen_seconds(spec, parallel)
+        args["probe_s"] = listen_seconds(spec, parallel, expect)
     image = spec.container if spec.container is not None and spec.container.runtime != "pyxis" else None
     before = probe_words(image, run_id, host.label, spec.workdir_path) if image else []
     text, nonce = host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True), before=before)
@@ -120,17 +122,22 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
 
 
 def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int]) -> PreflightReport:
-    """Probe every host in parallel and evaluate the facts."""
+    """Probe every host in parallel and evaluate the facts. The hosts that can be reached at all
+    are found first, so the master does not listen for a host that will never connect."""
     t0 = time.time()
     nonces: dict[str, str] = {}
-
     parallel = backend.max_parallel
+    reached = backend.reach(list(spec.hosts), timeout=spec.preflight.timeout + PROBE_SLACK)
+    results = [r for r in reached if r.error is not None]
+    alive = [r.host for r in reached if r.error is None]
 
     def command(host: HostSpec) -> str:
-        text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel)
+        text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel, expect=len(alive))
         return text
 
-    results = backend.probe(command, timeout=listen_seconds(spec, parallel) + PROBE_SLACK, hosts=list(spec.hosts))
+    if alive:
+        results += backend.probe(command, timeout=listen_seconds(spec, parallel, len(alive)) + PROBE_SLACK,
+                                 hosts=alive)
     t1 = time.time()
     raw: dict[str, Any] = {}
     for host, res, err in results:

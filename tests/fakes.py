@@ -120,6 +120,10 @@ class FakeBackend:
         result.rescheduled = stage.rescheduled
         return result
 
+    def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
+        return [HostResult(h, (0, ""), None) if h.label not in self.script.unreachable else
+                HostResult(h, None, BackendError(f"{h.label} ({h.addr}): no answer", fix="plug it in")) for h in hosts]
+
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         self.script.probes += 1

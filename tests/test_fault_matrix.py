@@ -109,7 +109,7 @@ def test_hang_named_with_ranks_hosts_and_lines(bed, tmp_path):
     backend, cluster, spec = bed
     h1, h2 = (h.name for h in cluster.hosts[:2])
     path = spec(2, healthcheck={"enabled": False},
-                job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 20})
+                job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 10})
     run_id = f"fm-hang-{backend}"
     t0 = time.time()
     proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=240)
@@ -118,7 +118,7 @@ def test_hang_named_with_ranks_hosts_and_lines(bed, tmp_path):
     assert proc.returncode == 1, out[-3000:]
     where = (rf"rank 0 \({h1}\): all_reduce at jobs/mismatch_demo.py:\d+ — "
              rf"ranks 1-3 \({h1}, {h2}\): barrier at jobs/mismatch_demo.py:\d+")
-    assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=20\); stuck at: " + where, out, re.M), out[-3000:]
+    assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=10\); stuck at: " + where, out, re.M), out[-3000:]
     assert "stage job: FAILED" in out and "INTERRUPTED" not in out.split("stage job: FAILED")[1].split("\n")[0]
     assert took < 120, f"{took:.0f}s"
     if backend == "ssh":

@@ -83,8 +83,11 @@ def test_mixed_fleet_on_slurm_has_the_right_rank_layout(slurm_cluster, tmp_path)
 
 def test_a_line_every_rank_prints_is_shown_once_and_logged_per_rank(sim_cluster, tmp_path):
     job = tmp_path / "chatty.py"
-    job.write_text("import os\nprint('config: lr=0.1 batch=32', flush=True)\n"
-                   "print('I am rank', os.environ['RANK'], flush=True)\n")
+    # the ranks meet first (a barrier), then print at once, as a job's ranks do after init: on 2
+    # cores their start-ups alone are seconds apart, more than the fold window
+    job.write_text("import os\nimport torch.distributed as dist\ndist.init_process_group('gloo')\ndist.barrier()\n"
+                   "print('config: lr=0.1 batch=32', flush=True)\n"
+                   "print('I am rank', os.environ['RANK'], flush=True)\ndist.barrier()\ndist.destroy_process_group()\n")
     spec = sim_spec(sim_cluster, tmp_path, nproc_per_node=2, workdir=str(tmp_path),
                     healthcheck={"enabled": False}, job={"script": "chatty.py"})
     out = ddplaunch(["up", str(spec), "--run-id", "fold"], tmp_path, timeout=240)

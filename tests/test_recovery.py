@@ -45,9 +45,11 @@ def _spec(cluster, tmp_path: Path, name: str, hosts: list[int], spares: list[int
     return path
 
 
-def _reference(cluster, tmp_path: Path) -> str:
+@pytest.fixture(scope="module")
+def reference(sim_cluster, tmp_path_factory) -> str:
     """The final weights of the same training, uninterrupted, on the same world size."""
-    spec = _spec(cluster, tmp_path, "ref", [0, 1, 2], [])
+    tmp_path = tmp_path_factory.mktemp("ref")
+    spec = _spec(sim_cluster, tmp_path, "ref", [0, 1, 2], [])
     ref = ddplaunch(["up", str(spec), "--run-id", "rec-ref"], tmp_path, timeout=300)
     assert ref.returncode == 0, ref.stdout[-3000:]
     (sha,) = SHA_RE.findall(ref.stdout)
@@ -81,9 +83,8 @@ def _timely(record: dict, t_crash: float) -> dict:
     return recovery
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "master"])
-def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(sim_cluster, tmp_path, victim):
-    want = _reference(sim_cluster, tmp_path)
+def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(sim_cluster, tmp_path, reference):
+    victim = 1  # the master's replacement: test_a_second_loss_beyond_the_budget_names_both_hosts
     spec = _spec(sim_cluster, tmp_path, "crash", [0, 1, 2], [3], "--step-sleep", "0.3")
     hosts = [h.name for h in sim_cluster.hosts]
     run_id = f"rec-crash-{victim}"
@@ -98,14 +99,13 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     assert re.search(r"training time: \S+ of \S+ wall \(\d+% effective\)", out)
     new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]
     assert record["hosts"] == new_hosts
-    assert f"stage job: master {sim_cluster.hosts[3 if victim == 0 else 0].addr}:" in out.split("recovery 1 of")[1]
+    assert f"stage job: master {sim_cluster.hosts[0].addr}:" in out.split("recovery 1 of")[1]
     (got,) = SHA_RE.findall(out)
-    assert got == want  # the same world size, the same ranks: the replicas end bitwise equal
+    assert got == reference  # the same world size, the same ranks: the replicas end bitwise equal
     wait_for(lambda: run_processes(run_id) == {}, timeout=15)
-    if victim == 1:
-        check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
-                                                    r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
-                                                    r"run \S+: "])
+    check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
+                                                r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
+                                                r"run \S+: "])
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
@@ -118,23 +118,26 @@ def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
 
 
 def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):
+    """The master is lost first and replaced (the rendezvous moves to the spare), then a worker."""
     spec = _spec(sim_cluster, tmp_path, "twice", [0, 1, 2], [3], "--step-sleep", "0.3")
     hosts = [h.name for h in sim_cluster.hosts]
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "rec-twice"], tmp_path)
     try:
         head = read_until(proc, "step=6 ", timeout=180)
-        sim_fault(sim_cluster, hosts[1], crash=True)
+        sim_fault(sim_cluster, hosts[0], crash=True)
         head += read_until(proc, "training resumed", timeout=120)
         sim_fault(sim_cluster, hosts[2], crash=True)
         rest, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
-        for h in hosts[1:3]:
+        for h in (hosts[0], hosts[2]):
             sim_fault(sim_cluster, h, clear=True)
     out = "".join(head) + rest
     assert proc.returncode == 1, out[-3000:]
-    assert (f"not recovered: {hosts[2]} lost after {hosts[1]} earlier: more host failures than "
+    assert f"recovery 1 of at most 1: {hosts[0]} lost" in out and f"replaced by {hosts[3]}" in out, out[-3000:]
+    assert f"stage job: master {sim_cluster.hosts[3].addr}:" in out.split("recovery 1 of")[1]
+    assert (f"not recovered: {hosts[2]} lost after {hosts[0]} earlier: more host failures than "
             "recovery.max_host_failures=1") in out
     wait_for(lambda: run_processes("rec-twice") == {}, timeout=15)
     check_doc_example("unrecovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|not recovering)",

@@ -100,7 +100,7 @@ def _sleepers(seconds: str) -> list[int]:
 
 def test_host_that_never_starts_torchrun_is_named_within_rdzv_timeout(sim_cluster, tmp_path):
     h2 = sim_cluster.hosts[1].name
-    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False}, rdzv_timeout=30,
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False}, rdzv_timeout=10,
                     setup=[f'[ "$(hostname)" = {h2} ] && sleep 597 || true'],
                     job={"script": "jobs/toy_ddp.py"})
     t0 = time.time()
@@ -110,7 +110,7 @@ def test_host_that_never_starts_torchrun_is_named_within_rdzv_timeout(sim_cluste
     assert proc.returncode == 1, proc.stdout[-3000:]
     # within a few rendezvous timeouts (pre-flight, start-up and stop included, on a loaded machine),
     # not torchrun's default 900 s
-    assert took < 10 * 30, f"took {took:.1f}s (rdzv_timeout 30; torchrun's default would be 900)"
+    assert took < 10 * 10, f"took {took:.1f}s (rdzv_timeout 10; torchrun's default would be 900)"
     assert f"  missing host: {h2} (node 1): torchrun never started (blocked before launch)" in proc.stdout
     assert re.search(r"DistStoreError: Timed out after \d+ seconds waiting for clients. 1/2 clients joined",
                      proc.stdout)

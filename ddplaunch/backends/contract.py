@@ -89,6 +89,10 @@ class Launcher(Protocol[R]):
         `stop` is set, end the rest (backends/watch.py). One outcome per node, and everything the
         stage's ranks reported, in the result."""
 
+    def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
+        """Whether each host can be reached at all (SSH: connected, the connection kept for what
+        follows), at once; a host that cannot be gets its error. No command needs to run."""
+
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         """Run a short command, built per host, on every host (or `hosts`) at once."""

@@ -16,6 +16,7 @@ import base64
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from ddplaunch.backends.contract import HostResult
 from ddplaunch.hostcmd import host_program
 from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
 from ddplaunch.shellword import Raw, word
@@ -153,6 +154,9 @@ class ShellLauncher:
 
     def allocation_text(self) -> str:
         return ""
+
+    def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
+        return [HostResult(h, (0, ""), None) for h in hosts]  # this machine: always there
 
     def render(self, plan: LaunchPlan) -> ShellRequest:
         return ShellRequest(plan, self.heartbeat)

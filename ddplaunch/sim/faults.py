@@ -19,7 +19,7 @@ from ddplaunch.sim import slurm, sshd
 from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
 from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import NETNS_DIR, netns_pids
-from ddplaunch.sim.proc import SimError, require_root, run
+from ddplaunch.sim.proc import SimError, require_root, run, stop_pids
 
 RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
 TBF_OPTS = ["burst", "256kb", "latency", "50ms"]
@@ -115,6 +115,11 @@ def _clear(cluster: SimCluster, h: SimHost) -> None:
     if not sshd.is_our_sshd(h.sshd_pid, host_dir):
         h.sshd_pid = sshd.start_sshd(host_dir, cluster.enter_prefix(h))
     st = cluster.slurm
+    pid = st.slurmd_pids.get(h.name) if st is not None else None
+    if st is not None and pid and h.fault.down and slurm.is_our_daemon(f"slurmd@{h.name}", pid, st):
+        # a host back from an outage comes back booted: its slurmd starts and registers at once
+        # (one whose link only came back waits for slurmctld to ping it, up to SlurmdTimeout)
+        stop_pids([pid], grace=slurm.STOP_GRACE_S)
     if st is not None and not slurm.is_our_daemon(f"slurmd@{h.name}", st.slurmd_pids.get(h.name), st):
         # it registers again by itself and, with ReturnToService=2, goes back to service
         st.slurmd_pids[h.name] = slurm.spawn([*cluster.enter_prefix(h), slurm.SLURMD, "-D", "-N", h.name,

@@ -83,13 +83,17 @@ class SlurmBackend:
         step = SrunStep(self.client, list(request.argv), env, plan.hosts, lines, f"ddplaunch-{plan.stage}", request.job)
         stage = SrunStage(step, lambda nodes: self._never_started(plan, nodes),
                           lambda node: self._unanswered(plan.hosts[node]),
-                          lambda lost: self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id),
+                          lambda lost: self._after_loss(plan, lost),
                           self.spec.job.stop_grace)
         result = follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
                         stop_grace=self.spec.job.stop_grace)
         if stage.rc != 0 and not result.interrupted:
             result.rescheduled = self.alloc.requeued()
         return result
+
+    def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
+        """A step of `true` on the nodes: one that Slurm cannot start a step on gets its reason."""
+        return self.probe(lambda h: "true", timeout=timeout, hosts=hosts)
 
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
@@ -132,6 +136,12 @@ class SlurmBackend:
             self._slurmd_port = self.client.slurmd_port()
         return unanswered(self.client.node_addr(node), self._slurmd_port)
 
+    def _after_loss(self, plan: LaunchPlan, lost: set[int]) -> None:
+        """Nodes lost mid-stage: remembered (the allocation ends without waiting for them); what is
+        left of the run on the others is ended."""
+        self.alloc.unreachable.update(plan.hosts[i] for i in lost)
+        self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id)
+
     def _reap(self, nodes: list[str], run_id: str) -> None:
         """End what is left of the run on `nodes` (by its tag), as a probe step."""
         hosts = [HostSpec(addr=n, name=n) for n in nodes]
@@ -159,6 +169,7 @@ class SlurmBackend:
         if rc is None:
             step.stop(grace=2)
             return {h: (UNREACHABLE_CODE, f"no answer within {timeout:.0f}s") for h in hosts}
+        self.alloc.unreachable.update(step.unreachable)
         if step.unreachable and len(step.unreachable) < len(hosts):
             # srun aborts the whole step when it cannot start on one node: ask the others again
             rest = [h for h in hosts if h not in step.unreachable]

@@ -47,6 +47,8 @@ class Allocation:
         self.given = {h.label: h for h in listed}
         #: The allocation's nodes held as spares, once it runs.
         self.spare_nodes: list[str] = []
+        #: Nodes Slurm could not start a step on: the job stays COMPLETING until they answer.
+        self.unreachable: set[str] = set()
 
     def requested(self) -> tuple[Optional[list[str]], int]:
         """(--nodelist, --nodes) of the allocation: the named hosts and spares, and every node."""
@@ -183,8 +185,11 @@ class Allocation:
             self.client.run(["scancel", "--batch", "--signal=TERM", self.job.job_id])
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                if self.client.job_state(self.job.job_id) in (None, "COMPLETED", "CANCELLED", "FAILED"):
+                state = self.client.job_state(self.job.job_id)
+                if state in (None, "COMPLETED", "CANCELLED", "FAILED"):
                     return
+                if state == "COMPLETING" and self.unreachable:
+                    return  # ended; Slurm lets it go once the dead node answers or is marked down
                 time.sleep(POLL_INTERVAL)
             self.client.cancel(self.job.job_id, wait=60)
         except BackendError:

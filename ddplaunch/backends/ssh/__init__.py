@@ -125,6 +125,10 @@ class SshBackend(ShellLauncher):
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(hosts)))) as pool:
             return list(pool.map(one, hosts))
 
+    def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
+        """Connect to every host in parallel (connections are cached: the probe reuses them)."""
+        return [HostResult(*r) for r in self._each(lambda h: (self.connect(h) and (0, "")), hosts)]
+
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         """Run a short command (built per host) on every host in parallel."""
