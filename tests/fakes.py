@@ -68,6 +68,8 @@ class FakeScript:
     host_sets: list[list[str]] = field(default_factory=list)
     launched: list[LaunchPlan] = field(default_factory=list)
     probes: int = 0
+    #: The last command each host was sent by `probe`.
+    commands: dict[str, str] = field(default_factory=dict)
     #: Set on this event during the named launch (index), after its nodes started.
     interrupt_in: Optional[int] = None
 
@@ -129,7 +131,7 @@ class FakeBackend:
         self.script.probes += 1
         out = []
         for host in self._current if hosts is None else hosts:
-            text = command(host)
+            text = self.script.commands[host.label] = command(host)
             if host.label in self.script.unreachable:
                 out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
                 continue

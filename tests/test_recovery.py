@@ -83,8 +83,9 @@ def _timely(record: dict, t_crash: float) -> dict:
     return recovery
 
 
-def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(sim_cluster, tmp_path, reference):
-    victim = 1  # the master's replacement: test_a_second_loss_beyond_the_budget_names_both_hosts
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "master"])
+def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(sim_cluster, tmp_path, reference,
+                                                                             victim):
     spec = _spec(sim_cluster, tmp_path, "crash", [0, 1, 2], [3], "--step-sleep", "0.3")
     hosts = [h.name for h in sim_cluster.hosts]
     run_id = f"rec-crash-{victim}"
@@ -99,13 +100,14 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     assert re.search(r"training time: \S+ of \S+ wall \(\d+% effective\)", out)
     new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]
     assert record["hosts"] == new_hosts
-    assert f"stage job: master {sim_cluster.hosts[0].addr}:" in out.split("recovery 1 of")[1]
+    assert f"stage job: master {sim_cluster.hosts[3 if victim == 0 else 0].addr}:" in out.split("recovery 1 of")[1]
     (got,) = SHA_RE.findall(out)
     assert got == reference  # the same world size, the same ranks: the replicas end bitwise equal
     wait_for(lambda: run_processes(run_id) == {}, timeout=15)
-    check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
-                                                r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
-                                                r"run \S+: "])
+    if victim == 1:
+        check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
+                                                    r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
+                                                    r"run \S+: "])
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
@@ -118,7 +120,7 @@ def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
 
 
 def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):
-    """The master is lost first and replaced (the rendezvous moves to the spare), then a worker."""
+    """A recovered run that loses a second host ends, naming both (the master first here)."""
     spec = _spec(sim_cluster, tmp_path, "twice", [0, 1, 2], [3], "--step-sleep", "0.3")
     hosts = [h.name for h in sim_cluster.hosts]
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "rec-twice"], tmp_path)

@@ -64,6 +64,15 @@ def test_preflight_gate_stops_before_anything_is_launched(tmp_path):
     assert "stopped by the pre-flight gate: no job was started" in out
 
 
+def test_preflight_does_not_wait_for_a_host_it_cannot_reach(tmp_path):
+    """The master's port probe waits for the hosts that answered `reach`, not for a dead one
+    (which would cost the whole preflight.timeout)."""
+    script = FakeScript(unreachable={"f2"})
+    run(tmp_path, script)
+    assert set(script.commands) == {"f1", "f3"}  # f2 was never sent the probe
+    assert '"expect": 2' in script.commands["f1"] and '"listen": true' in script.commands["f1"]
+
+
 def test_preflight_exclude_goes_on_without_the_unreachable_host(tmp_path):
     script = FakeScript(unreachable={"f2"})
     report, out, _ = run(tmp_path, script, healthcheck={"on_fail": "exclude"})
