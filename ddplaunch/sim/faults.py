@@ -35,7 +35,8 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         down: set both legs of the host's link down (connections to it time out).
         sshd_stop: stop the host's sshd listener (by its recorded PID).
         crash: the link down, then SIGKILL to every process in the host's namespace.
-        clear: remove rate limits, bring the link up, restart sshd (and slurmd) if not running.
+        clear: remove rate limits, bring the link up, restart sshd (and slurmd) if not running; a
+            host that was down restarts its slurmd, as a booted one would (it registers at once).
 
     Returns:
         The host as now recorded.

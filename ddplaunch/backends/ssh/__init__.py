@@ -127,7 +127,10 @@ class SshBackend(ShellLauncher):
 
     def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
         """Connect to every host in parallel (connections are cached: the probe reuses them)."""
-        return [HostResult(*r) for r in self._each(lambda h: (self.connect(h) and (0, "")), hosts)]
+        def connected(host: HostSpec) -> tuple[int, str]:
+            self.connect(host)
+            return 0, ""
+        return [HostResult(*r) for r in self._each(connected, hosts)]
 
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
