@@ -219,11 +219,11 @@ def test_names_of_253_characters_are_kept() -> None:
                                   ",".join(["n[1-65536]"] * 200), "a[1-300]b[1-300]"])
 def test_bombs_are_refused_before_they_expand(bomb: str) -> None:
     tracemalloc.start()
-    start = time.perf_counter()
+    start = time.process_time()  # the work done, whatever else the machine runs
     try:
         with pytest.raises(ValueError, match=f"; at most {MAX_HOSTS}$"):
             expand_hostlist(bomb)
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
