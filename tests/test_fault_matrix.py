@@ -18,6 +18,7 @@ import yaml
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, ddplaunch, poll, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 BACKENDS = ["ssh", "slurm"]
@@ -85,9 +86,9 @@ def test_dead_host_named_before_anything_starts(bed, tmp_path):
     path = spec(2, healthcheck={"enabled": False}, job={"script": "jobs/toy_ddp.py"})
     sim_fault(cluster, bad.name, down=True)
     try:
-        t0 = time.time()
+        t0 = time.monotonic()
         proc = ddplaunch(["up", str(path), "--run-id", f"fm-dead-{backend}"], tmp_path, timeout=180)
-        took = time.time() - t0
+        took = time.monotonic() - t0
     finally:
         sim_fault(cluster, bad.name, clear=True)
     out = proc.stdout + proc.stderr
@@ -97,7 +98,7 @@ def test_dead_host_named_before_anything_starts(bed, tmp_path):
     assert "every check ok on the other 1 host(s)" in out  # the healthy node is not blamed
     assert "stopped by the pre-flight gate: no job was started" in out
     assert "updated_weight" not in out
-    assert took < 90, f"{took:.0f}s"
+    no_hang(took, 90, "a host that is down is named by the pre-flight within its connect timeout")
     if backend == "ssh":
         check_doc_example("unreachable", out, [h.name for h in cluster.hosts],
                           [r"\S+ \(\S+\): reach: ", r"\[ddplaunch\] pre-flight failed", r"stopped by the pre-flight",
@@ -111,16 +112,16 @@ def test_hang_named_with_ranks_hosts_and_lines(bed, tmp_path):
     path = spec(2, healthcheck={"enabled": False},
                 job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "hang"], "hang_timeout": 10})
     run_id = f"fm-hang-{backend}"
-    t0 = time.time()
+    t0 = time.monotonic()
     proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=240)
-    took = time.time() - t0
+    took = time.monotonic() - t0
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     where = (rf"rank 0 \({h1}\): all_reduce at jobs/mismatch_demo.py:\d+ — "
              rf"ranks 1-3 \({h1}, {h2}\): barrier at jobs/mismatch_demo.py:\d+")
     assert re.search(r"^  hang: no output for \d+s \(job.hang_timeout=10\); stuck at: " + where, out, re.M), out[-3000:]
     assert "stage job: FAILED" in out and "INTERRUPTED" not in out.split("stage job: FAILED")[1].split("\n")[0]
-    assert took < 120, f"{took:.0f}s"
+    no_hang(took, 120, "the hang watchdog (hang_timeout 10 s) ends the run, not the job's collective timeout")
     if backend == "ssh":
         check_doc_example("hang", out, [h1, h2], [r"\[ddplaunch\] (no output|hang|full stacks)", r"stage job: ",
                                                   r"  (hang|full stacks): ", r"run \S+: "])
@@ -136,17 +137,17 @@ def test_killed_worker_ends_the_run_and_is_named(bed, tmp_path):
         read_until(proc, "step=", timeout=180)
         victim = wait_for(lambda: [p for p, e in run_processes(run_id).items()
                                    if e.get("DDPLAUNCH_HOST") == h2 and e.get("RANK") == "3"], 30)[0]
-        t0 = time.time()
+        t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         rest, _ = proc.communicate(timeout=120)
-        ended = time.time() - t0
+        ended = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, rest[-3000:]
     assert re.search(rf"first failure: {h2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
                      r"killed by SIGKILL", rest), rest[-3000:]
-    assert ended < 30, f"run took {ended:.1f}s to end after the kill"
+    no_hang(ended, 30, "a killed rank ends the whole run, not the survivors' collective timeout")
     if backend == "ssh":
         check_doc_example("killed", rest, [h.name for h in cluster.hosts[:2]],
                           [r"stage job: ", r"  first failure: ", r"run \S+: "])
@@ -160,14 +161,14 @@ def test_mismatched_collective_named(bed, tmp_path):
                 job={"script": "jobs/mismatch_demo.py", "args": ["--mode", "error"], "debug_collectives": True,
                      "hang_timeout": 30})
     run_id = f"fm-mismatch-{backend}"
-    t0 = time.time()
+    t0 = time.monotonic()
     proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=180)
-    took = time.time() - t0
+    took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout[-3000:]
     summary = proc.stdout[proc.stdout.index("stage job: FAILED"):]
     assert (f"{h1} rank 0: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
             "rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float") in summary, summary
-    assert took < 90
+    no_hang(took, 90, "a collective mismatch is an error at once (debug_collectives), not a hang")
     if backend == "ssh":
         check_doc_example("mismatch", proc.stdout, [h1, h2],
                           [r"stage job: ", r"  \S+ rank 0: collective mismatch", r"run \S+: "])
@@ -185,9 +186,9 @@ def test_slow_host_found_by_the_pair_gate(bed, tmp_path, on_fail):
     run_id = f"fm-slow-{on_fail}-{backend}"
     sim_fault(cluster, slow.name, rate="1gbit")
     try:
-        t0 = time.time()
+        t0 = time.monotonic()
         proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=300)
-        took = time.time() - t0
+        took = time.monotonic() - t0
     finally:
         sim_fault(cluster, slow.name, clear=True)
     out = proc.stdout
@@ -199,7 +200,7 @@ def test_slow_host_found_by_the_pair_gate(bed, tmp_path, on_fail):
         assert proc.returncode == 0, out[-3000:]
         assert f"failed on {slow.name}: EXCLUDED" in out
         assert out.count("updated_weight=0.6") == 2 and f"[{slow.name}:" not in out.split("stage job")[-1]
-    assert took < 150, f"{took:.0f}s"
+    no_hang(took, 150, "the pair gate's measurements of a 1 Gbit/s host end (16M per pair)")
     _clean(backend, cluster, tmp_path, run_id)
 
 
@@ -210,14 +211,14 @@ def test_ctrl_c_ends_everything(bed, tmp_path):
     try:
         read_until(proc, "step=", timeout=180)
         assert run_processes(run_id)
-        t0 = time.time()
+        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
-        took = time.time() - t0
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, rest[-3000:]
     assert "stage job: INTERRUPTED" in rest
-    assert took < 30, f"{took:.0f}s"
+    no_hang(took, 30, "Ctrl-C stops every node of the run")
     _clean(backend, cluster, tmp_path, run_id)

@@ -19,11 +19,14 @@ import yaml
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
-#: From the crash: the host is named within DETECT_S, training runs again within RESUME_S.
-DETECT_S, RESUME_S = 10.0, 60.0
+#: Hang guards from the crash: the host is named from its heartbeat (detect_timeout 6 s + a 2 s
+#: probe: 7-8 s measured, also at load 14) and training runs again (17-26 s) well before the job's
+#: collective timeout (300 s) would have said anything. How fast is bench/recovery.py's figure.
+DETECT_S, RESUME_S = 30.0, 90.0
 
 
 def _train(tmp_path: Path, name: str, *args: str) -> dict:
@@ -78,8 +81,8 @@ def _timely(record: dict, t_crash: float) -> dict:
     detected = recovery["detected_at"] - t_crash
     resumed = recovery["lost_at"] + recovery["resumed_after_s"] - t_crash
     print(f"crash -> named {detected:.1f}s, crash -> first step after resuming {resumed:.1f}s")
-    assert detected < DETECT_S, f"named {detected:.1f}s after the crash"
-    assert resumed < RESUME_S, f"training resumed {resumed:.1f}s after the crash"
+    no_hang(detected, DETECT_S, "a crashed host is named from its heartbeat, not a collective timeout")
+    no_hang(resumed, RESUME_S, "training resumes on the spare, not after a collective timeout")
     return recovery
 
 

@@ -31,6 +31,7 @@ from ddplaunch.sim.proc import pid_alive
 from ddplaunch.sim.sshd import sshd_config_text
 from ddplaunch.sim.testing import is_listening, shared_cluster, ssh_client, ssh_run, wait_listening
 from tests.simfixture import real_system, sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
+from tests.timing import no_hang
 
 LIFECYCLE_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX2", "dlx")
 LIFECYCLE_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET2", "10.213.8.0/24")
@@ -268,7 +269,8 @@ def test_unknown_name_fails_fast_and_known_names_resolve(sim_cluster):
     c = sim_cluster
     t0 = time.monotonic()
     res = c.run(c.hosts[0], ["getent", "hosts", "no-such-host.example"], check=False)
-    assert res.returncode != 0 and time.monotonic() - t0 < 3.0
+    assert res.returncode != 0
+    no_hang(time.monotonic() - t0, 3.0, "an unknown name fails at once: no resolver's 5 s timeout is waited")
     assert c.run(c.hosts[0], ["getent", "hosts", c.hosts[2].name]).stdout.split()[0] == c.hosts[2].addr
 
 
@@ -280,7 +282,7 @@ def test_fault_down_breaks_ssh_and_clear_restores_it(sim_cluster):
         t0 = time.monotonic()
         with pytest.raises((OSError, paramiko.SSHException)):
             ssh_client(c, h.name, timeout=2).close()
-        assert time.monotonic() - t0 < 4.0
+        no_hang(time.monotonic() - t0, 8.0, "a connection to a downed host ends at its 2 s timeout (no reset)")
         assert [s.link for s in sim_status(c.state_dir) if s.name == h.name] == ["down"]
     finally:
         sim_fault(c, h.name, clear=True)
@@ -369,7 +371,7 @@ def _lifecycle(cfg, bridge):
         assert res.exit_code == 0 and f"{LIFECYCLE_PREFIX}2" in res.output
         t0 = time.monotonic()
         down = sim_down(cfg.state_dir)
-        assert time.monotonic() - t0 < 10
+        no_hang(time.monotonic() - t0, 10, "sim down of 2 hosts waits on nothing")
         assert sorted(down.namespaces) == [f"{LIFECYCLE_PREFIX}1", f"{LIFECYCLE_PREFIX}2"]
         assert not any(pid_alive(h.sshd_pid) for h in third.hosts)
         assert _our_netns(LIFECYCLE_PREFIX) == []
@@ -409,7 +411,8 @@ def test_every_sim_address_resolves_both_ways_inside_a_host(sim_cluster):
              "    out[socket.gethostbyname(out[a])] = out[a]\n"
              "print(json.dumps({'names': out, 's': time.monotonic() - t0}))\n")
     res = json.loads(c.run(c.hosts[1], [sys.executable, "-c", probe, *(a for a, _ in pairs)]).stdout)
-    assert res["names"] == dict(pairs) and res["s"] < 1.0, res
+    assert res["names"] == dict(pairs), res
+    no_hang(res["s"], 2.5, "every name resolves from the host's own files, never waiting on a DNS server")
 
 
 _GLOO_RANK = """
@@ -606,7 +609,8 @@ def test_128_hosts_up_take_128_concurrent_logins_and_go_down(tmp_path):
             assert len(down.namespaces) == len(down.sshd_stopped) == SCALE_HOSTS and down.killed == []
             assert _our_netns(LIFECYCLE_PREFIX) == []
             # measured 4-6 s up and 0.5-1 s down on an idle 2-core box (12.6 s / 3.5 s before batching)
-            assert up_s < 60 and down_s < 20, (up_s, down_s)
+            no_hang(up_s, 60, f"sim up of {SCALE_HOSTS} hosts (namespaces and sshds made in batches)")
+            no_hang(down_s, 20, f"sim down of {SCALE_HOSTS} hosts")
         finally:
             sim_down(cfg.state_dir, prefix=LIFECYCLE_PREFIX)
     assert _our_netns(LIFECYCLE_PREFIX) == []
