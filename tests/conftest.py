@@ -16,6 +16,9 @@ from tests.simfixture import image, noisy_sim_cluster, sim_cluster, slurm_cluste
 
 #: Fixtures that stand for a real system (root, sshd, Slurm): a test using one is a real-system test.
 REAL_FIXTURES = {"sim_cluster", "slurm_cluster", "bed", "noisy_sim_cluster", "image"}
+#: A real-system test is marked `slurm` too when it uses the Slurm sim (the fixture, or the fault
+#: matrix's `bed` on Slurm), so .ci/run can run those in a process of their own beside the SSH ones:
+#: the two sim clusters share nothing (prefixes, subnets, daemons) and each process owns its own.
 STRICT = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _ran: list[str] = []
 _skipped_real: list[tuple[str, str]] = []
@@ -23,8 +26,12 @@ _skipped_real: list[tuple[str, str]] = []
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if REAL_FIXTURES & names:
             item.add_marker(pytest.mark.root)
+        callspec = getattr(item, "callspec", None)
+        if "slurm_cluster" in names or (callspec is not None and callspec.params.get("bed") == "slurm"):
+            item.add_marker(pytest.mark.slurm)
 
 
 @pytest.hookimpl(hookwrapper=True)

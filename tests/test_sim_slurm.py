@@ -30,7 +30,11 @@ from tests.timing import no_hang
 
 SCRATCH_PREFIX = os.environ.get("DDPLAUNCH_TEST_SLURM_PREFIX2", "dlqz")
 SCRATCH_SUBNET = os.environ.get("DDPLAUNCH_TEST_SLURM_SUBNET2", "10.213.90.0/24")
-needs_slurm = real_system(slurm_skip_reason())
+
+
+def needs_slurm(fn):
+    """A real-system test of Slurm daemons: marked `slurm` too (.ci/run runs those beside the others)."""
+    return pytest.mark.slurm(real_system(slurm_skip_reason())(fn))
 
 
 # ----------------------------------------------------------------------------- pure parts
