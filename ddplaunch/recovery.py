@@ -4,8 +4,10 @@ A launch whose failure is the hosts' (results.StageResult.host_failure: a host l
 other failure only a peer's death) is recovered while `recovery.max_host_failures` lasts: each
 lost host is replaced by a spare at its node rank (the world size stays, so a DDP job resumes
 bitwise), or, without a spare left, left behind while at least `recovery.min_hosts` remain (the
-world shrinks; the job must reshard). A job's own failure is never recovered. Pure: the run
-loop (runloop.py) relaunches; this module decides and keeps the record.
+world shrinks; the job must reshard). A spare that the relaunch could not even reach died while
+it waited: it is named and skipped, the next spare takes its place, and it costs the budget
+nothing (the host that was lost is what counts). A job's own failure is never recovered. Pure:
+the run loop (runloop.py) relaunches; this module decides and keeps the record.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from ddplaunch.results import NodeOutcome, Progress, StageResult
+from ddplaunch.results import UNREACHABLE, NodeOutcome, Progress, StageResult
 from ddplaunch.spec import HostSpec, RecoverySpec
 
 
@@ -35,6 +37,8 @@ class Recovery:
     #: The relaunched job's first completed step: seconds after `lost_at`, and the step it resumed from.
     resumed_after_s: Optional[float] = None
     resumed_from: Optional[int] = None
+    #: Spares the relaunch could not reach (they died while they waited) -> why; skipped, not counted.
+    dead_spares: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
         """`dlr1 lost (no heartbeat for 6s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
@@ -43,6 +47,7 @@ class Recovery:
             spare = self.replaced.get(host)
             parts.append(f"{host} lost ({self.causes.get(host, '?')}) → "
                          + (f"replaced by {spare}" if spare else f"left out ({self.hosts_after} hosts go on)"))
+        parts += [f"spare {spare} skipped ({why})" for spare, why in self.dead_spares.items()]
         text = "; ".join(parts)
         if self.resumed_after_s is not None:
             text += f", resumed after {self.resumed_after_s:.0f}s"
@@ -77,6 +82,9 @@ class RecoveryBudget:
             master: `master.addr` when the spec fixes it (the master cannot move then).
         """
         lost = result.lost_hosts
+        dead = self._dead_spares(result)
+        if dead and len(dead) == len(lost):
+            return self._skip_dead_spares(hosts, dead)
         names = ", ".join(o.host for o in lost)
         if self.spec.max_host_failures == 0:
             return None, f"{names} lost: recovery.max_host_failures is 0 (set it to survive host failures)"
@@ -88,6 +96,38 @@ class RecoveryBudget:
         if master and any(by_label[o.host].addr == master for o in lost if o.host in by_label):
             return None, f"{names} lost, and master.addr {master} with it: remove master.addr so the master can move"
         return self._replace(hosts, lost)
+
+    def _dead_spares(self, result: StageResult) -> list[NodeOutcome]:
+        """Spares the last recovery put in that this launch could not reach: never started there."""
+        joined = set(self.done[-1].replaced.values()) if self.done else set()
+        return [o for o in result.lost_hosts if o.host in joined and o.state == UNREACHABLE]
+
+    def _skip_dead_spares(self, hosts: list[HostSpec], dead: list[NodeOutcome]
+                          ) -> tuple[Optional[list[HostSpec]], str]:
+        """The same recovery again, each dead spare's place taken by the next spare (or, with none
+        left, given up while `recovery.min_hosts` allows): the budget is not charged."""
+        recovery = self.done[-1]
+        why = {o.host: o.detail or o.state for o in dead}
+        new: list[HostSpec] = []
+        for host in hosts:
+            if host.label not in why:
+                new.append(host)
+                continue
+            recovery.dead_spares[host.label] = why[host.label]
+            stood_for = next(lost for lost, spare in recovery.replaced.items() if spare == host.label)
+            if self.spares:
+                spare = self.spares.pop(0)
+                recovery.replaced[stood_for] = spare.label
+                new.append(spare)
+            else:
+                del recovery.replaced[stood_for]
+        names = ", ".join(why)
+        if len(new) < len(hosts) and (self.spec.min_hosts is None or len(new) < self.spec.min_hosts):
+            return None, (f"spare {names} cannot be reached ({'; '.join(why.values())}) and no spare is left "
+                          "to take its place")
+        recovery.hosts_after = len(new)
+        return new, (f"spare {names} cannot be reached ({'; '.join(why.values())}): skipped, at no cost to "
+                     f"recovery.max_host_failures; {recovery.describe()}")
 
     def _replace(self, hosts: list[HostSpec], lost: list[NodeOutcome]) -> tuple[Optional[list[HostSpec]], str]:
         gone = {o.host for o in lost}

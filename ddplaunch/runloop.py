@@ -179,7 +179,8 @@ class RunLoop:
         self.record.stages[-1] = result.to_dict()
         self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
                           f"relaunching on {', '.join(h.label for h in hosts)}")
-        self.report.recoveries.append(recovery)
+        if not self.report.recoveries or self.report.recoveries[-1] is not recovery:  # not a dead spare's retry
+            self.report.recoveries.append(recovery)
         self.record.hosts = [h.label for h in hosts]
         self._save_recoveries()
         return spec.model_copy(update={"hosts": hosts})

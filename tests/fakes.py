@@ -19,10 +19,10 @@ from typing import Any, Iterator, Optional
 
 from ddplaunch import registry
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.watch import NodeEnd, follow
+from ddplaunch.backends.watch import NodeEnd, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import LaunchPlan
-from ddplaunch.results import StageResult, StopEvent
+from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.spec import ClusterSpec, HostSpec
 from ddplaunch.stagelines import StageLines
@@ -56,6 +56,8 @@ class StageScript:
     #: What rank 0 reports when the launch runs the health check (default: ok).
     healthcheck: Optional[dict[str, Any]] = None
     rescheduled: bool = False
+    #: Hosts the launch cannot reach (label -> why): nothing starts anywhere, as on the real backends.
+    unreachable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +119,9 @@ class FakeBackend:
         stage = self.script.stages[index] if index < len(self.script.stages) else StageScript()
         if self.script.interrupt_in == index:
             stop.set()
+        if stage.unreachable:
+            return unstarted(request.plan, UNREACHABLE, {n.node_rank: stage.unreachable[n.host_label]
+                                                         for n in request.plan.nodes if n.host_label in stage.unreachable})
         result = follow(FakeStage(request.plan, stage, lines), request.plan, lines, stop, grace=GRACE,
                         detect=self.spec.recovery.detect_timeout)
         result.rescheduled = stage.rescheduled

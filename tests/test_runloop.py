@@ -199,6 +199,29 @@ def crashed(host: str, after: float = 0.05) -> StageScript:
                               for h in ("f1", "f2", "f3", "f4")})
 
 
+def test_a_spare_that_died_while_it_waited_is_skipped_at_no_cost_to_the_budget(tmp_path):
+    """The relaunch cannot reach the first spare (it crashed after the pre-flight): it is named, the
+    second spare takes the lost host's node rank, and max_host_failures=1 still holds."""
+    script = FakeScript(stages=[crashed("f2"), StageScript(unreachable={"f4": "SSH session failed: timeout"})])
+    recovery = {**RECOVER, "spares": ["f4", "f5"]}
+    report, out, _ = run(tmp_path, script, recovery=recovery)
+    assert report.exit_code == 0, out
+    assert [p.hosts for p in script.launched] == [["f1", "f2", "f3"], ["f1", "f4", "f3"], ["f1", "f5", "f3"]]
+    (only,) = report.recoveries
+    assert only.lost == ["f2"] and only.replaced == {"f2": "f5"}
+    assert only.dead_spares == {"f4": "SSH session failed: timeout"}
+    assert "spare f4 cannot be reached (SSH session failed: timeout): skipped, at no cost to " \
+           "recovery.max_host_failures" in out
+    assert "f2 lost (" in only.describe() and "replaced by f5" in only.describe()
+
+
+def test_a_dead_spare_with_no_spare_left_ends_the_run_naming_it(tmp_path):
+    script = FakeScript(stages=[crashed("f2"), StageScript(unreachable={"f4": "no answer"})])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code != 0 and len(script.launched) == 2, out
+    assert report.unrecovered == "spare f4 cannot be reached (no answer) and no spare is left to take its place"
+
+
 def test_a_lost_host_is_replaced_by_the_spare_at_its_node_rank(tmp_path):
     script = FakeScript(stages=[crashed("f2")])
     report, out, took = run(tmp_path, script, recovery=RECOVER)
