@@ -121,3 +121,18 @@ def test_dry_run_and_validate_show_the_routes_and_the_master_address(tmp_path):
     valid = subprocess.run([sys.executable, "-m", "ddplaunch", "validate", str(spec)], capture_output=True,
                            text=True, timeout=60, cwd=ROOT, env=env)
     assert "#   gpu-1: ubuntu@10.0.0.1:2222 key /keys/cluster (" in valid.stdout, valid.stdout + valid.stderr
+
+
+def test_the_master_port_is_probed_on_the_host_at_that_address_a_spare_too(monkeypatch):
+    """After the master was lost, the new master is a spare: its port is probed there, not on the
+    dead first host (which cost the connect timeout and checked nothing)."""
+    from ddplaunch.backends.ssh import SshBackend
+
+    spec = load_spec_data({"backend": "ssh", "hosts": ["10.0.0.1", "10.0.0.2"], "workdir": "/srv",
+                           "recovery": {"max_host_failures": 1, "spares": ["10.0.0.9"]},
+                           "job": {"script": "jobs/train.py"}}, base_dir=ROOT)
+    backend = SshBackend(spec)
+    asked: list[str] = []
+    monkeypatch.setattr(backend, "_exec", lambda host, command, **_: (asked.append(host.label), (0, ""))[1])
+    assert backend.port_free("10.0.0.9", 29500) and backend.port_free("10.0.0.2", 29500)
+    assert asked == ["10.0.0.9", "10.0.0.2"]

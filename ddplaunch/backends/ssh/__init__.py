@@ -164,7 +164,10 @@ class SshBackend(ShellLauncher):
     # ------------------------------------------------------------------ the contract
 
     def port_free(self, addr: str, port: int) -> bool:
-        host = next((h for h in self.spec.hosts if addr in (h.addr, h.reach)), self.spec.hosts[0])
+        # a spare too: after the master was lost the new master is one (asking the dead master
+        # cost the connect timeout and checked nothing); an address no host has is the first host's
+        known = [*self.spec.hosts, *super().spares()]
+        host = next((h for h in known if addr in (h.addr, h.reach)), self.spec.hosts[0])
         try:
             code, _ = self._exec(host, f"{word(tool_python(self.spec, host))} -c {word(port_probe(port))}")
         except BackendError:
