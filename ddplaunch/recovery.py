@@ -118,7 +118,7 @@ class RecoveryBudget:
             if self.spares:
                 spare = self.spares.pop(0)
                 recovery.replaced[stood_for] = spare.label
-                new.append(spare)
+                new.append(_in_place_of(host, spare))
             else:
                 del recovery.replaced[stood_for]
         names = ", ".join(why)
@@ -140,7 +140,7 @@ class RecoveryBudget:
             elif spares:
                 spare = spares.pop(0)
                 replaced[host.label] = spare.label
-                new.append(spare)
+                new.append(_in_place_of(host, spare))
         names = ", ".join(sorted(gone))
         if len(new) < len(hosts):
             floor = self.spec.min_hosts
@@ -157,3 +157,8 @@ class RecoveryBudget:
             lost_at=min(o.last_heard_at or o.ended_at or time.time() for o in lost),
             detected_at=max(o.ended_at or time.time() for o in lost), replaced=replaced, hosts_after=len(new)))
         return new, self.done[-1].describe()
+
+
+def _in_place_of(lost: HostSpec, spare: HostSpec) -> HostSpec:
+    """`spare` at `lost`'s node rank: with `lost`'s process count, so the world and every rank stay."""
+    return spare.model_copy(update={"nproc": lost.nproc})

@@ -151,7 +151,8 @@ class RunLoop:
                 recovered = self._recover(spec, result)
                 if recovered is None:
                     return False
-                spec = recovered
+                # the new set is checked as the first was: a separate health check launches again first
+                spec, stages = recovered, stages_of(recovered, self.opts)
                 continue
             if result.ran_healthcheck and not (stage == "job" and result.healthcheck and result.healthcheck.get("ok")):
                 gated = self._healthcheck_gate(spec, result)

@@ -236,11 +236,12 @@ def fake_registered(script: FakeScript) -> Iterator[FakeScript]:
         registry.unregister("fake")
 
 
-def fake_spec(tmp_path: Path, hosts: int = 3, **sections: Any) -> Path:
-    """A spec file for backend `fake` with hosts f1..fN."""
+def fake_spec(tmp_path: Path, hosts: "int | list[Any]" = 3, **sections: Any) -> Path:
+    """A spec file for backend `fake` with hosts f1..fN (or these `hosts` entries)."""
     import yaml
 
-    data = {"name": "fake", "backend": "fake", "hosts": [f"f{i + 1}" for i in range(hosts)], **sections}
+    entries = [f"f{i + 1}" for i in range(hosts)] if isinstance(hosts, int) else hosts
+    data = {"name": "fake", "backend": "fake", "hosts": entries, **sections}
     path = tmp_path / "fake.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

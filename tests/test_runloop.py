@@ -222,6 +222,24 @@ def test_a_dead_spare_with_no_spare_left_ends_the_run_naming_it(tmp_path):
     assert report.unrecovered == "spare f4 cannot be reached (no answer) and no spare is left to take its place"
 
 
+def test_a_spare_takes_the_lost_hosts_process_count(tmp_path):
+    script = FakeScript(stages=[crashed("f2")])
+    hosts = [{"addr": "f1"}, {"addr": "f2", "nproc": 3}, {"addr": "f3"}]
+    report, out, _ = run(tmp_path, script, recovery=RECOVER, hosts=hosts)
+    assert report.exit_code == 0, out
+    assert [[n.nproc for n in p.nodes] for p in script.launched] == [[1, 3, 1], [1, 3, 1]]
+    assert script.launched[1].hosts == ["f1", "f4", "f3"]
+
+
+def test_a_separate_health_check_runs_again_on_the_new_set(tmp_path):
+    script = FakeScript(stages=[StageScript(), crashed("f2")])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER, healthcheck={"launch": "separate"})
+    assert report.exit_code == 0, out
+    assert [(p.stage, p.hosts) for p in script.launched] == [
+        ("healthcheck", ["f1", "f2", "f3"]), ("job", ["f1", "f2", "f3"]),
+        ("healthcheck", ["f1", "f4", "f3"]), ("job", ["f1", "f4", "f3"])]
+
+
 def test_a_lost_host_is_replaced_by_the_spare_at_its_node_rank(tmp_path):
     script = FakeScript(stages=[crashed("f2")])
     report, out, took = run(tmp_path, script, recovery=RECOVER)
