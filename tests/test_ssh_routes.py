@@ -1,6 +1,7 @@
 """How each host is reached (backends/ssh/routes.py): the user's ssh config as ssh reads it, the
 spec's values winning, jump hosts as routes of their own, and the rendezvous address a cluster can
-use where a host's name is an alias only the launcher knows. Pure: no connection is made."""
+use where a host's name is an alias only the launcher knows; which host the backend asks (the
+master's port, `down` on spares too). Pure: no connection is made."""
 
 from __future__ import annotations
 
@@ -136,3 +137,18 @@ def test_the_master_port_is_probed_on_the_host_at_that_address_a_spare_too(monke
     monkeypatch.setattr(backend, "_exec", lambda host, command, **_: (asked.append(host.label), (0, ""))[1])
     assert backend.port_free("10.0.0.9", 29500) and backend.port_free("10.0.0.2", 29500)
     assert asked == ["10.0.0.9", "10.0.0.2"]
+
+
+def test_down_reaches_the_spares_too(monkeypatch):
+    """A spare may have replaced a lost host: `down` ends the run's processes there as well."""
+    from types import SimpleNamespace
+
+    from ddplaunch.backends.ssh import SshBackend
+
+    spec = load_spec_data({"backend": "ssh", "hosts": ["10.0.0.1", "10.0.0.2"], "workdir": "/srv",
+                           "recovery": {"max_host_failures": 1, "spares": ["10.0.0.9"]},
+                           "job": {"script": "jobs/train.py"}}, base_dir=ROOT)
+    backend = SshBackend(spec)
+    monkeypatch.setattr(backend, "_reap", lambda host, run_id, **_: f"{run_id}: nothing left")
+    assert backend.down(SimpleNamespace(run_id="r1")) == [f"{h}: r1: nothing left"
+                                                          for h in ("10.0.0.1", "10.0.0.2", "10.0.0.9")]

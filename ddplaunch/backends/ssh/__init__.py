@@ -206,8 +206,10 @@ class SshBackend(ShellLauncher):
                       stop_grace=self.spec.job.stop_grace)
 
     def down(self, record: RunRecord) -> list[str]:
+        """Every host the run could have used, its spares too (one may have replaced a lost host)."""
         lines = []
-        for host, left, err in self._each(lambda h: self._reap(h, record.run_id, term_pid_files=True)):
+        for host, left, err in self._each(lambda h: self._reap(h, record.run_id, term_pid_files=True),
+                                          [*self.spec.hosts, *super().spares()]):
             lines.append(f"{host.label}: {err}" if err else f"{host.label}: {left}")
         self.close()
         return lines
