@@ -46,6 +46,8 @@ class NodeScript:
     restarts: int = 0
     #: Goes silent (no heartbeat) after `after` seconds and its host answers no probe: lost.
     silent: bool = False
+    #: With `code=None`: its command ended without a status (a signal) on a host that still answers.
+    answers: bool = False
 
 
 @dataclass
@@ -201,8 +203,8 @@ class FakeStage:
             for text in mine.lines:  # as printed: a rank's lines carry their [host:rank] prefix
                 self.lines.emit(rank, node.host_label, text)
             self.done.add(rank)
-            out.append(NodeEnd(rank, mine.code, how="" if mine.code is not None else "host lost",
-                               lost=mine.code is None))
+            how = "" if mine.code is not None else "Killed" if mine.answers else "host lost"
+            out.append(NodeEnd(rank, mine.code, how=how, lost=mine.code is None))
         return out
 
     def stop(self, nodes: list[int]) -> None:
@@ -217,7 +219,8 @@ class FakeStage:
         return {n for n in nodes if self.node(n).never_started}
 
     def confirm_lost(self, node: int) -> Optional[str]:
-        return "the fake says so" if self.node(node).silent else None
+        mine = self.node(node)
+        return "the fake says so" if mine.silent or (mine.code is None and not mine.answers) else None
 
     def lost(self, node: int) -> None:
         self.done.add(node)

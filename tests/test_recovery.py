@@ -9,7 +9,9 @@ resharded on fewer hosts (`recovery.min_hosts`)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -120,6 +122,36 @@ def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
     assert proc.stdout.count("] stage job: master") == 1
     assert "recovery 1 of" not in proc.stdout and "recovered from" not in proc.stdout
     assert re.search(r"first failure: \S+ \(node 1\): failed", proc.stdout)
+
+
+def _torchrun_of(run_id: str, host: str) -> list[int]:
+    """The pid of the run's torchrun agent on `host` (its workers have RANK set, it has not)."""
+    return [pid for pid, env in run_processes(run_id).items()
+            if env.get("DDPLAUNCH_HOST") == host and "RANK" not in env
+            and b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_a_torchrun_killed_on_a_live_host_is_the_jobs_failure_not_a_lost_host(sim_cluster, tmp_path):
+    """SIGKILL to one node's torchrun: its SSH session ends with a signal and no exit status, but
+    its host answers the probe, so the host is not lost and no spare replaces it."""
+    spec = _spec(sim_cluster, tmp_path, "sigkill", [0, 1, 2], [3], "--step-sleep", "0.3")
+    victim = sim_cluster.hosts[1].name
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "rec-sigkill"], tmp_path)
+    try:
+        head = read_until(proc, "step=3 ", timeout=180)
+        (agent,) = wait_for(lambda: _torchrun_of("rec-sigkill", victim), 30)
+        os.kill(agent, signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(head) + rest
+    assert proc.returncode == 1, out[-3000:]
+    assert "recovery 1 of" not in out and "recovered from" not in out, out[-3000:]
+    assert not [line for line in out.splitlines() if line.startswith("[ddplaunch]") and " lost" in line], out[-3000:]
+    assert re.search(rf"first failure: {victim} \(node 1\): failed; its session ended by a signal "
+                     r"\(no exit status\); its host answers", out), out[-3000:]
+    assert run_processes("rec-sigkill") == {}
 
 
 def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):

@@ -156,6 +156,19 @@ def test_lost_host_is_lost_not_failed(tmp_path):
     assert "f2 (node 1) lost (host lost): stopping every other node" in out
 
 
+def test_an_end_without_status_on_a_host_that_answers_is_the_jobs_failure(tmp_path):
+    """A torchrun killed by a signal (SSH: exit-signal, no status; srun: "Killed") on a live host:
+    the probe decides, so it is not a lost host, and recovery does not replace it."""
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(code=None, answers=True, after=0.01),
+                                                   "f1": NodeScript(hangs=True), "f3": NodeScript(hangs=True)})])
+    report, out, _ = run(tmp_path, script, healthcheck={"enabled": False}, recovery=RECOVER)
+    stage = report.stages[0]
+    assert [o.state for o in stage.outcomes] == ["interrupted", "failed", "interrupted"], out
+    assert stage.outcomes[1].detail == "Killed; its host answers"
+    assert stage.lost_hosts == [] and report.recoveries == [] and report.exit_code == 1
+    assert len(script.launched) == 1
+
+
 def test_user_interrupt_stops_every_node_and_exits_130(tmp_path):
     script = FakeScript(stages=[StageScript(nodes={h: NodeScript(hangs=True) for h in ("f1", "f2", "f3")})],
                         interrupt_in=0)

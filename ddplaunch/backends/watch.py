@@ -8,17 +8,20 @@ that only saw its peer die), then they are stopped; Ctrl-C or a hang stops every
 is classified with one vocabulary on every backend (results.py): ok, failed (its code, or its
 torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it).
 
-A host is lost when its session or step ends without an exit status, or when its node has said
-nothing — not even the shell's heartbeat (backends/shell.py) — for `detect` seconds and the
-backend's own probe confirms the host does not answer (`confirm_lost`): whatever collective the
-survivors are blocked in, and however long their own timeouts are.
+A host is lost only when the backend's own probe confirms it does not answer (`confirm_lost`):
+after its session or step ended without an exit status, or after its node has said nothing — not
+even the shell's heartbeat (backends/shell.py) — for `detect` seconds, whatever collective the
+survivors are blocked in, and however long their own timeouts are. A node whose command ended
+without a status on a host that answers was ended by a signal there (a SIGKILLed or OOM-killed
+torchrun, srun's "Killed"): the job's failure, one verdict for one cause on every backend.
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
 from ddplaunch.plan import LaunchPlan
@@ -38,6 +41,8 @@ POLL_S = 0.1
 DETECT_S = 6.0
 #: How long the probe of a silent node's host waits for an answer.
 PROBE_S = 2.0
+#: Silent hosts probed at the same time.
+MAX_PROBES = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,8 @@ class NodeEnd:
     #: The host itself is gone (its connection or its Slurm node died), not just its command.
     lost: bool = False
     at: float = field(default_factory=time.time)
+    #: The backend's probe already said the host does not answer (nothing more to ask).
+    confirmed: bool = False
 
 
 class RunningStage(Protocol):
@@ -154,10 +161,12 @@ class _Watch:
     def host(self, node: int) -> str:
         return self.result.outcomes[node].host
 
-    def take(self, ends: list[NodeEnd]) -> None:
+    def take(self, ends: list[NodeEnd], stage: Optional[RunningStage] = None) -> None:
         for end in ends:
             if end.node in self.ended or not 0 <= end.node < len(self.result.outcomes):
                 continue
+            if stage is not None and end.code is None and not end.confirmed and end.node not in self.stopped:
+                end = self._probed(stage, end)
             self.ended[end.node] = end
             outcome = self.result.outcomes[end.node]
             if end.lost and outcome.last_heard_at is None:
@@ -166,12 +175,20 @@ class _Watch:
             if end.code != 0 and self.first_bad is None and end.node not in self.stopped:
                 self.first_bad = end
 
+    def _probed(self, stage: RunningStage, end: NodeEnd) -> NodeEnd:
+        """An end without an exit status decides nothing by itself: the host's answer does."""
+        why = stage.confirm_lost(end.node)
+        if why is None:
+            return replace(end, lost=False, how=f"{end.how or 'no exit status'}; its host answers")
+        stage.lost(end.node)
+        return replace(end, lost=True, confirmed=True, how=end.how or why)
+
     def wait(self, stage: RunningStage, stop: StopEvent, grace: float) -> Optional[str]:
         """Until every node ended (None), or the cause to stop the rest for."""
         nodes = len(self.result.outcomes)
         failed_at: Optional[float] = None
         while len(self.ended) < nodes:
-            self.take(stage.poll())
+            self.take(stage.poll(), stage)
             self.take(self._silent(stage))
             if self.first_bad is not None and failed_at is None:
                 failed_at = time.time()
@@ -193,21 +210,29 @@ class _Watch:
         return None
 
     def _silent(self, stage: RunningStage) -> list[NodeEnd]:
-        """Nodes silent for `detect` seconds whose host does not answer the backend's probe."""
-        out = []
+        """Nodes silent for `detect` seconds whose host does not answer the backend's probe (the
+        silent hosts are probed at once: 32 dead hosts cost one probe's timeout, not 32)."""
+        out: list[NodeEnd] = []
         now = time.time()
+        quiet: dict[int, float] = {}
         for node in range(len(self.result.outcomes)):
             silent = self.lines.silent_for(node)
             if node in self.ended or silent is None or silent < self.detect \
                     or now - self._answered.get(node, 0.0) < self.detect:
                 continue
-            why = stage.confirm_lost(node)
+            quiet[node] = silent
+        if not quiet:
+            return out
+        with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(quiet))) as pool:
+            answers = dict(zip(quiet, pool.map(stage.confirm_lost, quiet)))
+        for node, silent in quiet.items():
+            why = answers[node]
             if why is None:
                 self._answered[node] = now
                 continue
             stage.lost(node)
             self.result.outcomes[node].last_heard_at = now - silent
-            out.append(NodeEnd(node, None, how=f"no heartbeat for {silent:.0f}s and {why}", lost=True))
+            out.append(NodeEnd(node, None, how=f"no heartbeat for {silent:.0f}s and {why}", lost=True, confirmed=True))
         return out
 
     def stop_rest(self, stage: RunningStage, cause: str) -> None:
@@ -235,8 +260,10 @@ class _Watch:
                 finish_outcome(o, self.lines, None)
                 continue
             if end.code is None and o.state != INTERRUPTED:
-                if end.lost or bad is None or bad.node == o.node_rank:
+                if end.lost:
                     o.state, o.detail = LOST, end.how or "no exit status"
+                elif bad is None or bad.node == o.node_rank:  # ended by a signal on a host that answers
+                    o.state, o.detail = FAILED, end.how
                 else:
                     o.state = INTERRUPTED
                     o.detail = f"ended after {self.host(bad.node)} (node {bad.node}) failed"

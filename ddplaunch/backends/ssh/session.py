@@ -120,7 +120,12 @@ class SshStage(LossAware):
         if not (ch.exit_status_ready() or ch.closed or not ch.get_transport().is_active()):
             return None
         code = exit_status(ch)
-        return NodeEnd(node, code, how="SSH connection lost" if code is None else "", lost=code is None)
+        if code is not None:
+            return NodeEnd(node, code)
+        transport = ch.get_transport()
+        if transport is not None and transport.is_active():  # sshd closed it: exit-signal, no status
+            return NodeEnd(node, None, how="its session ended by a signal (no exit status)")
+        return NodeEnd(node, None, how="SSH connection lost", lost=True)
 
     def poll(self) -> list[NodeEnd]:
         out = []
