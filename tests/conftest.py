@@ -13,6 +13,7 @@ import pytest
 
 from tests import ssh_util
 from tests.simfixture import image, noisy_sim_cluster, sim_cluster, slurm_cluster  # noqa: F401  (re-exported fixtures)
+from tests.simfixture import slurm_nodes_idle
 
 #: Fixtures that stand for a real system (root, sshd, Slurm): a test using one is a real-system test.
 REAL_FIXTURES = {"sim_cluster", "slurm_cluster", "bed", "noisy_sim_cluster", "image"}
@@ -51,6 +52,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"real-system tests that ran and passed: {len(_ran)}")
     for nodeid, reason in _skipped_real:
         terminalreporter.write_line(f"COULD NOT RUN (CI=true makes this a failure): {nodeid}: {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _slurm_nodes_idle_first(request):
+    """A test of the Slurm sim starts on idle nodes: in CI the Slurm tests run back to back, and
+    the one before may have left a node completing a cancelled job or coming back from a crash."""
+    if "slurm_cluster" in request.fixturenames:
+        slurm_nodes_idle(request.getfixturevalue("slurm_cluster"))
 
 
 @pytest.fixture(autouse=True)

@@ -67,6 +67,21 @@ def slurm_cluster() -> Iterator[SimCluster]:
         yield cluster
 
 
+#: How long a Slurm test waits for the nodes the test before it used to be idle again (a cancelled
+#: job that held a node that was down stays COMPLETING until that node answers: up to ~40 s seen).
+SETTLE_S = 120.0
+
+
+def slurm_nodes_idle(cluster: SimCluster) -> SimCluster:
+    """`cluster` once every Slurm node is idle (SimError naming sinfo's answer after SETTLE_S): a
+    test starts on the cluster it assumes, whatever the test before it left completing."""
+    from ddplaunch.sim.slurm import wait_nodes_idle
+
+    assert cluster.slurm is not None
+    wait_nodes_idle(cluster.slurm, [h.name for h in cluster.hosts], timeout=SETTLE_S)
+    return cluster
+
+
 @pytest.fixture(scope="session")
 def noisy_sim_cluster() -> Iterator[SimCluster]:
     """A 2-host sim cluster whose root ~/.bashrc prints to stdout and stderr in every SSH session

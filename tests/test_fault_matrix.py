@@ -17,6 +17,7 @@ import yaml
 
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
+from tests.simfixture import slurm_nodes_idle
 from tests.ssh_util import ROOT, ddplaunch, poll, popen_ddplaunch, read_until, run_processes, wait_for
 from tests.timing import no_hang
 
@@ -32,6 +33,8 @@ QUEUE_S = 90
 def bed(request, tmp_path):
     """(backend, cluster, spec writer): the sim cluster of that backend and a spec for its first hosts."""
     cluster = request.getfixturevalue("sim_cluster" if request.param == "ssh" else "slurm_cluster")
+    if request.param == "slurm":
+        slurm_nodes_idle(cluster)
 
     def spec(n_hosts: int = 2, **overrides) -> Path:
         src = cluster.spec_path if request.param == "ssh" else cluster.slurm.spec_path

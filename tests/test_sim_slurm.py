@@ -141,7 +141,8 @@ def test_scancel_leaves_no_step_process(slurm_cluster, tmp_path):
         return sum(pid_cmdline(p).split()[:1] in (["sleep"], ["/usr/bin/sleep"], ["/bin/sleep"])
                    for pids in extras().values() for p in pids)
 
-    assert wait_until(lambda: sleeping() == 2, 20, interval=0.1), extras()
+    assert wait_until(lambda: sleeping() == 2, 20, interval=0.1), \
+        {n: [(p, pid_cmdline(p)) for p in pids] for n, pids in extras().items()}
     slurm_run(slurm_cluster, ["scancel", str(job)])
     wait_job_gone(slurm_cluster, job, timeout=30)
     assert wait_until(lambda: not any(extras().values()), 20, interval=0.1), \
