@@ -2,16 +2,18 @@
 
 The flow: `load_spec` -> `make_plan` -> backend (local, ssh, slurm) -> report. From Python:
 `ddplaunch.up(spec, ...)`, `ddplaunch.check(spec, ...)` and `ddplaunch.load_spec(spec)` return a
-RunReport or a ClusterSpec (ddplaunch/api.py); errors are DdplaunchError subclasses.
+RunReport or a ClusterSpec, `ddplaunch.submit(spec, ...)` a Run handle (ddplaunch/api.py); errors
+are DdplaunchError subclasses.
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["BackendError", "DdplaunchError", "PlanError", "RunReport", "SpecError", "__version__", "check",
-           "load_spec", "up"]
+__all__ = ["BackendError", "DdplaunchError", "PlanError", "Run", "RunReport", "SpecError", "__version__", "check",
+           "load_spec", "submit", "up"]
 
-_API = {"up": "ddplaunch.api", "check": "ddplaunch.api", "load_spec": "ddplaunch.api",
+_API = {"up": "ddplaunch.api", "check": "ddplaunch.api", "load_spec": "ddplaunch.api", "submit": "ddplaunch.api",
+        "Run": "ddplaunch.api",
         "RunReport": "ddplaunch.report", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
         "PlanError": "ddplaunch.errors", "BackendError": "ddplaunch.errors"}
 

@@ -1,8 +1,11 @@
-"""ddplaunch from Python: `up`, `check` and `load_spec` for notebooks, pipelines and tests.
+"""ddplaunch from Python: `up`, `check`, `submit` and `load_spec` for notebooks, pipelines and tests.
 
     import ddplaunch
     report = ddplaunch.up("cluster.yaml", job_args=["--epochs", "2"])
     report.exit_code, report.run_id, report.stages[-1].outcomes, report.healthcheck
+
+    run = ddplaunch.submit("cluster.yaml")   # a supervisor takes the run; this process may end
+    run.run_id, run.state, run.events(), run.wait(), run.stop()
 
 The same runs as the command line: the spec is read and checked as `ddplaunch validate` does,
 every line goes to `stream` (default: this process's stdout), and the run is recorded under
@@ -14,13 +17,16 @@ ends the run (exit code 130 in the report).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
-from ddplaunch import launch
-from ddplaunch.errors import PlanError
+from ddplaunch import launch, supervisor
+from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.events import Event, RunEnded, follow, read_events
 from ddplaunch.report import RunReport
-from ddplaunch.runs import new_run_id
+from ddplaunch.runloop import UpOptions
+from ddplaunch.runs import check_run_id, load_run, new_run_id, run_dir
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.specfile import load_spec as _load_file
 from ddplaunch.specfile import load_spec_data
@@ -64,6 +70,65 @@ def up(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, dry_run: boo
     return _run(spec, job_args, dry_run, stream, options, healthcheck_only=False)
 
 
+class Run:
+    """A run a supervisor runs (`submit`, or `Run(run_id)` for any recorded run of this machine)."""
+
+    def __init__(self, run_id: str):
+        self.run_id = check_run_id(run_id)
+
+    @property
+    def state(self) -> str:
+        """The record's state: running, ok, failed, interrupted (or the launcher's death said)."""
+        return load_run(self.run_id).shown_state()
+
+    def events(self) -> list[Event]:
+        """Every event logged so far (ddplaunch/events.py: typed, oldest first)."""
+        return read_events(run_dir(self.run_id))
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Block until the run ends; its exit code (0, 1, 130).
+
+        Raises:
+            TimeoutError: not ended within `timeout` seconds. BackendError: its supervisor died
+            without ending it (`ddplaunch down RUN_ID` ends what is left).
+        """
+        supervised = self._supervised()
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def going() -> bool:
+            return supervised.alive() and (deadline is None or time.monotonic() < deadline)
+        for event in follow(supervised.dir, going):
+            if isinstance(event, RunEnded):
+                return event.exit_code
+        if supervised.alive():
+            raise TimeoutError(f"run {self.run_id} still runs after {timeout}s")
+        raise BackendError(f"the supervisor of run {self.run_id} died without ending it; "
+                           f"`ddplaunch down {self.run_id}` ends what is left")
+
+    def stop(self, grace: float = 30.0) -> bool:
+        """Stop the run (every host in order, as Ctrl-C); True once its supervisor has ended it."""
+        return supervisor.stop(self._supervised(), grace)
+
+    def _supervised(self) -> supervisor.Supervised:
+        record = load_run(self.run_id)
+        return supervisor.Supervised(record.run_id, record.launcher_pid, record.launcher_start)
+
+
+def submit(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, **options: Any) -> Run:
+    """`ddplaunch up --detach` from Python: a supervisor process (a daemon on this machine) takes
+    the run, and this returns once it has; the run goes on whatever becomes of this process.
+
+    The supervisor is forked from this process: call it while no other thread of yours holds a
+    lock (the usual case). Options as `up`'s.
+
+    Raises:
+        SpecError, PlanError: bad input (nothing is recorded). BackendError: the supervisor did not start.
+    """
+    opts = _options(job_args, options, healthcheck_only=False)
+    loaded = load_spec(spec)
+    return Run(supervisor.submit(loaded, _spec_path(spec), opts).run_id)
+
+
 def check(spec: SpecLike, *, dry_run: bool = False, stream: Optional[IO[str]] = None,
           **options: Any) -> RunReport:
     """`ddplaunch check`: the pre-flight, the health check and the pair tests, no job."""
@@ -72,15 +137,23 @@ def check(spec: SpecLike, *, dry_run: bool = False, stream: Optional[IO[str]] = 
 
 def _run(spec: SpecLike, job_args: Optional[Sequence[str]], dry_run: bool, stream: Optional[IO[str]],
          options: dict[str, Any], healthcheck_only: bool) -> RunReport:
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise PlanError(f"unknown option {', '.join(unknown)}; the options are {', '.join(OPTIONS)}")
-    opts = launch.UpOptions(healthcheck_only=healthcheck_only, job_args=list(job_args) if job_args else None,
-                            skip_healthcheck=bool(options.get("skip_healthcheck", False)),
-                            run_id=options.get("run_id"), exclude=list(options.get("exclude") or ()),
-                            verbose=bool(options.get("verbose", False)))
+    opts = _options(job_args, options, healthcheck_only)
     loaded = load_spec(spec)
     if dry_run:
         opts.run_id = opts.run_id or new_run_id(loaded.name)
         return RunReport(run_id=opts.run_id, final_stage="", plan_text=launch.dry_run(loaded, opts))
-    return launch.up(loaded, str(spec) if isinstance(spec, (str, Path)) else "<python>", opts, stream=stream)
+    return launch.up(loaded, _spec_path(spec), opts, stream=stream)
+
+
+def _options(job_args: Optional[Sequence[str]], options: dict[str, Any], healthcheck_only: bool) -> UpOptions:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise PlanError(f"unknown option {', '.join(unknown)}; the options are {', '.join(OPTIONS)}")
+    return UpOptions(healthcheck_only=healthcheck_only, job_args=list(job_args) if job_args else None,
+                     skip_healthcheck=bool(options.get("skip_healthcheck", False)),
+                     run_id=options.get("run_id"), exclude=list(options.get("exclude") or ()),
+                     verbose=bool(options.get("verbose", False)))
+
+
+def _spec_path(spec: SpecLike) -> str:
+    return str(spec) if isinstance(spec, (str, Path)) else "<python>"

@@ -56,8 +56,8 @@ def cli() -> None:
 @click.option("--run-id", help="Use this run id instead of a fresh one (letters, digits, . _ -).")
 @click.option("--json", "as_json", is_flag=True, help="Logs to stderr, a JSON summary to stdout.")
 @click.option("--detach", is_flag=True,
-              help="Slurm: submit one batch job that runs every stage itself and return (follow it with "
-                   "logs -f/status, end it with down); no pre-flight, watchdog or gates.")
+              help="Return once the run is taken: by a supervisor on this machine (follow it with attach, "
+                   "end it with down), or on Slurm by one batch job that runs every stage itself.")
 @EXCLUDE_OPT
 @VERBOSE_OPT
 @click.argument("job_args", nargs=-1, metavar="[-- JOB_ARGS...]")
@@ -88,8 +88,7 @@ def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], ver
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
-    from ddplaunch import launch
-    from ddplaunch.report import summary_json
+    from ddplaunch import attach, launch
     from ddplaunch.specfile import load_spec
 
     spec = load_spec(spec_path)
@@ -97,12 +96,9 @@ def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
         click.echo(launch.dry_run(spec, opts), nl=False)
         return
     if opts.detach:
-        launch.detach(spec, spec_path, opts)
+        attach.detach(spec, spec_path, opts)
         return
-    report = launch.up(spec, spec_path, opts, stream=sys.stderr if as_json else sys.stdout)
-    if as_json:
-        click.echo(summary_json(report))
-    sys.exit(report.exit_code)
+    sys.exit(attach.up(spec, spec_path, opts, as_json))
 
 
 @cli.command()
@@ -174,6 +170,17 @@ def logs(run_id: str | None, host: str | None, rank: int | None, follow: bool) -
 
     for line in run_logs(_pick(run_id), host, follow, rank):
         click.echo(line)
+
+
+@cli.command("attach")
+@click.argument("run_id", required=False)
+@_handle_errors
+def attach_cmd(run_id: str | None) -> None:
+    """Show a run from its first line and follow it to its end (default: the latest run here);
+    exit with its exit code. Ctrl-C detaches; the run goes on."""
+    from ddplaunch.attach import follow_run, supervised_of
+
+    sys.exit(follow_run(supervised_of(_pick(run_id)), sys.stdout, stops_run=False))
 
 
 @cli.command()

@@ -24,6 +24,8 @@ from rich.console import Console as RichConsole
 from rich.live import Live
 from rich.table import Table
 
+from ddplaunch.events import EventLog, HostState, Shown
+
 #: More hosts than this are summarized as counts per state instead of one row each.
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
@@ -70,9 +72,11 @@ class Console:
     """Lines to a stream (what is shown) and a log file (everything)."""
 
     def __init__(self, stream: Optional[IO[str]] = None, log: Optional[IO[str]] = None,
-                 verbose: bool = False):
+                 verbose: bool = False, events: Optional[EventLog] = None):
         self._stream = stream if stream is not None else sys.stdout
         self._log = log
+        #: The run's event log: every line shown and every host state go there too (for `attach`).
+        self._events = events
         self._lock = threading.RLock()
         self._once: set[str] = set()
         self.verbose = verbose
@@ -91,7 +95,7 @@ class Console:
                 return
             who = WHO_RE.match(text)
             if self.verbose or who is None:
-                self._write(text)
+                self._show(text)
                 return
             key = (who.group(3), who.group(2) is not None)
             by = (who.group(1), int(who.group(2)) if who.group(2) is not None else None)
@@ -123,7 +127,7 @@ class Console:
                 if due_only and now - fold.at < FOLD_S:
                     break  # younger ones wait too: lines keep their order
                 del self._folds[key]
-                self._write(fold.text())
+                self._show(fold.text())
 
     def first_time(self, key: str) -> bool:
         """True the first time `key` is asked for in this run (a banner shown once)."""
@@ -141,7 +145,7 @@ class Console:
         """Lines from ddplaunch as they are (tables, summaries), after what waits to be shown."""
         with self._lock:
             self.flush()
-            self._write(text.rstrip("\n"))
+            self._show(text.rstrip("\n"))
             if self._log is not None:
                 self._log.write(text.rstrip("\n") + "\n")
                 self._log.flush()
@@ -149,10 +153,17 @@ class Console:
     def state(self, host: str, text: str) -> None:
         """A host's current state (connecting, running a stage, exited): shown live on a
         terminal by `LiveConsole`; plain output has the log lines for it."""
+        if self._events is not None:
+            self._events.append(HostState(host, text))
 
     def close(self) -> None:
         """Show what waits; end live output, if any."""
         self.flush()
+
+    def _show(self, text: str) -> None:
+        if self._events is not None:
+            self._events.append(Shown(text))
+        self._write(text)
 
     def _write(self, text: str) -> None:
         self._stream.write(text + "\n")
@@ -169,14 +180,16 @@ class QuietConsole(Console):
 class LiveConsole(Console):
     """A Console that also shows every host's state, live, on a terminal."""
 
-    def __init__(self, stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False):
-        super().__init__(stream, log, verbose)
+    def __init__(self, stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,
+                 events: Optional[EventLog] = None):
+        super().__init__(stream, log, verbose, events)
         self.states = {h: "waiting" for h in hosts}
         self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
         self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
         self.live.start()
 
     def state(self, host: str, text: str) -> None:
+        super().state(host, text)
         with self._lock:
             self.states[host] = text
             self.live.update(self._table())
@@ -204,8 +217,9 @@ class LiveConsole(Console):
         return table
 
 
-def make_console(stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False) -> Console:
+def make_console(stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,
+                 events: Optional[EventLog] = None) -> Console:
     """LiveConsole on a terminal, plain lines otherwise."""
     if stream.isatty():
-        return LiveConsole(stream, log, hosts, verbose)
-    return Console(stream, log, verbose)
+        return LiveConsole(stream, log, hosts, verbose, events)
+    return Console(stream, log, verbose, events)

@@ -10,19 +10,23 @@ order. The code here never asks which backend it drives.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
-from ddplaunch.backends.contract import Launcher, Request, RunContext, Scheduler
+from ddplaunch.backends.contract import Launcher, Request, RunContext
 from ddplaunch.console import make_console
-from ddplaunch.errors import EXIT_INTERRUPTED, PlanError
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, PlanError
+from ddplaunch.events import EventLog, RunEnded, RunStarted
 from ddplaunch.gate import exclude_hosts
 from ddplaunch.plan import LaunchPlan, derive_port, stage_port_key
-from ddplaunch.report import RunReport, summarize
+from ddplaunch.report import RunReport, summarize, summary_json
 from ddplaunch.results import StopEvent
 from ddplaunch.runloop import RunLoop, UpOptions, plan_stage, stages_of
 from ddplaunch.runs import RunRecord, check_run_id, new_run_id, open_private, run_dir
@@ -53,12 +57,14 @@ def _plans(spec: ClusterSpec, backend: Launcher[Any], run_id: str, opts: UpOptio
 def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
     """The text `up --dry-run` prints: every request `up` would execute; nothing runs, nothing
     is written. Values only known at launch (a port checked free, Slurm's allocated nodes) are
-    marked. With `--detach`, the one request that hands the run to the scheduler."""
+    marked. With `--detach` on a backend with a scheduler, the one request that hands the run to it
+    (elsewhere a detached run executes what an attached one does)."""
     spec, run_id = _prepared(spec, opts, fresh=False)
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
     plans = _plans(spec, backend, run_id, opts)
-    if opts.detach:
-        return _scheduler(backend).render_detached(plans).text()
+    scheduler = scheduler_of(backend)
+    if opts.detach and scheduler is not None:
+        return scheduler.render_detached(plans).text()
     return backend.allocation_text() + "".join(backend.render(plan).text() for plan in plans)
 
 
@@ -72,24 +78,21 @@ def before_stages(spec: ClusterSpec) -> str:
         backend.close()
 
 
-def _scheduler(backend: Launcher[Any]) -> Scheduler:
-    scheduler = scheduler_of(backend)
-    if scheduler is None:
-        raise PlanError(f"--detach: backend {backend.name} has no scheduler to own a run; run `ddplaunch up` "
-                        "under nohup, tmux or screen instead (or use a backend with one: slurm)")
-    return scheduler
-
-
-def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
-    """`up --detach`: hand the whole run to a scheduler that owns it, record it, return at once.
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> Optional[str]:
+    """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run,
+    record it, return at once; None when the backend has none (a supervisor takes the run then:
+    supervisor.py).
 
     Raises:
-        PlanError: the backend has no scheduler (nothing is recorded), bad --run-id or --exclude.
-        BackendError: the scheduler refused the job (the record ends "failed").
+        PlanError: bad --run-id or --exclude. BackendError: the scheduler refused the job (the
+        record ends "failed").
     """
     spec, run_id = _prepared(spec, opts, fresh=True)
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
-    scheduler = _scheduler(backend)
+    scheduler = scheduler_of(backend)
+    if scheduler is None:
+        backend.close()
+        return None
     request: Request = scheduler.render_detached(_plans(spec, backend, run_id, opts))
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
                        hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(),
@@ -113,8 +116,36 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     return where
 
 
+@dataclass
+class Begun:
+    """A run recorded and ready for its loop: the spec (without --exclude'd hosts), its record
+    (whose launcher is this process) and its event log."""
+
+    spec: ClusterSpec
+    record: RunRecord
+    events: EventLog
+
+
+def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Begun:
+    """Record a new run (state "running", this process its launcher) and open its event log.
+
+    Raises:
+        PlanError: bad --exclude or --run-id, or a run with that id exists (nothing is recorded).
+    """
+    spec, run_id = _prepared(spec, opts, fresh=True)
+    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
+                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
+    record.extra["base_dir"] = spec.base_dir
+    record.state = "running"
+    record.save()
+    events = EventLog(record.dir)
+    events.append(RunStarted(run_id, spec.backend, record.hosts, os.getpid(), socket.gethostname()))
+    return Begun(spec, record, events)
+
+
 def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunReport:
-    """Launch: pre-flight, health check (and its gate), then the job, through the spec's backend.
+    """Launch in this process: pre-flight, health check (and its gate), then the job, through the
+    spec's backend (`run_begun` of a fresh `begin`).
 
     Returns:
         The report; `report.exit_code` is the process exit code. Failures of hosts and ranks
@@ -123,30 +154,40 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[s
         PlanError: no free master port, bad --exclude or --run-id. BackendError: the backend
         cannot start. The run's record ends in a final state either way.
     """
+    return run_begun(begin(spec, spec_path, opts), opts, stream)
+
+
+def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunReport:
+    """The run loop of a begun run; its record and event log end in a final state whatever
+    happens (an error is raised after `RunEnded` says it)."""
     stream = stream or sys.stdout
-    spec, run_id = _prepared(spec, opts, fresh=True)
-    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
-    record.extra["base_dir"] = spec.base_dir
-    record.state = "running"
-    record.save()
-    report = RunReport(run_id=run_id, final_stage=stages_of(spec, opts)[-1])
+    spec, record, events = begun.spec, begun.record, begun.events
+    report = RunReport(run_id=record.run_id, final_stage=stages_of(spec, opts)[-1])
     try:
         with open_private(record.log_path) as log, _stop_on_signals() as stop, \
-                contextlib.closing(make_console(stream, log, [h.label for h in spec.hosts], opts.verbose)) as console:
-            console.note(f"run {run_id}: {spec.backend} backend, {_procs(spec)}; record in {record.dir}")
-            with contextlib.closing(make_backend(spec, RunContext(run_id, record.dir, stop))) as backend:
-                RunLoop(spec, backend, opts, console, stop, record, report).run()
-    except BaseException:
-        record.state = "interrupted" if isinstance(sys.exc_info()[1], KeyboardInterrupt) else "failed"
+                contextlib.closing(make_console(stream, log, [h.label for h in spec.hosts], opts.verbose,
+                                                events)) as console:
+            console.note(f"run {record.run_id}: {spec.backend} backend, {_procs(spec)}; record in {record.dir}")
+            with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
+                RunLoop(spec, backend, opts, console, stop, record, report, events).run()
+    except BaseException as err:
+        interrupted = isinstance(err, KeyboardInterrupt)
+        record.state = "interrupted" if interrupted else "failed"
         record.ended_at = time.time()
         record.save()
+        code = EXIT_INTERRUPTED if interrupted else getattr(err, "exit_code", EXIT_FAILURE)
+        events.append(RunEnded(record.state, code, error=str(err) if isinstance(err, DdplaunchError) else
+                               f"{type(err).__name__}: {err}"))
+        events.close()
         raise
     record.state = {0: "ok", EXIT_INTERRUPTED: "interrupted"}.get(report.exit_code, "failed")
     record.ended_at = time.time()
     record.save()
     report.wall_s = time.time() - record.started_at
-    stream.write(summarize(report) + "\n")
+    summary = summarize(report)
+    events.append(RunEnded(record.state, report.exit_code, summary, summary_json(report)))
+    events.close()
+    stream.write(summary + "\n")
     stream.flush()
     return report
 

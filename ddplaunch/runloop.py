@@ -20,6 +20,7 @@ from typing import Any, Optional
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import Console
 from ddplaunch.errors import PlanError
+from ddplaunch.events import Event, EventLog, RecoveryStarted, StageEnded, StageStarted
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.hostwords import CpuShare
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
@@ -84,9 +85,10 @@ class RunLoop:
     """One `up` in progress: the stages, their gates, and the record kept up to date."""
 
     def __init__(self, spec: ClusterSpec, backend: Launcher[Any], opts: UpOptions, console: Console,
-                 stop: StopEvent, record: RunRecord, report: RunReport):
+                 stop: StopEvent, record: RunRecord, report: RunReport, events: Optional[EventLog] = None):
         self.spec, self.backend, self.opts, self.console, self.stop = spec, backend, opts, console, stop
         self.record, self.report, self.run_id = record, report, record.run_id
+        self.events = events
         self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
         #: (stage, master, port) the pre-flight just found free (the master listened on it): that
         #: launch takes it without probing it again
@@ -182,6 +184,8 @@ class RunLoop:
                           f"relaunching on {', '.join(h.label for h in hosts)}")
         if not self.report.recoveries or self.report.recoveries[-1] is not recovery:  # not a dead spare's retry
             self.report.recoveries.append(recovery)
+        self._event(RecoveryStarted(recovery.number, list(recovery.lost), dict(recovery.replaced),
+                                    [h.label for h in hosts]))
         self.record.hosts = [h.label for h in hosts]
         self._save_recoveries()
         return spec.model_copy(update={"hosts": hosts})
@@ -215,6 +219,7 @@ class RunLoop:
         self.record.plan_text += request.text()
         self.record.save()
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
+        self._event(StageStarted(plan.stage, plan.master_addr, plan.master_port, [n.host_label for n in plan.nodes]))
         omp = plan.nodes[0].env_dict().get("OMP_NUM_THREADS")
         if self.console.verbose and isinstance(omp, CpuShare) and self.console.first_time("omp"):
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
@@ -238,7 +243,13 @@ class RunLoop:
         self.report.stages.append(result)
         self.record.stages.append(result.to_dict())
         self.record.save()
+        self._event(StageEnded(result.stage, result.ok, {o.host: o.state for o in result.outcomes},
+                               result.host_failure))
         return result
+
+    def _event(self, event: Event) -> None:
+        if self.events is not None:
+            self.events.append(event)
 
     def _first_step(self, progress: Progress) -> None:
         """The relaunched job completed a step: say when training resumed, live."""

@@ -50,9 +50,11 @@ def new_run_id(name: str) -> str:
 
 
 def process_start_time(pid: int) -> Optional[int]:
-    """A process's start time in clock ticks since boot (pid reuse changes it), None if gone."""
+    """A process's start time in clock ticks since boot (pid reuse changes it), None if gone (or
+    a zombie: ended, not yet reaped)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return None if stat[0] == "Z" else int(stat[19])
     except (OSError, IndexError, ValueError):
         return None
 

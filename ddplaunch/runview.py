@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Iterator, Optional
 
+from ddplaunch import supervisor
 from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, RunContext
 from ddplaunch.console import WHO_RE
@@ -90,8 +91,17 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
 
 
 def down(record: RunRecord) -> list[str]:
-    """End every process left of the run, on every host, by the run's tag."""
+    """End the run: its supervisor first, when it still runs here (it stops every host in order
+    and ends the record), then every process left of the run, on every host, by the run's tag."""
+    lines = []
+    supervised = supervisor.of_record(record)
+    if supervised is not None:
+        grace = float(record.spec.get("job", {}).get("stop_grace") or 30)
+        gone = supervisor.stop(supervised, grace)
+        lines.append(f"supervisor (pid {supervised.pid}): " + ("stopped the run" if gone else
+                     "still running after it was asked to stop; ending what is left on the hosts"))
+        record = load_run(record.run_id)
     backend = record_backend(record)
-    lines = backend.down(record)
+    lines += backend.down(record)
     settle(record, backend)
     return lines

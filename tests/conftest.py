@@ -64,8 +64,9 @@ def _slurm_nodes_idle_first(request):
 
 @pytest.fixture(autouse=True)
 def _end_what_the_test_started():
-    """After every test: launchers it started are interrupted (then killed), processes tagged with
-    its run ids are killed, and Slurm jobs named after them are cancelled."""
+    """After every test: launchers it started are interrupted (then killed), so are the supervisors
+    of its runs that still run, processes tagged with its run ids are killed, and Slurm jobs named
+    after them are cancelled."""
     ssh_util.started.clear()
     yield
     for proc in ssh_util.started.launchers:
@@ -76,5 +77,6 @@ def _end_what_the_test_started():
             except Exception:  # noqa: BLE001
                 proc.kill()
                 proc.wait(timeout=10)
+    ssh_util.started.end_supervisors()
     for run_id in ssh_util.started.run_ids:
         ssh_util.kill_run(run_id)

@@ -3,12 +3,14 @@ processes by its environment tag (all sim hosts share this machine's PID namespa
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -52,23 +54,46 @@ class Started:
     def clear(self) -> None:
         self.launchers: list[subprocess.Popen] = []
         self.run_ids: list[str] = []
+        #: run directories of the runs started (their records name their supervisors)
+        self.run_dirs: list[Path] = []
 
-    def note(self, args: list[str]) -> None:
+    def note(self, args: list[str], tmp_path: Optional[Path] = None) -> None:
         if "--run-id" in args and args.index("--run-id") + 1 < len(args):
-            self.run_ids.append(args[args.index("--run-id") + 1])
+            run_id = args[args.index("--run-id") + 1]
+            self.run_ids.append(run_id)
+            if tmp_path is not None:
+                self.run_dirs.append(tmp_path / "state" / "runs" / run_id)
+
+    def end_supervisors(self) -> None:
+        """SIGKILL the supervisor of every run the test started that still has one (a test that
+        failed while its run went on): by the pid and start time its record names."""
+        from ddplaunch.runs import process_start_time
+
+        for path in self.run_dirs:
+            try:
+                record = json.loads((path / "record.json").read_text())
+            except (OSError, ValueError):
+                continue
+            pid, start = record.get("launcher_pid"), record.get("launcher_start")
+            if isinstance(pid, int) and pid != os.getpid() and start is not None \
+                    and process_start_time(pid) == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
 
 started = Started()
 
 
 def ddplaunch(args: list[str], tmp_path: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    started.note(args)
+    started.note(args, tmp_path)
     return subprocess.run([sys.executable, "-m", "ddplaunch", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=launcher_env(tmp_path))
 
 
 def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
-    started.note(args)
+    started.note(args, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "ddplaunch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=launcher_env(tmp_path))
     started.launchers.append(proc)
@@ -77,8 +102,6 @@ def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
 
 def kill_run(run_id: str) -> None:
     """Leftovers of a test's run: SIGKILL its tagged processes, cancel Slurm jobs named after it."""
-    import signal
-
     for pid in run_processes(run_id):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -124,7 +147,6 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[str]
     """Lines of proc's stdout up to and including the first one containing needle. The deadline
     holds even when the child prints nothing: at the deadline the child is interrupted (then
     killed), which ends the read."""
-    import signal
     import threading
 
     lines: list[str] = []

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddplaunch.events import RecoveryStarted, Shown, read_events
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
@@ -113,6 +114,34 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
         check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
                                                     r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
                                                     r"run \S+: "])
+
+
+def test_a_run_whose_up_was_killed_recovers_a_crashed_host_and_attach_shows_it(sim_cluster, tmp_path, reference):
+    """`up` SIGKILLed mid-training: the run's supervisor goes on without it, replaces a host that
+    crashes afterwards with the spare, and `attach` from a new process shows the run from its
+    first line to the end, exit 0, the weights bitwise equal to an undisturbed run."""
+    spec = _spec(sim_cluster, tmp_path, "nolauncher", [0, 1, 2], [3], "--step-sleep", "0.3")
+    hosts = [h.name for h in sim_cluster.hosts]
+    run_id = "rec-nolauncher"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    read_until(proc, "step=3 ", timeout=180)
+    proc.kill()
+    proc.wait(timeout=30)
+    events = tmp_path / "state" / "runs" / run_id
+    try:
+        wait_for(lambda: any(isinstance(e, Shown) and "step=6 " in e.text for e in read_events(events)), 120)
+        sim_fault(sim_cluster, hosts[1], crash=True)
+        attached = ddplaunch(["attach", run_id], tmp_path, timeout=300)
+    finally:
+        sim_fault(sim_cluster, hosts[1], clear=True)
+    out = attached.stdout
+    assert attached.returncode == 0, out[-4000:] + attached.stderr
+    assert out.startswith(f"[ddplaunch] run {run_id}: ssh backend"), out[:500]
+    assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(.*\) → replaced by {hosts[3]}", out), out[-3000:]
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
+    assert [type(e).__name__ for e in read_events(events) if isinstance(e, RecoveryStarted)] == ["RecoveryStarted"]
+    wait_for(lambda: run_processes(run_id) == {}, timeout=15)
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):

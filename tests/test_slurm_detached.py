@@ -185,18 +185,18 @@ def test_output_read_back_with_hosts_and_markers(tmp_path):
     assert final_state(str(out), None, {}) == "ok"
 
 
-def test_shell_backends_refuse_detach_in_one_line(tmp_path):
+def test_a_detached_run_without_a_scheduler_executes_what_an_attached_one_does(tmp_path):
+    """local/ssh have no scheduler: a supervisor takes a detached run (tests/test_supervisor.py),
+    and it runs the same requests, so the dry runs agree."""
     spec = tmp_path / "local.yaml"
     spec.write_text(f"name: t\nworkdir: {ROOT}\nnproc_per_node: 1\n")
     env = dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state"))
-    for extra in ([], ["--dry-run"]):
-        proc = subprocess.run([sys.executable, "-m", "ddplaunch", "up", str(spec), "--detach", *extra],
-                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
-        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
-        assert proc.stderr.count("\n") == 1 and "--detach: backend local has no scheduler" in proc.stderr
-    assert not (tmp_path / "state" / "runs").exists()  # refused before anything was recorded
-    with pytest.raises(PlanError, match="no scheduler"):
-        dry_run(load_spec(spec), UpOptions(detach=True))
+    shown = [subprocess.run([sys.executable, "-m", "ddplaunch", "up", str(spec), "--dry-run", "--run-id", "d", *extra],
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=60) for extra in ([], ["--detach"])]
+    assert shown[0].returncode == shown[1].returncode == 0 and shown[0].stdout == shown[1].stdout, shown[1].stderr
+    assert "torch.distributed.run" in shown[0].stdout
+    assert not (tmp_path / "state" / "runs").exists()  # a dry run records nothing
+    assert dry_run(load_spec(spec), UpOptions(detach=True, run_id="d")) == shown[0].stdout
 
 
 def test_the_time_limit_warning_reaches_the_steps_then_the_job_requeues(tmp_path):

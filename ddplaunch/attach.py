@@ -1,0 +1,145 @@
+"""Following a supervised run: what `up` shows in the foreground and what `attach RUN_ID` shows.
+
+Both replay the run's event log from its first line and follow it live (events.py): every line
+the screen showed, each host's state (a live table on a terminal), then the summary, and return
+the run's exit code. They differ only in what Ctrl-C means: in `up` it stops the run (SIGTERM to
+the supervisor, which stops every host in order; a second Ctrl-C leaves without waiting), in
+`attach` it only detaches. A closed terminal or a killed follower never touches the run.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import IO, Any, Optional
+
+from ddplaunch import launch
+from ddplaunch.console import make_console
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, RunNotFoundError
+from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow
+from ddplaunch.runloop import UpOptions
+from ddplaunch.runs import RunRecord
+from ddplaunch.spec import ClusterSpec
+from ddplaunch.supervisor import Supervised, submit
+
+
+def supervised_of(record: RunRecord) -> Supervised:
+    """The supervisor a recorded run names (alive or not).
+
+    Raises:
+        RunNotFoundError: the run has no event log to follow (an older ddplaunch's run, or a
+            Slurm `--detach` run: `ddplaunch logs -f RUN_ID` follows those).
+    """
+    if not (record.dir / EVENTS_FILE).is_file():
+        raise RunNotFoundError(f"run {record.run_id} has no event log to attach to (started by an older ddplaunch, "
+                               f"or by the scheduler): `ddplaunch logs -f {record.run_id}` follows its log")
+    return Supervised(record.run_id, record.launcher_pid, record.launcher_start)
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM while following: stop the run (`up`) or detach (`attach`)."""
+
+    def __init__(self, supervised: Supervised, stops_run: bool, say: Any):
+        self.supervised, self.stops_run, self.say = supervised, stops_run, say
+        self.count = 0
+        self.left = threading.Event()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.stops_run and self.count == 1:
+            if self.supervised.signal(signal.SIGTERM):
+                self.say(f"[ddplaunch] stopping run {self.supervised.run_id} (Ctrl-C again leaves it stopping "
+                         "on its own)")
+            return
+        self.left.set()
+        raise KeyboardInterrupt
+
+
+def follow_run(supervised: Supervised, stream: IO[str], *, stops_run: bool, err: Optional[IO[str]] = None,
+               as_json: bool = False) -> int:
+    """Show a supervised run from its first line to its end; its exit code (130 when left by
+    Ctrl-C, 1 when the supervisor died without ending the run)."""
+    err = err or sys.stderr
+    out = err if as_json else stream
+    console = None
+    interrupts = _Interrupts(supervised, stops_run, lambda text: print(text, file=out, flush=True))
+    old = _install(interrupts)
+    try:
+        for event in follow(supervised.dir, supervised.alive):
+            if isinstance(event, RunStarted) and console is None:
+                console = make_console(out, None, event.hosts)
+                if stops_run:
+                    console.note(f"Ctrl-C stops the run; closing this terminal does not "
+                                 f"(ddplaunch attach {supervised.run_id})")
+            elif isinstance(event, Shown) and console is not None:
+                console.block(event.text)
+            elif isinstance(event, HostState) and console is not None:
+                console.state(event.host, event.text)
+            elif isinstance(event, RunEnded):
+                if console is not None:
+                    console.close()
+                return _ended(event, stream, err, as_json)
+    except KeyboardInterrupt:
+        if console is not None:
+            console.close()
+        rid = supervised.run_id
+        print(f"ddplaunch: left run {rid} while it stops (ddplaunch status {rid})" if stops_run else
+              f"ddplaunch: detached from run {rid}, which goes on (ddplaunch attach {rid} follows it again; "
+              f"ddplaunch down {rid} stops it)", file=err, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        _restore(old)
+    if console is not None:
+        console.close()
+    print(f"ddplaunch: the supervisor of run {supervised.run_id} (pid {supervised.pid}) ended without ending "
+          f"the run; `ddplaunch down {supervised.run_id}` ends what is left on its hosts", file=err, flush=True)
+    return EXIT_FAILURE
+
+
+def _ended(event: RunEnded, stream: IO[str], err: IO[str], as_json: bool) -> int:
+    if event.error:
+        print(f"ddplaunch: error: {event.error}", file=err, flush=True)
+        return event.exit_code
+    if as_json:
+        print(event.summary, file=err, flush=True)
+        print(event.summary_json, file=stream, flush=True)
+    else:
+        print(event.summary, file=stream, flush=True)
+    return event.exit_code
+
+
+def _install(handler: _Interrupts) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(old: dict[int, Any]) -> None:
+    for sig, h in old.items():
+        signal.signal(sig, h)
+
+
+def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False,
+       stream: Optional[IO[str]] = None) -> int:
+    """`ddplaunch up` in the foreground: a supervisor takes the run, this process shows it and
+    returns its exit code; Ctrl-C stops the run, anything that ends this process leaves it going.
+
+    Raises:
+        PlanError: what `launch.begin` refuses. BackendError: the supervisor did not start.
+    """
+    return follow_run(submit(spec, spec_path, opts), stream or sys.stdout, stops_run=True, as_json=as_json)
+
+
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
+    """`ddplaunch up --detach`: the scheduler takes the run where the backend has one (Slurm's
+    batch job), else a supervisor on this machine; the line that says where, once it has."""
+    where = launch.detach(spec, spec_path, opts, stream)
+    if where is not None:
+        return where
+    supervised = submit(spec, spec_path, opts)
+    rid = supervised.run_id
+    line = (f"run {rid}: supervised by pid {supervised.pid} on this machine; ddplaunch attach {rid} follows it, "
+            f"ddplaunch down {rid} stops it")
+    print(line, file=stream or sys.stdout, flush=True)
+    return line
