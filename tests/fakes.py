@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 from ddplaunch import registry
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.watch import NodeEnd, follow, unstarted
+from ddplaunch.backends.watch import NoAnswer, NodeEnd, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import LaunchPlan
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
@@ -48,6 +48,15 @@ class NodeScript:
     silent: bool = False
     #: With `code=None`: its command ended without a status (a signal) on a host that still answers.
     answers: bool = False
+    #: Silent (no heartbeat, no answer to the probe) from `quiet_from` for `quiet_for` seconds,
+    #: then heard again: the launcher's own network dropped, not the host.
+    quiet_from: float = 0.0
+    quiet_for: float = 0.0
+    #: While quiet, its probe fails with this machine's own error (a firewall rule, no route).
+    local: bool = False
+
+    def quiet_at(self, elapsed: float) -> bool:
+        return self.quiet_from <= elapsed < self.quiet_from + self.quiet_for
 
 
 @dataclass
@@ -196,7 +205,7 @@ class FakeStage:
             elapsed = time.monotonic() - self.t0
             if rank in self.done:
                 continue
-            if not (mine.silent and elapsed >= mine.after):
+            if not (mine.silent and elapsed >= mine.after or mine.quiet_at(elapsed)):
                 self.lines.emit(rank, node.host_label, HEARTBEAT)
             if mine.silent or mine.hangs or elapsed < mine.after:
                 continue
@@ -220,7 +229,12 @@ class FakeStage:
 
     def confirm_lost(self, node: int) -> Optional[str]:
         mine = self.node(node)
-        return "the fake says so" if mine.silent or (mine.code is None and not mine.answers) else None
+        if mine.silent or (mine.code is None and not mine.answers):
+            return "the fake says so"
+        if mine.quiet_at(time.monotonic() - self.t0):
+            return NoAnswer("fake:22 gave no answer" if not mine.local else
+                            "fake:22 refused or unreachable (Operation not permitted)", mine.local)
+        return None
 
     def lost(self, node: int) -> None:
         self.done.add(node)

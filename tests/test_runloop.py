@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 
 import pytest
@@ -364,3 +365,60 @@ def test_the_json_schema_knows_every_check_state_and_stage_the_code_writes(tmp_p
     summary = json.loads(summary_json(report))
     jsonschema.validate(summary["preflight"], preflight)  # the real pre-flight's cells, from scripted facts
     jsonschema.validate(summary["stages"], schema["properties"]["stages"])
+
+
+# ----------------------------------------------------------------------------- the launcher suspects itself
+
+def _quiet(**node) -> StageScript:
+    """Every host heard, then silent for a second (and not answering the probe), then heard again;
+    the job ends ok at 1.6 s."""
+    return StageScript(nodes={h: NodeScript(after=1.6, quiet_from=0.1, quiet_for=1.0, **node) for h in ("f1", "f2", "f3")})
+
+
+@pytest.mark.parametrize("spares", [[], ["f4"]], ids=["no-spare", "spare"])
+def test_every_host_silent_at_once_is_the_launchers_network_not_lost_hosts(tmp_path, spares):
+    """The launcher's own network drops: every host goes silent together and no probe is answered.
+    No host is called lost, with or without a spare; the run ends ok when they are heard again."""
+    script = FakeScript(stages=[_quiet()])
+    report, out, _ = run(tmp_path, script, recovery={**RECOVER, "spares": spares})
+    assert report.exit_code == 0, out
+    assert len(script.launched) == 1 and not report.recoveries
+    assert "3 of 3 hosts went silent at once and this machine cannot reach them (fake:22 gave no answer): " \
+           "its own network is suspect; no host is called lost for up to 120s" in out
+    assert re.search(r"every host is heard from again after \d+s: none was lost", out), out
+    assert " lost (" not in out
+
+
+def test_a_probe_failing_with_this_machines_own_error_loses_no_host(tmp_path):
+    """One silent host, but its probe failed before it left this machine (EPERM from a firewall
+    rule): that says nothing of the host."""
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(after=1.6, quiet_from=0.1, quiet_for=1.0,
+                                                                    local=True),
+                                                   "f1": NodeScript(after=1.6), "f3": NodeScript(after=1.6)})])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0 and not report.recoveries, out
+    assert "1 of 3 hosts went silent at once and this machine cannot reach them (fake:22 refused or unreachable " \
+           "(Operation not permitted))" in out
+
+
+def test_one_silent_host_among_heard_ones_is_still_lost(tmp_path):
+    """The rule is for the launcher's own silence: one quiet host whose probe times out, while the
+    others are heard, is lost and replaced as before."""
+    script = FakeScript(stages=[StageScript(nodes={"f2": NodeScript(after=3.0, quiet_from=0.1, quiet_for=2.5),
+                                                   "f1": NodeScript(hangs=True), "f3": NodeScript(hangs=True)})])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert "went silent at once" not in out
+    assert [r.lost for r in report.recoveries] == [["f2"]], out
+
+
+def test_the_launcher_suspects_itself_for_a_bounded_time(tmp_path, monkeypatch):
+    """Hosts that stay silent and unreachable count as lost once SELF_SUSPECT_S has passed."""
+    from ddplaunch.backends import watch
+
+    monkeypatch.setattr(watch, "SELF_SUSPECT_S", 0.5)
+    script = FakeScript(stages=[StageScript(nodes={h: NodeScript(silent=True, after=0.05) for h in ("f1", "f2", "f3")})])
+    report, out, took = run(tmp_path, script)
+    assert report.exit_code == 1, out
+    assert "this machine has reached none of the silent hosts for 0s: they count as lost" in out
+    assert sorted(o.host for o in report.stages[-1].outcomes if o.state == "lost") == ["f1", "f2", "f3"]
+    no_hang(took, 30, "the suspicion ends after SELF_SUSPECT_S")

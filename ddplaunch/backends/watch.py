@@ -18,6 +18,7 @@ torchrun, srun's "Killed"): the job's failure, one verdict for one cause on ever
 
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,29 @@ DETECT_S = 6.0
 PROBE_S = 2.0
 #: Silent hosts probed at the same time.
 MAX_PROBES = 64
+#: How long the watcher suspects its own network, not the hosts, when most hosts went silent at
+#: once or a probe failed with this machine's own error: no host is called lost meanwhile (a
+#: laptop's Wi-Fi or VPN coming back). After that the silent hosts are lost as any other.
+SELF_SUSPECT_S = 120.0
+#: Seconds between probes while the watcher suspects itself.
+RETRY_S = 2.0
+#: Errors of a connection attempt that this machine raises itself (a firewall rule, no route, the
+#: network down): they say nothing of the host. EHOSTUNREACH is not one: a dead host on the same
+#: network gives it too.
+LOCAL_ERRNOS = frozenset({errno.EPERM, errno.EACCES, errno.ENETUNREACH, errno.ENETDOWN, errno.EADDRNOTAVAIL,
+                          errno.ENOBUFS})
+
+
+class NoAnswer(str):
+    """Why a host does not answer the probe, and whether the error was this machine's own
+    (`local`: the probe could not even leave it, which says nothing of the host)."""
+
+    local: bool
+
+    def __new__(cls, why: str, local: bool = False) -> "NoAnswer":
+        self = super().__new__(cls, why)
+        self.local = local
+        return self
 
 
 @dataclass(frozen=True)
@@ -113,9 +137,9 @@ def unanswered(addr: str, port: int, timeout: float = PROBE_S) -> Optional[str]:
         with socket.create_connection((addr, port), timeout=timeout):
             return None
     except (socket.timeout, TimeoutError):
-        return f"{addr}:{port} gave no answer within {timeout:g}s"
+        return NoAnswer(f"{addr}:{port} gave no answer within {timeout:g}s")
     except OSError as err:
-        return f"{addr}:{port} refused or unreachable ({err.strerror or err})"
+        return NoAnswer(f"{addr}:{port} refused or unreachable ({err.strerror or err})", err.errno in LOCAL_ERRNOS)
 
 
 def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageResult:
@@ -149,6 +173,9 @@ class _Watch:
         self.plan, self.lines, self.detect, self.stop_grace = plan, lines, detect, stop_grace
         #: When a silent node's host last answered the backend's probe (it is not probed again sooner).
         self._answered: dict[int, float] = {}
+        #: Since when (monotonic) the watcher suspects its own network rather than the silent hosts.
+        self._suspect_since: Optional[float] = None
+        self._suspect_probed = 0.0
         self.result = StageResult(stage=plan.stage, ran_healthcheck=plan.healthcheck,
                                   outcomes=[NodeOutcome(node_rank=n.node_rank, host=n.host_label, state=RUNNING)
                                             for n in plan.nodes])
@@ -211,29 +238,56 @@ class _Watch:
 
     def _silent(self, stage: RunningStage) -> list[NodeEnd]:
         """Nodes silent for `detect` seconds whose host does not answer the backend's probe (the
-        silent hosts are probed at once: 32 dead hosts cost one probe's timeout, not 32)."""
+        silent hosts are probed at once: 32 dead hosts cost one probe's timeout, not 32) — unless
+        the watcher suspects itself (`_self_suspect`)."""
         out: list[NodeEnd] = []
-        now = time.time()
-        quiet: dict[int, float] = {}
-        for node in range(len(self.result.outcomes)):
-            silent = self.lines.silent_for(node)
-            if node in self.ended or silent is None or silent < self.detect \
-                    or now - self._answered.get(node, 0.0) < self.detect:
-                continue
-            quiet[node] = silent
-        if not quiet:
+        now, mono = time.time(), time.monotonic()
+        silences = {n: self.lines.silent_for(n) for n in range(len(self.result.outcomes)) if n not in self.ended}
+        quiet = {n: s for n, s in silences.items() if s is not None and s >= self.detect
+                 and now - self._answered.get(n, 0.0) >= self.detect}
+        if self._suspect_since is not None and not any(s is not None and s >= self.detect / 2
+                                                       for s in silences.values()):
+            self.lines.note(f"every host is heard from again after {mono - self._suspect_since:.0f}s: none was lost")
+            self._suspect_since = None
+        if not quiet or self._suspect_since is not None and mono - self._suspect_probed < RETRY_S:
             return out
         with ThreadPoolExecutor(max_workers=min(MAX_PROBES, len(quiet))) as pool:
             answers = dict(zip(quiet, pool.map(stage.confirm_lost, quiet)))
-        for node, silent in quiet.items():
-            why = answers[node]
-            if why is None:
+        for node in quiet:
+            if answers[node] is None:
                 self._answered[node] = now
-                continue
+        unanswered = {n: why for n, why in answers.items() if why is not None}
+        if self._self_suspect(silences, unanswered, mono):
+            return out
+        for node, why in unanswered.items():
+            silent = quiet[node]
             stage.lost(node)
             self.result.outcomes[node].last_heard_at = now - silent
             out.append(NodeEnd(node, None, how=f"no heartbeat for {silent:.0f}s and {why}", lost=True, confirmed=True))
         return out
+
+    def _self_suspect(self, silences: dict[int, Optional[float]], unanswered: dict[int, str], mono: float) -> bool:
+        """Whether the silence is more likely this machine's than the hosts': a probe failed with
+        this machine's own error, or most running nodes (at least 2) went quiet together (silent
+        half of `detect` or more). Then no host is lost for up to SELF_SUSPECT_S seconds; the
+        silent hosts are probed every RETRY_S seconds until they answer."""
+        hushed = [n for n, s in silences.items() if s is not None and s >= self.detect / 2]
+        suspect = bool(unanswered) and (any(getattr(why, "local", False) for why in unanswered.values())
+                                        or len(hushed) >= 2 and 2 * len(hushed) > len(silences))
+        if not suspect:
+            return False
+        if self._suspect_since is None:
+            self._suspect_since = mono
+            first = next(iter(unanswered.values()))
+            self.lines.note(f"{len(hushed)} of {len(silences)} hosts went silent at once and this machine cannot "
+                            f"reach them ({first}): its own network is suspect; no host is called lost for up to "
+                            f"{SELF_SUSPECT_S:.0f}s")
+        self._suspect_probed = mono
+        if mono - self._suspect_since < SELF_SUSPECT_S:
+            return True
+        self.lines.note(f"this machine has reached none of the silent hosts for {SELF_SUSPECT_S:.0f}s: "
+                        "they count as lost")
+        return False
 
     def stop_rest(self, stage: RunningStage, cause: str) -> None:
         rest = [n for n in range(len(self.result.outcomes)) if n not in self.ended]
