@@ -6,6 +6,7 @@ it was given), so these work after the launcher has exited — or died.
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any, Iterator, Optional
 
@@ -92,10 +93,12 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
 
 def down(record: RunRecord) -> list[str]:
     """End the run: its supervisor first, when it still runs here (it stops every host in order
-    and ends the record), then every process left of the run, on every host, by the run's tag."""
+    and ends the record), then every process left of the run, on every host, by the run's tag. A
+    frozen supervisor (SIGSTOP) is not waited for: the hosts are cleaned, then it is killed."""
     lines = []
     supervised = supervisor.of_record(record)
-    if supervised is not None:
+    frozen = supervised is not None and supervised.frozen()
+    if supervised is not None and not frozen:
         grace = float(record.spec.get("job", {}).get("stop_grace") or 30)
         gone = supervisor.stop(supervised, grace)
         lines.append(f"supervisor (pid {supervised.pid}): " + ("stopped the run" if gone else
@@ -104,4 +107,7 @@ def down(record: RunRecord) -> list[str]:
     backend = record_backend(record)
     lines += backend.down(record)
     settle(record, backend)
+    if supervised is not None and frozen and supervised.signal(signal.SIGKILL):
+        lines.append(f"supervisor (pid {supervised.pid}): frozen (stopped by a signal), killed once its hosts "
+                     "were cleaned")
     return lines

@@ -56,6 +56,13 @@ class Supervised:
         started = process_start_time(self.pid)
         return started is not None and (self.start is None or started == self.start)
 
+    def frozen(self) -> bool:
+        """Stopped by a signal (SIGSTOP, a debugger): it would not act on a request to stop."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def signal(self, signum: int) -> bool:
         """Send `signum` to the supervisor if it is still this run's; False when it is gone."""
         if not self.alive():

@@ -100,6 +100,11 @@ def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
     return proc
 
 
+def supervisor_pid(tmp_path: Path, run_id: str) -> int:
+    """The pid of the run's supervisor (the process that holds its connections), from its record."""
+    return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())["launcher_pid"]
+
+
 def kill_run(run_id: str) -> None:
     """Leftovers of a test's run: SIGKILL its tagged processes, cancel Slurm jobs named after it."""
     for pid in run_processes(run_id):

@@ -20,7 +20,7 @@ import yaml
 from ddplaunch.sim.image import IMAGE_MARKER, IMAGE_VENV, podman_env
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import (ROOT, ddplaunch, launcher_env, popen_ddplaunch, read_until, run_processes, sim_spec,
-                            started, wait_for)
+                            started, supervisor_pid, wait_for)
 from tests.test_slurm import slurm_spec
 from tests.timing import no_hang
 
@@ -124,7 +124,8 @@ def test_down_removes_the_containers_of_a_run_whose_launcher_is_frozen(sim_clust
                           healthcheck={"enabled": False})
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "ctr-down"], tmp_path)
     read_until(proc, "tick", timeout=240)
-    proc.send_signal(signal.SIGSTOP)  # connections stay open: nothing hangs up
+    frozen = supervisor_pid(tmp_path, "ctr-down")
+    os.kill(frozen, signal.SIGSTOP)  # the run's supervisor: its connections stay open, nothing hangs up
     try:
         # the podman clients die (as with a lost session): their containers run on without them
         run_dir = Path.home() / ".ddplaunch" / "runs" / "ctr-down"
@@ -136,6 +137,8 @@ def test_down_removes_the_containers_of_a_run_whose_launcher_is_frozen(sim_clust
         # the sim hosts share one podman storage: the first host's reaper removes both
         assert "removed 2 container(s)" in down.stdout, down.stdout
         assert containers_of("ctr-down") == [] and run_processes("ctr-down") == {}
+        assert f"supervisor (pid {frozen}): frozen" in down.stdout
     finally:
-        proc.send_signal(signal.SIGCONT)
+        if os.path.exists(f"/proc/{frozen}"):
+            os.kill(frozen, signal.SIGCONT)
         proc.wait(timeout=60)

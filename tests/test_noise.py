@@ -4,12 +4,13 @@ every answer ddplaunch parses is told apart from that noise, and the noise fails
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import yaml
 
 from ddplaunch.sim import RC_NOISE_STDERR, RC_NOISE_STDOUT
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, supervisor_pid, wait_for
 
 
 def _spec(cluster, tmp_path, **overrides):
@@ -37,11 +38,14 @@ def test_check_and_down_survive_shell_noise(noisy_sim_cluster, tmp_path):
     launcher = popen_ddplaunch(["up", str(spec), "--run-id", "noisy-down"], tmp_path)
     try:
         read_until(launcher, "step=", timeout=180)
-        launcher.send_signal(signal.SIGSTOP)  # frozen: its connections stay open
+        frozen = supervisor_pid(tmp_path, "noisy-down")
+        os.kill(frozen, signal.SIGSTOP)  # the run's supervisor frozen: its connections stay open
         down = ddplaunch(["down", "noisy-down"], tmp_path, timeout=90)
         assert down.returncode == 0, down.stderr
-        lines = down.stdout.splitlines()
-        assert len(lines) == 2 and all(": ended pids " in ln and RC_NOISE_STDERR not in ln for ln in lines), lines
+        *hosts, last = down.stdout.splitlines()
+        assert len(hosts) == 2 and all(": ended pids " in ln and RC_NOISE_STDERR not in ln for ln in hosts), hosts
+        assert last == f"supervisor (pid {frozen}): frozen (stopped by a signal), killed once its " \
+                       "hosts were cleaned"
         wait_for(lambda: run_processes("noisy-down") == {}, timeout=15)
     finally:
         launcher.kill()

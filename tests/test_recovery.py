@@ -8,10 +8,12 @@ resharded on fewer hosts (`recovery.min_hosts`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -142,6 +144,45 @@ def test_a_run_whose_up_was_killed_recovers_a_crashed_host_and_attach_shows_it(s
     assert got == reference
     assert [type(e).__name__ for e in read_events(events) if isinstance(e, RecoveryStarted)] == ["RecoveryStarted"]
     wait_for(lambda: run_processes(run_id) == {}, timeout=15)
+
+
+@contextlib.contextmanager
+def _launcher_cut_off(addrs: list[str]):
+    """This machine's own packets to `addrs` dropped (an iptables OUTPUT rule in the launcher's
+    network namespace); the hosts' traffic to each other, bridged, never crosses it."""
+    rules = [["OUTPUT", "-d", addr, "-j", "DROP"] for addr in addrs]
+    for rule in rules:
+        subprocess.run(["iptables", "-w", "-I", *rule], check=True, capture_output=True, timeout=30)
+    try:
+        yield
+    finally:
+        for rule in rules:
+            subprocess.run(["iptables", "-w", "-D", *rule], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("spares", [[], [3]], ids=["no-spare", "spare"])
+def test_the_launchers_own_network_dropped_for_12s_loses_no_host(sim_cluster, tmp_path, reference, spares):
+    """Every host silent at once and unreachable from the launcher (EPERM: its own rule) for 12 s
+    while they train on: no host is called lost, the run ends ok and bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "netdrop", [0, 1, 2], spares, "--step-sleep", "0.6")
+    run_id = f"rec-netdrop-{len(spares)}"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    try:
+        head = read_until(proc, "step=4 ", timeout=180)
+        with _launcher_cut_off([h.addr for h in sim_cluster.hosts]):
+            time.sleep(12)  # the fault's length: the launcher's network is down this long
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(head) + rest
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"3 of 3 hosts went silent at once and this machine cannot reach them \(.*Operation not "
+                     r"permitted\)\): its own network is suspect", out), out[-4000:]
+    assert not [line for line in out.splitlines() if line.startswith("[ddplaunch]") and " lost (" in line], out[-4000:]
+    assert "recovered from" not in out
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):

@@ -18,7 +18,7 @@ import pytest
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import (ddplaunch, popen_ddplaunch, ranks_showing, read_until, run_processes, run_pythons,
-                            sim_spec, wait_for, write_env_files)
+                            sim_spec, supervisor_pid, wait_for, write_env_files)
 from tests.timing import no_hang
 
 TOY = {"healthcheck": {"enabled": False}, "job": {"script": "jobs/toy_ddp.py"}}
@@ -102,13 +102,16 @@ def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
     read_until(proc, "step=", timeout=180)
     assert len(run_pythons(run_id)) == 9  # 3 torchrun + 6 workers
     t0 = time.monotonic()
-    proc.send_signal(getattr(signal, how))
+    if how == "SIGINT":  # Ctrl-C to `up`: the supervisor stops the run
+        proc.send_signal(signal.SIGINT)
+    else:  # SIGKILL to the run's supervisor (a SIGKILLed `up` leaves the run going: test_supervisor.py)
+        os.kill(supervisor_pid(tmp_path, run_id), signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
     if how == "SIGINT":
         assert proc.returncode == 130, out[-3000:]
         assert "stage job: INTERRUPTED" in out
     else:
-        assert proc.returncode == -9
+        assert proc.returncode == 1 and "ended without ending the run" in out, out[-3000:]
     # SIGKILL: no cleanup by ddplaunch at all — the pty hang-up ends torchrun and its workers
     wait_for(lambda: run_processes(run_id) == {}, timeout=30)
     no_hang(time.monotonic() - t0, 30, f"after {how} to the launcher every process of the run ends")
@@ -117,16 +120,20 @@ def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
 
 
 def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
-    """A run whose launcher vanished (SIGKILL) and whose hosts did not hang up: `down` ends it."""
+    """A run whose supervisor froze (its sessions open, nothing hung up): `down` ends it on the
+    hosts by the run's tag, then the frozen supervisor."""
     spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, **train_job(tmp_path, "--epochs", "500", "--step-sleep", "0.2"))
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-down"], tmp_path)
     read_until(proc, "step=", timeout=180)
-    proc.send_signal(signal.SIGSTOP)  # launcher frozen: connections stay open, nothing hangs up
+    frozen = supervisor_pid(tmp_path, "ssh-down")
+    os.kill(frozen, signal.SIGSTOP)  # the run's supervisor frozen: connections stay open, nothing hangs up
     try:
         assert len(run_pythons("ssh-down")) == 6
         down = ddplaunch(["down", "ssh-down"], tmp_path, timeout=60)
         assert down.returncode == 0
-        assert all("ended pids" in line for line in down.stdout.splitlines()), down.stdout
+        *hosts, last = down.stdout.splitlines()
+        assert len(hosts) == 2 and all("ended pids" in line for line in hosts), down.stdout
+        assert last.startswith(f"supervisor (pid {frozen}): frozen")
         assert run_processes("ssh-down") == {}
     finally:
         proc.kill()
