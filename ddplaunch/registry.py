@@ -80,7 +80,7 @@ register(Registration(
     limits={"sync": "the local backend runs in place: the files are already here",
             "recovery": "one host, this machine: there is no other to go on with"}))
 register(Registration(
-    "ssh", "ddplaunch.backends.ssh:SshBackend", sections=("ssh",),
+    "ssh", "ddplaunch.backends.ssh:SshBackend", sections=("ssh", "supervisor"),
     one_line="Fabric, one connection per host"))
 register(Registration(
     "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",), allocates=True,

@@ -194,6 +194,16 @@ class RecoverySpec(_Strict):
         return self.spares if isinstance(self.spares, int) else len(self.spares)
 
 
+class SupervisorSpec(_Strict):
+    """The run's supervisor and the hosts' side of it (ssh): how long a node runs on without it."""
+
+    #: seconds a node's ranks run on without hearing from the supervisor (it renews every node's
+    #: lease every lease/4 s, at most 30 s); then the node stops them itself (SIGTERM to torchrun,
+    #: SIGKILL after job.stop_grace): no rank outlives a dead, frozen or cut-off supervisor by more.
+    #: Long enough for a laptop's network to come back; the supervisor suspects itself meanwhile.
+    lease: float = Field(default=120.0, ge=5, le=86400)
+
+
 class SshSpec(_Strict):
     """How to reach the hosts of `backend: ssh`."""
 
@@ -282,6 +292,7 @@ class ClusterSpec(_Strict):
     job: JobSpec = Field(default_factory=JobSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
+    supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     container: Optional[ContainerSpec] = None
     sync: list[Line] = Field(default_factory=list)

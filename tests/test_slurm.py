@@ -101,6 +101,26 @@ def test_failing_rank_ends_the_allocation(slurm_cluster, tmp_path):
     assert wait_for(lambda: not run_processes("sl-fail"), timeout=15) is True
 
 
+def test_a_killed_up_leaves_the_run_going_and_the_allocation_ends_with_it(slurm_cluster, tmp_path):
+    """`up` SIGKILLed mid-training: the run's supervisor goes on, `attach` shows it to its end
+    (exit 0), and the allocation leaves the queue when the run ends (it no longer idles to its
+    time limit)."""
+    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-killed", "--skip-healthcheck", "--",
+                            "--epochs", "1", "--step-sleep", "0.3", "--ckpt-dir", str(tmp_path / "ckpt")], tmp_path)
+    read_until(proc, "step=", timeout=180)
+    proc.kill()
+    proc.wait(timeout=30)
+    job = job_of(tmp_path, "sl-killed")
+    assert queue_state(slurm_cluster, job) == "RUNNING"
+    attached = ddplaunch(["attach", "sl-killed"], tmp_path, timeout=300)
+    assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
+    assert "replicas identical" in attached.stdout and attached.stdout.rstrip().endswith("run sl-killed: ok (exit 0)")
+    # the supervisor cancels the allocation as it ends the run (30 s: a hang guard, measured ~1 s)
+    assert wait_for(lambda: not in_queue(slurm_cluster, job), timeout=30, interval=0.3) is True
+    assert wait_for(lambda: not run_processes("sl-killed"), timeout=15) is True
+
+
 def test_ctrl_c_cancels_the_job(slurm_cluster, tmp_path):
     spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
     proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-int", "--skip-healthcheck", "--",

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.backends.shell import lease_every
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import (ddplaunch, popen_ddplaunch, ranks_showing, read_until, run_processes, run_pythons,
@@ -138,6 +139,30 @@ def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_frozen_supervisors_ranks_stop_when_their_lease_runs_out(sim_cluster, tmp_path):
+    """The run's supervisor frozen (SIGSTOP: its sessions stay open, nothing hangs up, nothing
+    renews the nodes' leases): every process of the run on every host ends by itself within
+    supervisor.lease + 10 s, no sooner than the lease less one renewal interval."""
+    lease = 8
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, supervisor={"lease": lease},
+                    **train_job(tmp_path, "--epochs", "500", "--step-sleep", "0.2"))
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-lease"], tmp_path)
+    read_until(proc, "step=", timeout=180)
+    frozen = supervisor_pid(tmp_path, "ssh-lease")
+    try:
+        assert len(run_pythons("ssh-lease")) == 6
+        os.kill(frozen, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert wait_for(lambda: not run_processes("ssh-lease"), timeout=3 * (lease + 10)) is True
+        took = time.monotonic() - t0
+    finally:
+        os.kill(frozen, signal.SIGKILL)
+        proc.wait(timeout=60)
+    print(f"supervisor frozen -> every process of the run gone: {took:.1f}s (lease {lease}s)")
+    assert lease - lease_every(lease) <= took <= lease + 10, took
+    assert proc.returncode == 1
 
 
 @pytest.mark.parametrize("fault, preflight", [("sshd_stop", False), ("down", True)])

@@ -31,6 +31,31 @@ from ddplaunch.torchrun_logs import HEARTBEAT
 HEARTBEAT_LOOP = (f"{{ (while read -r s 2>/dev/null < /proc/$$/stat && s=${{s##*) }} && [ \"${{s%% *}}\" != Z ]; "
                   f"do echo {HEARTBEAT}; sleep 1; done) & }}")
 
+#: The file a node's lease loop reads (backends/ssh renews it): its content changes on every renewal.
+LEASE_FILE = "lease"
+#: The longest time between two renewals of a lease, whatever its length.
+MAX_RENEWAL_S = 30.0
+
+
+def lease_every(lease: float) -> float:
+    """Seconds between two renewals of a `lease`-second lease: a quarter of it, 1 to 30 s."""
+    return min(MAX_RENEWAL_S, max(1.0, lease / 4))
+
+
+def lease_loop(run_id: str, lease: int, grace: int) -> str:
+    """While the node's shell (then torchrun) lives, a silent loop (it never writes: a pty the
+    supervisor no longer reads cannot block it) reads the node's lease file every second; when the
+    file has not changed for `lease` seconds (bash's own $SECONDS: no clock, no fork), it SIGTERMs
+    torchrun (which stops its workers within its shutdown timeout, job.stop_grace) and SIGKILLs it
+    `grace` seconds later if it still runs."""
+    file = word(in_run_dir(run_id, LEASE_FILE))
+    return (f"{{ (last=; t=$SECONDS; while read -r s 2>/dev/null < /proc/$$/stat && s=${{s##*) }} && "
+            f"[ \"${{s%% *}}\" != Z ]; do l=; read -r l 2>/dev/null < {file}; "
+            f"if [ \"$l\" != \"$last\" ]; then last=$l; t=$SECONDS; "
+            f"elif [ $((SECONDS - t)) -ge {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
+            f"sleep 1; done) >/dev/null 2>&1 & }}")
+
+
 def pid_file(run_id: str, node: Union[int, str]) -> str:
     """Where a node's shell records its pid (torchrun's, after `exec`); `node` may be a Raw word."""
     return word(host_run_dir(run_id)) + f"/node{node}.pid"
@@ -75,10 +100,11 @@ def env_text(node: NodeCommand, secrets: frozenset[str] = frozenset(), mask: boo
 
 
 def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, str, None] = None,
-               heartbeat: bool = True) -> str:
+               heartbeat: bool = True, lease: Optional[tuple[int, int]] = None) -> str:
     """The one command line for `bash -c` on the host; every user value is quoted. `node_id`
     names the node's files when the shell finds its number itself (a Slurm step: a Raw word);
-    without `heartbeat` no line says the host lives (the local backend: this machine).
+    without `heartbeat` no line says the host lives (the local backend: this machine); with
+    `lease` (seconds, grace) the node stops its ranks once its supervisor stops renewing it.
 
     `echo $$` records the shell's PID, which `exec` hands to torchrun; with a pty that makes
     torchrun the session leader, so a dropped connection HUPs it. The heartbeat starts once the
@@ -90,13 +116,14 @@ def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, s
         env = env_file(node.run_id, node.stage, node_id)
         parts.append(f". {env} && rm -f {env}")
     parts += [HEARTBEAT_LOOP] if heartbeat else []
+    parts += [lease_loop(node.run_id, *lease)] if lease else []
     parts += list(node.setup)
     parts.append(f"(umask 077 && echo $$ > {pid_file(node.run_id, node_id)})")
     parts.append("exec " + " ".join(word(a) for a in node.argv()))
     return " && ".join(parts)
 
 
-def render_plan(plans: list[LaunchPlan], heartbeat: bool = True) -> str:
+def render_plan(plans: list[LaunchPlan], heartbeat: bool = True, lease: Optional[tuple[int, int]] = None) -> str:
     """The dry-run text of shell backends: for each stage and node, the environment file the
     backend writes (secret values shown as <secret>) and the exact line it executes."""
     out = []
@@ -106,11 +133,15 @@ def render_plan(plans: list[LaunchPlan], heartbeat: bool = True) -> str:
                    f"master {plan.master_addr}:{plan.master_port}{port_note}")
         for src, dst in plan.uploads:
             out.append(f"# upload {src} -> <host run dir>/{dst}")
+        if lease is not None:
+            out.append(f"# lease: while the stage runs the supervisor rewrites {word(in_run_dir(plan.run_id, LEASE_FILE))} "
+                       f"on every host each {lease_every(lease[0]):g}s (printf %s <monotonic ns> > FILE); a node whose "
+                       f"lease is unchanged for {lease[0]}s stops its ranks")
         for node in plan.nodes:
             out.append(f"# node {node.node_rank} on {node.host_label}: "
                        f"{env_file(plan.run_id, plan.stage, node.node_rank)} (mode 0600) holds")
             out += [f"#   {line}" for line in env_text(node, plan.secrets, mask=True).splitlines()]
-            out.append(shell_line(node, heartbeat=heartbeat))
+            out.append(shell_line(node, heartbeat=heartbeat, lease=lease))
     return "\n".join(out) + "\n"
 
 
@@ -121,12 +152,14 @@ class ShellRequest:
     plan: LaunchPlan
     #: The nodes' shells say every second that their host lives (the watcher's sign of a lost host).
     heartbeat: bool = True
+    #: (seconds, grace): each node stops its ranks when its lease has not been renewed that long.
+    lease: Optional[tuple[int, int]] = None
 
     def text(self) -> str:
-        return render_plan([self.plan], self.heartbeat)
+        return render_plan([self.plan], self.heartbeat, self.lease)
 
     def line(self, node: NodeCommand) -> str:
-        return shell_line(node, heartbeat=self.heartbeat)
+        return shell_line(node, heartbeat=self.heartbeat, lease=self.lease)
 
 
 def runtime_of(spec: ClusterSpec) -> Optional[str]:
@@ -159,7 +192,11 @@ class ShellLauncher:
         return [HostResult(h, (0, ""), None) for h in hosts]  # this machine: always there
 
     def render(self, plan: LaunchPlan) -> ShellRequest:
-        return ShellRequest(plan, self.heartbeat)
+        return ShellRequest(plan, self.heartbeat, self.lease())
+
+    def lease(self) -> Optional[tuple[int, int]]:
+        """The nodes' lease (seconds, grace), for a backend whose supervisor renews one."""
+        return None
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False,

@@ -20,16 +20,17 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.shell import (ShellLauncher, ShellRequest, describe_reap, pid_file, reaper_command,
-                                      runtime_of)
+from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every,
+                                      pid_file, reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
+from ddplaunch.backends.ssh.lease import Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.backends.watch import follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
-from ddplaunch.plan import NodeCommand, master_addr, tool_python
+from ddplaunch.plan import NodeCommand, in_run_dir, master_addr, tool_python
 from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
 from ddplaunch.runs import RunRecord
 from ddplaunch.shellword import word
@@ -202,8 +203,18 @@ class SshBackend(ShellLauncher):
                          lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
                                                      [hosts[i] for i in lost]),
                          lambda node: self.connector.unanswered(hosts[node].label))
-        return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
-                      stop_grace=self.spec.job.stop_grace)
+        with Renewals(self.spec.supervisor.lease, lambda value: self._renew(hosts, plan.run_id, value)):
+            return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
+                          stop_grace=self.spec.job.stop_grace)
+
+    def lease(self) -> Optional[tuple[int, int]]:
+        return int(self.spec.supervisor.lease), int(self.spec.job.stop_grace) + 5
+
+    def _renew(self, hosts: list[HostSpec], run_id: str, value: str) -> None:
+        """Every node's lease file gets `value` (a host that does not answer within the interval is
+        skipped: a lost host's lease runs out, which fences it)."""
+        command = f"printf %s {word(value)} > {word(in_run_dir(run_id, LEASE_FILE))}"
+        self._each(lambda h: self._exec(h, command, timeout=lease_every(self.spec.supervisor.lease)), hosts)
 
     def down(self, record: RunRecord) -> list[str]:
         """Every host the run could have used, its spares too (one may have replaced a lost host)."""

@@ -1,0 +1,38 @@
+"""The supervisor's side of the nodes' leases (backends/shell.py `lease_loop`): while a stage runs,
+every node's lease file is rewritten every lease/4 seconds (at most 30), a fresh value each time.
+A node whose lease has not changed for `supervisor.lease` seconds stops its ranks itself, so a
+supervisor that died, froze or lost its network leaves no rank running longer than that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import TracebackType
+from typing import Callable, Optional
+
+from ddplaunch.backends.shell import lease_every
+
+class Renewals:
+    """A thread that calls `renew(value)` every `interval(lease)` seconds, from the first moment
+    until the block ends; `renew` renews every node (errors are its own: a lost host's renewal
+    fails, which is the point)."""
+
+    def __init__(self, lease: float, renew: Callable[[str], None]):
+        self.every, self.renew = lease_every(lease), renew
+        self._done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "Renewals":
+        self._thread = threading.Thread(target=self._run, name="ddplaunch-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, kind: Optional[type[BaseException]], err: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.renew(str(time.monotonic_ns()))
+            self._done.wait(self.every)
