@@ -160,10 +160,19 @@ class StopEvent(threading.Event):
     def __init__(self) -> None:
         super().__init__()
         self.cause: Optional[str] = None
+        #: Hosts ddplaunch found at fault while stopping (label -> why, e.g. its ranks are frozen):
+        #: the watcher counts them lost, so a run with recovery replaces them.
+        self.lost: dict[str, str] = {}
 
-    def stop(self, cause: str) -> None:
+    def stop(self, cause: str, lost: Optional[dict[str, str]] = None) -> None:
         self.cause = cause
+        self.lost = dict(lost or {})
         self.set()
+
+    def reset(self) -> None:
+        """Clear a stop ddplaunch made (a hang whose frozen host the run then replaced)."""
+        self.cause, self.lost = None, {}
+        self.clear()
 
     @property
     def by_user(self) -> bool:

@@ -34,6 +34,9 @@ from ddplaunch.torchrun_logs import mismatch_lines, store_errors
 from ddplaunch.watchdog import HangWatchdog
 
 PORT_ATTEMPTS = 20
+#: The hang watchdog's timeout when the spec sets none and recovery is on: a host whose ranks
+#: froze is found (watchdog.frozen_hosts) and replaced, not waited for until the job's timeout.
+RECOVERY_HANG_S = 60.0
 
 
 @dataclass
@@ -179,6 +182,8 @@ class RunLoop:
             return None
         recovery = self.budget.done[-1]
         result.recovered = recovery.number
+        if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
+            self.stop.reset()
         self.record.stages[-1] = result.to_dict()
         self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
                           f"relaunching on {', '.join(h.label for h in hosts)}")
@@ -227,9 +232,10 @@ class RunLoop:
         lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None,
                            secrets=self._secrets)
         watchdog = None
-        if plan.stage == "job" and spec.job.hang_timeout:
+        hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
+        if plan.stage == "job" and hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
-                                    spec.job.hang_timeout)
+                                    hang_timeout)
         with watchdog or contextlib.nullcontext():
             result = self.backend.launch(request, lines, self.stop)
         result.diagnosis += watchdog.diagnosis if watchdog else []

@@ -82,6 +82,27 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     return stacks, problems, raw
 
 
+#: Process states of a rank that cannot run (hostside/stacks.py says which each process is in).
+FROZEN_STATES = ("T", "t", "D")
+
+
+def frozen_hosts(raw: dict[str, Any]) -> dict[str, str]:
+    """Hosts whose every rank process is frozen (stopped, or in an uninterruptible wait) while
+    some other host has a rank that can run: label -> why. Empty when the evidence pins nothing
+    (every host frozen alike, or no host's ranks are)."""
+    frozen, running = {}, False
+    for host, data in raw.items():
+        workers = [p for p in data.get("procs") or [] if p.get("rank") is not None]
+        states = {p.get("state") for p in workers}
+        if workers and states <= set(FROZEN_STATES):
+            pids = " ".join(str(p["pid"]) for p in workers)
+            frozen[host] = (f"its ranks are frozen (process state {'/'.join(sorted(str(s) for s in states))}: "
+                            f"pid {pids}) while the host answers")
+        elif workers:
+            running = True
+    return frozen if running else {}
+
+
 def stuck_at(threads: list[dict[str, Any]], cwd: str) -> str:
     """`all_reduce at jobs/x.py:14`: the call the user's innermost frame is in, in the main thread.
 
@@ -208,8 +229,10 @@ class HangWatchdog:
             lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
         except OSError as err:
             lines.append(f"could not save the stacks in {self.out_dir}: {err}")
+        frozen = frozen_hosts(raw)
+        lines += [f"{host}: {why}" for host, why in frozen.items()]
         self.diagnosis = lines
         self.fired_after = time.time() - self._started
         for line in lines:
             self.lines.note(line)
-        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s")
+        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s", lost=frozen)

@@ -85,6 +85,8 @@ class FakeScript:
     commands: dict[str, str] = field(default_factory=dict)
     #: Set on this event during the named launch (index), after its nodes started.
     interrupt_in: Optional[int] = None
+    #: Hosts whose ranks the hang watchdog's stack program finds frozen (process state T).
+    frozen: set[str] = field(default_factory=set)
 
 
 def healthy_facts(host: HostSpec, master_ip: str = "10.0.0.1") -> dict[str, Any]:
@@ -151,10 +153,17 @@ class FakeBackend:
             if host.label in self.script.unreachable:
                 out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
                 continue
-            answers = "".join(f"DDPLAUNCH_ANSWER_{nonce} {json.dumps(healthy_facts(host))}\n"
+            facts = self._stacks(host) if "def find_py_spy" in text else healthy_facts(host)
+            answers = "".join(f"DDPLAUNCH_ANSWER_{nonce} {json.dumps(facts)}\n"
                               for nonce in re.findall(r"(?<![0-9a-f])[0-9a-f]{12}(?![0-9a-f])", text))
             out.append(HostResult(host, (0, answers), None))
         return out
+
+    def _stacks(self, host: HostSpec) -> dict[str, Any]:
+        """The hang watchdog's stack program's answer: one worker, frozen when the script says."""
+        state = "T" if host.label in self.script.frozen else "S"
+        return {"py_spy": None, "looked_for": [], "workers": True,
+                "procs": [{"pid": 100, "cwd": "/", "rank": 0, "local_rank": 0, "state": state}]}
 
     def port_free(self, addr: str, port: int) -> bool:
         return True

@@ -23,7 +23,7 @@ import yaml
 from ddplaunch.events import RecoveryStarted, Shown, read_events
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, run_pythons, wait_for
 from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -183,6 +183,39 @@ def test_the_launchers_own_network_dropped_for_12s_loses_no_host(sim_cluster, tm
     assert "recovered from" not in out
     (got,) = SHA_RE.findall(out)
     assert got == reference
+
+
+def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, reference):
+    """Every process of the job on one host stopped (SIGSTOP; its host answers, its heartbeat goes
+    on): the others wait in a collective; the hang watchdog finds that host's ranks frozen (state
+    T), it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "frozen", [0, 1, 2], [3], "--step-sleep", "0.3")
+    data = yaml.safe_load(spec.read_text())
+    data["job"]["hang_timeout"] = 10
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    hosts = [h.name for h in sim_cluster.hosts]
+    run_id = "rec-frozen"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    try:
+        head = read_until(proc, "step=6 ", timeout=180)
+        frozen = [pid for pid in run_pythons(run_id) if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST")
+                  == hosts[1]]
+        assert len(frozen) == 2, frozen  # torchrun and its worker
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(head) + rest
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(rf"\[ddplaunch\] {hosts[1]}: its ranks are frozen \(process state T: pid \d+\) while the host "
+                     "answers", out), out[-4000:]
+    assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(its ranks are frozen .*\) → replaced by "
+                     rf"{hosts[3]}", out), out[-3000:]
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
+    assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=30) is True
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):

@@ -422,3 +422,46 @@ def test_the_launcher_suspects_itself_for_a_bounded_time(tmp_path, monkeypatch):
     assert "this machine has reached none of the silent hosts for 0s: they count as lost" in out
     assert sorted(o.host for o in report.stages[-1].outcomes if o.state == "lost") == ["f1", "f2", "f3"]
     no_hang(took, 30, "the suspicion ends after SELF_SUSPECT_S")
+
+
+# ----------------------------------------------------------------------------- frozen ranks
+
+def _all_hang() -> StageScript:
+    return StageScript(nodes={h: NodeScript(hangs=True) for h in ("f1", "f2", "f3")})
+
+
+def test_a_host_whose_ranks_froze_is_named_by_the_hang_watchdog_and_replaced(tmp_path):
+    """Every rank silent (a collective waits for the frozen host); the watchdog's stack program finds
+    f2's ranks stopped (state T) while the others can run: f2 counts as lost and the spare replaces it."""
+    script = FakeScript(stages=[_all_hang()], frozen={"f2"})
+    report, out, _ = run(tmp_path, script, recovery=RECOVER, rdzv_timeout=1, job={"hang_timeout": 0.3})
+    assert report.exit_code == 0, out
+    assert [p.hosts for p in script.launched] == [["f1", "f2", "f3"], ["f1", "f4", "f3"]]
+    (only,) = report.recoveries
+    assert only.lost == ["f2"] and only.replaced == {"f2": "f4"}
+    assert only.causes["f2"].startswith("its ranks are frozen (process state T: pid 100) while the host answers")
+    assert "[ddplaunch] f2: its ranks are frozen" in out
+
+
+def test_a_hang_the_evidence_does_not_pin_on_a_host_is_the_jobs_failure(tmp_path):
+    for frozen in (set(), {"f1", "f2", "f3"}):  # nobody frozen; everybody frozen alike
+        script = FakeScript(stages=[_all_hang()], frozen=frozen)
+        (tmp_path / str(len(frozen))).mkdir()
+        report, out, _ = run(tmp_path / str(len(frozen)), script, recovery=RECOVER, rdzv_timeout=1,
+                             job={"hang_timeout": 0.3})
+        assert report.exit_code == 1 and len(script.launched) == 1 and not report.recoveries, out
+        assert "hang: no output" in out and "frozen" not in out
+
+
+def test_recovery_turns_the_hang_watchdog_on(tmp_path, monkeypatch):
+    """With recovery on and no job.hang_timeout, the watchdog runs with RECOVERY_HANG_S."""
+    from ddplaunch import runloop
+
+    monkeypatch.setattr(runloop, "RECOVERY_HANG_S", 0.3)
+    script = FakeScript(stages=[_all_hang()], frozen={"f3"})
+    report, out, _ = run(tmp_path, script, recovery=RECOVER, rdzv_timeout=1)
+    assert report.exit_code == 0 and [r.lost for r in report.recoveries] == [["f3"]], out
+    script = FakeScript(stages=[StageScript(nodes={h: NodeScript(after=1.0) for h in ("f1", "f2", "f3")})])
+    (tmp_path / "off").mkdir()
+    report, out, _ = run(tmp_path / "off", script, rdzv_timeout=1)  # no recovery: no default watchdog
+    assert report.exit_code == 0 and "hang:" not in out, out

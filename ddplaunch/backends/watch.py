@@ -228,6 +228,7 @@ class _Watch:
             if stop.is_set():
                 self.result.interrupted = stop.by_user
                 cause = stop.cause or "interrupted by the user"
+                self._at_fault(stop.lost)
                 self.lines.note(f"{cause}: stopping every node")
                 return cause
             if failed_at is not None and time.time() - failed_at >= grace:
@@ -235,6 +236,13 @@ class _Watch:
                 return f"{self.host(self.first_bad.node)} (node {self.first_bad.node}) failed"
             time.sleep(POLL_S)
         return None
+
+    def _at_fault(self, hosts: dict[str, str]) -> None:
+        """Nodes on hosts the stop names at fault (frozen ranks) end as lost, not stopped: their
+        hosts answer, so they are reaped with the others (which kills even a stopped process),
+        and not waited for (a frozen torchrun never acts on SIGTERM)."""
+        self.take([NodeEnd(o.node_rank, None, how=hosts[o.host], lost=True, confirmed=True)
+                   for o in self.result.outcomes if o.host in hosts and o.node_rank not in self.ended])
 
     def _silent(self, stage: RunningStage) -> list[NodeEnd]:
         """Nodes silent for `detect` seconds whose host does not answer the backend's probe (the

@@ -3,7 +3,8 @@
 Usage: `python - NONCE RUN_ID PYTHON` (procs.py's source first). Dumps every worker of the run
 (processes with RANK in their environment), or the torchrun agents when no worker has started.
 Prints one answer line `DDPLAUNCH_ANSWER_<nonce> {...}`: py-spy's path, whether workers were
-found, and per process its pid, rank, cwd and threads (or the error).
+found, and per process its pid, rank, cwd, state (/proc/PID/stat) and threads (or the error); a
+frozen process (stopped, or in an uninterruptible wait) is not dumped.
 """
 
 import json
@@ -24,7 +25,24 @@ def find_py_spy(python):
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None), [c for c in candidates if c]
 
 
+#: Process states of a rank that cannot run: stopped (SIGSTOP, a debugger), or in an
+#: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one.
+FROZEN = ("T", "t", "D")
+
+
+def state_of(pid):
+    """The process's state letter from /proc/PID/stat (R, S, D, T, ...), "?" when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 def dump(spy, proc):
+    if proc["state"] in FROZEN:
+        proc["error"] = f"not dumped: the process is frozen (state {proc['state']})"
+        return proc
     try:
         out = subprocess.run([spy, "dump", "--pid", str(proc["pid"]), "--json"], capture_output=True,
                              text=True, timeout=25)
@@ -47,7 +65,7 @@ def main(argv):
             continue
         rank = env.get(b"RANK")
         procs.append({"pid": pid, "cwd": cwd, "rank": int(rank) if rank else None,
-                      "local_rank": int(env.get(b"LOCAL_RANK", b"-1"))})
+                      "local_rank": int(env.get(b"LOCAL_RANK", b"-1")), "state": state_of(pid)})
     workers = [p for p in procs if p["rank"] is not None]
     targets = workers or procs  # no worker yet (torchrun still in rendezvous): the agents
     spy, looked = find_py_spy(python)
