@@ -201,7 +201,7 @@ class _Program:
 
 
 def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list[str]],
-             inline_healthcheck: bool, pairwise: bool) -> _Program:
+             inline_healthcheck: bool, pairwise: bool, recovery: int = 0) -> _Program:
     healthcheck = tuple((str(src), src.name) for src in HEALTHCHECK_SOURCES)
     if stage == "healthcheck":
         return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, pairwise),
@@ -218,7 +218,8 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
     # inline, then the script as __main__, then (job.fast_exit) no interpreter finalization
     head = healthcheck_args(spec, run_id, pairwise) if inline_healthcheck else ["--no-healthcheck"]
     head += [] if spec.job.fast_exit else ["--finalize"]
-    args = [*head, "--", script, *(spec.job.args if job_args is None else job_args)]
+    resume = spec.job.resume_args if recovery else []  # a relaunch tells the job to resume
+    args = [*head, "--", script, *(spec.job.args if job_args is None else job_args), *resume]
     return _Program(in_run_dir(run_id, "entry.py"), args,
                     ((str(ENTRY_SOURCE), "entry.py"), *healthcheck, *uploads), spec.job.max_restarts)
 
@@ -241,13 +242,14 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
         inline_healthcheck: the job's workers run the health check first, in the same launch.
         pairwise: the health check also tests host pairs in-process (and names slow hosts).
         recovery: how many host failures the run has survived: a relaunch after one tells the
-            job (DDPLAUNCH_RECOVERY=N) so it knows to resume from its latest checkpoint.
+            job (DDPLAUNCH_RECOVERY=N, and `job.resume_args` after its arguments) so it knows to
+            resume from its latest checkpoint.
     Returns:
         The plan; a backend's `render(plan).text()` is its dry-run text.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
-    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise)
+    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise, recovery)
     addr = master_addr(spec)
     user_env = spec.env_values(os.environ if environ is None else environ)
     nodes = []

@@ -39,6 +39,12 @@ class Recovery:
     resumed_from: Optional[int] = None
     #: Spares the relaunch could not reach (they died while they waited) -> why; skipped, not counted.
     dead_spares: dict[str, str] = field(default_factory=dict)
+    #: Optimizer steps the job had taken in the launch that lost the host (its rank 0's count).
+    steps_before: Optional[int] = None
+    #: What the relaunched job loaded (its checkpoint, if it resumed), and whether it trained
+    #: with no load and no word of resuming: restarted from scratch.
+    loaded: list[str] = field(default_factory=list)
+    from_scratch: bool = False
 
     def describe(self) -> str:
         """`dlr1 lost (no heartbeat for 6s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
@@ -50,8 +56,14 @@ class Recovery:
         parts += [f"spare {spare} skipped ({why})" for spare, why in self.dead_spares.items()]
         text = "; ".join(parts)
         if self.resumed_after_s is not None:
-            text += f", resumed after {self.resumed_after_s:.0f}s"
+            text += f", {'trained again' if self.from_scratch else 'resumed'} after {self.resumed_after_s:.0f}s"
             text += f" from step {self.resumed_from}" if self.resumed_from is not None else ""
+        if self.steps_before is not None:
+            text += f"; {self.steps_before} optimizer steps done before"
+        if self.loaded:
+            text += f"; the relaunched job loaded {self.loaded[-1]}"
+        elif self.from_scratch:
+            text += "; training restarted from scratch: the job did not resume (see job.resume_args)"
         return text
 
     def resumed(self, progress: Optional[Progress]) -> None:
@@ -59,6 +71,9 @@ class Recovery:
         if progress is not None:
             self.resumed_after_s = max(0.0, progress.first_at - self.lost_at)
             self.resumed_from = progress.resumed_from
+            self.loaded = list(progress.loaded)
+            self.from_scratch = (not progress.loaded and progress.resumed_from is None
+                                 and progress.optimizer_steps is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

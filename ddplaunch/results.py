@@ -121,14 +121,19 @@ class StageResult:
 
 @dataclass
 class Progress:
-    """When a launch's job completed steps: its first and last `step=N` lines, and the step a
-    resumed job said it resumed from."""
+    """When a launch's job made progress: its first and last completed step (optimizer steps its
+    rank 0 reported from inside the process, hostside/entry.py, or else `step=N` lines), the step a
+    resumed job said it resumed from, and the checkpoints it loaded."""
 
     first_at: float
     first_step: int
     last_at: float
     last_step: int
     resumed_from: Optional[int] = None
+    #: Optimizer steps rank 0 took in this launch (None: not seen, e.g. no torch.optim).
+    optimizer_steps: Optional[int] = None
+    #: What rank 0 loaded (torch.load, torch.distributed.checkpoint.load): paths.
+    loaded: list[str] = field(default_factory=list)
 
     @property
     def training_s(self) -> float:

@@ -182,6 +182,8 @@ class RunLoop:
             return None
         recovery = self.budget.done[-1]
         result.recovered = recovery.number
+        if recovery.steps_before is None and result.progress is not None:
+            recovery.steps_before = result.progress.optimizer_steps
         if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
             self.stop.reset()
         self.record.stages[-1] = result.to_dict()
@@ -263,8 +265,11 @@ class RunLoop:
         if recovery.resumed_after_s is None:
             recovery.resumed(progress)
             step = f" at step {recovery.resumed_from}" if recovery.resumed_from is not None else ""
-            self.console.note(f"training resumed{step}, {recovery.resumed_after_s:.0f}s after "
-                              f"{', '.join(recovery.lost)} was last heard from")
+            loaded = f" (it loaded {recovery.loaded[-1]})" if recovery.loaded else ""
+            self.console.note(f"training {'restarted from scratch' if recovery.from_scratch else 'resumed'}{step}"
+                              f"{loaded}, {recovery.resumed_after_s:.0f}s after {', '.join(recovery.lost)} was last "
+                              "heard from" + (": the job did not resume (see job.resume_args)"
+                                              if recovery.from_scratch else ""))
 
     def _free_port(self, spec: ClusterSpec, stage: str, recovery: int = 0) -> int:
         """A free master port for `stage`: the one the pre-flight proved, `master.port`, or one

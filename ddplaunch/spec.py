@@ -139,6 +139,9 @@ class JobSpec(_Strict):
 
     script: Line = "jobs/toy_ddp.py"
     args: list[Arg] = Field(default_factory=list)
+    #: appended to the job's arguments on every relaunch after a host failure (recovery), e.g.
+    #: nanoGPT's [--init_from=resume]: a job that needs telling to resume from its checkpoint
+    resume_args: list[Arg] = Field(default_factory=list)
     max_restarts: int = Field(default=0, ge=0)
     hang_timeout: Optional[float] = Field(default=None, gt=0)
     debug_collectives: bool = False
@@ -149,7 +152,7 @@ class JobSpec(_Strict):
     #: checkpoint (torchrun's own grace for its workers too: TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
     stop_grace: int = Field(default=30, ge=1, le=3600)
 
-    @field_validator("args", mode="before")
+    @field_validator("args", "resume_args", mode="before")
     @classmethod
     def _args_str(cls, args: Any) -> Any:
         return [str(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a for a in args] \

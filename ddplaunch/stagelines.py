@@ -54,6 +54,7 @@ class StageLines:
         self.heard_at: dict[int, float] = {}
         self.progress: Optional[Progress] = None
         self._resumed_from: Optional[int] = None
+        self._loaded: list[str] = []
 
     # ------------------------------------------------------------------ from the backends
 
@@ -77,6 +78,7 @@ class StageLines:
                 self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown
                 self._payloads.setdefault(marker.group(1), []).append((node_rank, marker.group(2)))
+                first = self._reported(marker.group(1), marker.group(2), now)
                 shown = False
             else:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
@@ -90,6 +92,39 @@ class StageLines:
         if first and self._on_first_step is not None and self.progress is not None:
             self._on_first_step(self.progress)
 
+    def _reported(self, kind: str, payload: str, now: float) -> bool:
+        """Rank 0's own report of its optimizer steps or a checkpoint load; True for its first step."""
+        if kind not in ("PROGRESS", "LOADED"):
+            return False
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return False
+        if kind == "LOADED":
+            self._loaded.append(str(data.get("path", "?"))[:300])
+            if self.progress is not None:
+                self.progress.loaded = list(self._loaded)
+            return False
+        steps = data.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            return False
+        first = self._step(now, steps if self.progress is None or self.progress.optimizer_steps is not None
+                           else self.progress.last_step)
+        assert self.progress is not None
+        self.progress.optimizer_steps = steps
+        return first
+
+    def _step(self, now: float, step: int) -> bool:
+        """A completed step at `now`; True when it is the launch's first."""
+        first = self.progress is None
+        if self.progress is None:
+            self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
+                                     loaded=list(self._loaded))
+        else:
+            self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)
+        self.progress.resumed_from = self._resumed_from
+        return first
+
     def _progress(self, line: str, now: float) -> bool:
         """Note the job's progress from a rank's line; True for its first completed step."""
         resumed = RESUMED_RE.search(line)
@@ -98,14 +133,10 @@ class StageLines:
         step = STEP_RE.search(line)
         if step is None:
             return False
-        n = int(step.group(1))
-        first = self.progress is None
-        if self.progress is None:
-            self.progress = Progress(first_at=now, first_step=n, last_at=now, last_step=n)
-        else:
-            self.progress.last_at, self.progress.last_step = now, max(n, self.progress.last_step)
-        self.progress.resumed_from = self._resumed_from
-        return first
+        if self.progress is not None and self.progress.optimizer_steps is not None:
+            self.progress.resumed_from = self._resumed_from
+            return False  # the optimizer's own count is the clock; the line is a hint
+        return self._step(now, int(step.group(1)))
 
     def silent_for(self, node_rank: int) -> Optional[float]:
         """Seconds since the node was last heard from; None before its first heartbeat or line."""

@@ -205,3 +205,30 @@ def test_reproducer_never_aborts_through_entry():
         assert "terminate called" not in run.stdout, run.stdout
         assert run.returncode == 0, run.stdout
         assert sorted(e["rank"] for e in rank_exits(run.stdout)) == [0, 1, 2]
+
+
+def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_print(tmp_path):
+    """No `step=N` convention: entry.py's hooks see torch.optim's steps (one optimizer counted,
+    not two), torch.load and torch.distributed.checkpoint.load, and say them as machine lines."""
+    job = script(tmp_path, f"""\
+        import torch
+        import torch.distributed.checkpoint as dcp
+        m = torch.nn.Linear(2, 2)
+        a, b = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.save(m.state_dict(), {str(tmp_path / 'ck.pt')!r})
+        m.load_state_dict(torch.load({str(tmp_path / 'ck.pt')!r}))
+        dcp.save({{"m": m.state_dict()}}, checkpoint_id={str(tmp_path / 'dcp')!r})
+        dcp.load({{"m": m.state_dict()}}, checkpoint_id={str(tmp_path / 'dcp')!r})
+        for _ in range(3):
+            a.zero_grad(); m(torch.ones(1, 2)).sum().backward(); a.step(); b.step()
+        """)
+    out = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [(m[0], json.loads(m[1])) for m in re.findall(r"^DDPLAUNCH_(PROGRESS|LOADED)_JSON (\{.*\})$", out.stdout, re.M)]
+    loads = [d for kind, d in said if kind == "LOADED"]
+    assert [(d["path"], d["via"]) for d in loads] == [
+        (str(tmp_path / "ck.pt"), "torch.load"), (str(tmp_path / "dcp"), "torch.distributed.checkpoint.load")]
+    steps = [d["steps"] for kind, d in said if kind == "PROGRESS"]
+    assert steps[0] == 1 and steps[-1] == 3, said  # the first step at once, the last at exit
+    other = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "1"}, timeout=120)
+    assert other.returncode == 0 and "DDPLAUNCH_PROGRESS" not in other.stdout  # rank 0 speaks for the job

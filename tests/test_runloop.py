@@ -465,3 +465,44 @@ def test_recovery_turns_the_hang_watchdog_on(tmp_path, monkeypatch):
     (tmp_path / "off").mkdir()
     report, out, _ = run(tmp_path / "off", script, rdzv_timeout=1)  # no recovery: no default watchdog
     assert report.exit_code == 0 and "hang:" not in out, out
+
+
+# ----------------------------------------------------------------------------- the job's own progress
+
+def _relaunch(*lines: str) -> StageScript:
+    return StageScript(nodes={"f1": NodeScript(lines=lines)})
+
+
+def test_the_summary_says_what_the_relaunched_job_loaded_and_how_far_it_had_come(tmp_path):
+    crash = StageScript(nodes={"f1": NodeScript(hangs=True, lines=()), "f2": NodeScript(silent=True, after=0.3),
+                               "f3": NodeScript(hangs=True)})
+    crash.nodes["f1"] = NodeScript(hangs=True)
+    script = FakeScript(stages=[crash, _relaunch('[f1:0] DDPLAUNCH_LOADED_JSON {"rank": 0, "path": "/ck/step_8.pt", '
+                                                 '"via": "torch.load"}',
+                                                 '[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": 5}')])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER, job={"resume_args": ["--init_from=resume"]})
+    assert report.exit_code == 0, out
+    (only,) = report.recoveries
+    assert only.loaded == ["/ck/step_8.pt"] and not only.from_scratch
+    assert "; the relaunched job loaded /ck/step_8.pt" in only.describe()
+    assert "restarted from scratch" not in out
+    # job.resume_args: only the relaunch is told to resume
+    first, again = (p.nodes[0].argv() for p in script.launched)
+    assert "--init_from=resume" not in first and again[-1] == "--init_from=resume"
+
+
+def test_a_relaunched_job_that_loads_nothing_is_said_to_have_restarted_from_scratch(tmp_path):
+    """Rank 0 said 14 optimizer steps before f2 was lost; the relaunch trained (40 steps) but
+    loaded nothing and said nothing of resuming: it started again from scratch, and the summary
+    says so (the live note too)."""
+    crash = StageScript(nodes={"f1": NodeScript(after=0.05, lines=('[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, '
+                                                                    '"steps": 14}',)),
+                               "f2": NodeScript(silent=True, after=0.3), "f3": NodeScript(hangs=True)})
+    script = FakeScript(stages=[crash, _relaunch('[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": 40}')])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0, out
+    (only,) = report.recoveries
+    assert only.from_scratch and only.loaded == [] and only.steps_before == 14
+    assert only.describe().endswith("; 14 optimizer steps done before; training restarted from scratch: the job "
+                                    "did not resume (see job.resume_args)"), only.describe()
+    assert "[ddplaunch] training restarted from scratch" in out

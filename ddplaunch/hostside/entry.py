@@ -16,17 +16,22 @@ finalization, where torch's C++ threads (Gloo, DDP) sometimes abort a finished p
 ("terminate called without an active exception"). ``--finalize`` (``job.fast_exit: false``)
 finalizes normally instead. A rank that dies after that line had finished its script. A
 worker that torchrun restarted (``job.max_restarts``) first prints ``DDPLAUNCH_RANKSTART_JSON
-{"rank": R, "restart": N}``.
+{"rank": R, "restart": N}``. Rank 0 says the job's optimizer steps and checkpoint loads as it goes
+(``Progress``: hooks, no print convention).
 """
 
 import atexit
+import functools
+import importlib.abc
 import importlib.util
 import json
 import os
 import runpy
 import sys
 import threading
+import time
 import traceback
+from typing import Optional
 
 USAGE = ("usage: entry.py [health-check options | --no-healthcheck] [--finalize] "
          "-- SCRIPT [ARGS...]")
@@ -154,6 +159,128 @@ def say_restart() -> None:
         sys.stdout.flush()
 
 
+#: Seconds between two progress lines of rank 0 (the first step is said at once).
+PROGRESS_EVERY = 1.0
+
+
+class Progress:
+    """The job's real progress, seen from inside its process without any print convention: its
+    optimizer steps (torch.optim's global step hook; the first optimizer that steps is counted,
+    so a GAN's two do not count twice) and the checkpoints it loads (torch.load,
+    torch.distributed.checkpoint.load). Rank 0 says them as machine lines the launcher reads:
+    ``DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": N}`` (at most once a second, and at exit) and
+    ``DDPLAUNCH_LOADED_JSON {"rank": 0, "path": P, "via": F}``. Nothing imports torch for it:
+    the hooks go in when the job imports torch."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.steps, self.said, self.said_at = 0, -1, 0.0
+        self._optimizer: Optional[int] = None
+        self._patched: set = set()
+        self._inside = threading.local()  # within a load said already
+
+    def say(self, kind: str, data: dict) -> None:
+        if self.rank != 0:
+            return
+        try:
+            sys.stdout.write(f"DDPLAUNCH_{kind}_JSON " + json.dumps({"rank": self.rank, **data}) + "\n")
+            sys.stdout.flush()
+        except Exception:
+            pass
+
+    def stepped(self, optimizer, *_args) -> None:
+        if self._optimizer is None:
+            self._optimizer = id(optimizer)
+        if id(optimizer) != self._optimizer:
+            return
+        self.steps += 1
+        now = time.monotonic()
+        if self.said < 0 or now - self.said_at >= PROGRESS_EVERY:
+            self.flush(now)
+
+    def flush(self, now: float = 0.0) -> None:
+        if self.steps and self.steps != self.said:
+            self.said, self.said_at = self.steps, now or time.monotonic()
+            self.say("PROGRESS", {"steps": self.steps})
+
+    def loaded(self, via: str, fn):
+        """`fn` (a load function) saying what it loads; loads inside it (dcp reads with torch.load)
+        are its own, not said again."""
+        def load(*args, **kwargs):
+            if getattr(self._inside, "depth", 0):
+                return fn(*args, **kwargs)
+            if via == "torch.load":
+                target = args[0] if args else kwargs.get("f")
+            else:
+                target = kwargs.get("checkpoint_id", kwargs.get("storage_reader"))
+            self.say("LOADED", {"path": str(target if isinstance(target, (str, os.PathLike)) else
+                                            type(target).__name__)[:300], "via": via})
+            self._inside.depth = 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside.depth = 0
+        return functools.wraps(fn)(load)
+
+    def patch(self) -> None:
+        """Hook what of torch is imported by now (each once)."""
+        torch = sys.modules.get("torch")
+        if torch is not None and "load" not in self._patched and hasattr(torch, "load"):
+            self._patched.add("load")
+            setattr(torch, "load", self.loaded("torch.load", getattr(torch, "load")))
+        opt = sys.modules.get("torch.optim.optimizer")
+        if opt is not None and "step" not in self._patched and hasattr(opt, "register_optimizer_step_post_hook"):
+            self._patched.add("step")
+            opt.register_optimizer_step_post_hook(self.stepped)
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is not None and "dcp" not in self._patched:
+            self._patched.add("dcp")
+            for name in ("load", "load_state_dict"):
+                if hasattr(dcp, name):
+                    setattr(dcp, name, self.loaded(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then()` after any module of torch has been imported (a post-import hook)."""
+
+    NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint")
+
+    def __init__(self, then):
+        self.then = then
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.NAMES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader, then = spec.loader, self.then
+
+                class _Then(importlib.abc.Loader):
+                    def create_module(self, spec):
+                        return loader.create_module(spec)
+
+                    def exec_module(self, module):
+                        loader.exec_module(module)
+                        then()
+                spec.loader = _Then()
+                return spec
+        return None
+
+
+def watch_progress() -> Progress:
+    """Install the progress hooks (now for what torch is imported already, the rest on import)."""
+    progress = Progress()
+    try:
+        progress.patch()
+        sys.meta_path.insert(0, _AfterImport(progress.patch))
+    except Exception:  # noqa: BLE001 - progress is a help, never a failure of the job
+        pass
+    return progress
+
+
 def main(argv: list) -> None:
     say_restart()
     try:
@@ -166,8 +293,10 @@ def main(argv: list) -> None:
         status = load_healthcheck().run(opts)
         if status != 0:  # the health check printed the FAIL line; no job code runs
             leave(status, finalize=False)  # nothing to finalize for, maybe a broken group
+    progress = watch_progress()
     code = run_script(script_argv)
     shut_down_like_python()
+    progress.flush()
     leave(code, finalize)
 
 
