@@ -44,10 +44,12 @@ def _train(tmp_path: Path, name: str, *args: str) -> dict:
 
 
 def _spec(cluster, tmp_path: Path, name: str, hosts: list[int], spares: list[int], *args: str, **extra) -> Path:
+    """The training spec on these hosts and spares; `job={...}` adds keys to its job section."""
     data = yaml.safe_load(cluster.spec_path.read_text())
     recovery = {"max_host_failures": 1, "spares": [data["hosts"][i] for i in spares], **extra.pop("recovery", {})}
-    data.update(_train(tmp_path, name, *args), hosts=[data["hosts"][i] for i in hosts], workdir=str(ROOT),
-                recovery=recovery, **extra)
+    train = _train(tmp_path, name, *args)
+    train["job"].update(extra.pop("job", {}))
+    data.update(train, hosts=[data["hosts"][i] for i in hosts], workdir=str(ROOT), recovery=recovery, **extra)
     path = tmp_path / name / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -64,21 +66,33 @@ def reference(sim_cluster, tmp_path_factory) -> str:
     return sha
 
 
-def _crash_during(spec: Path, tmp_path: Path, run_id: str, cluster, victim: str, at: str = "step=6 ",
-                  timeout: float = 300) -> tuple[str, dict, float]:
-    """Start `up`, crash `victim` once a rank printed `at`; (all output, the run record, when it crashed)."""
+def _disturbed(spec: Path, tmp_path: Path, run_id: str, at: str, disturb, timeout: float = 300) -> tuple[str, int]:
+    """Start `up`, call `disturb()` once a rank printed `at`, wait for the end; (all output, exit code)."""
     proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
     try:
         head = read_until(proc, at, timeout=180)
-        t_crash = time.time()
-        sim_fault(cluster, victim, crash=True)
+        disturb()
         rest, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return "".join(head) + rest, proc.returncode
+
+
+def _crash_during(spec: Path, tmp_path: Path, run_id: str, cluster, victim: str, at: str = "step=6 ",
+                  timeout: float = 300) -> tuple[str, dict, float]:
+    """Start `up`, crash `victim` once a rank printed `at`; (all output, the run record, when it crashed)."""
+    crashed: list[float] = []
+
+    def crash() -> None:
+        crashed.append(time.time())
+        sim_fault(cluster, victim, crash=True)
+    try:
+        out, _ = _disturbed(spec, tmp_path, run_id, at, crash, timeout)
+    finally:
         sim_fault(cluster, victim, clear=True)
     record = json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())
-    return "".join(head) + rest, record, t_crash
+    return out, record, crashed[0]
 
 
 def _timely(record: dict, t_crash: float) -> dict:
@@ -167,17 +181,11 @@ def test_the_launchers_own_network_dropped_for_12s_loses_no_host(sim_cluster, tm
     bitwise equal."""
     spec = _spec(sim_cluster, tmp_path, "netdrop", [0, 1, 2], spares, "--step-sleep", "0.6")
     run_id = f"rec-netdrop-{len(spares)}"
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
-    try:
-        head = read_until(proc, "step=4 ", timeout=180)
+    def cut_off() -> None:
         with _launcher_cut_off([h.addr for h in sim_cluster.hosts]):
             time.sleep(12)  # the fault's length: the launcher's network is down this long
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(head) + rest
-    assert proc.returncode == 0, out[-4000:]
+    out, code = _disturbed(spec, tmp_path, run_id, "step=4 ", cut_off)
+    assert code == 0, out[-4000:]
     # the dropped SYN of the probe times out (2 s): every host at once is what says it is this machine
     assert re.search(r"3 of 3 hosts went silent at once and this machine cannot reach them \(.*\): its own "
                      r"network is suspect", out), out[-4000:]
@@ -191,26 +199,19 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     """Every process of the job on one host stopped (SIGSTOP; its host answers, its heartbeat goes
     on): the others wait in a collective; the hang watchdog finds that host's ranks frozen (state
     T), it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
-    spec = _spec(sim_cluster, tmp_path, "frozen", [0, 1, 2], [3], "--step-sleep", "0.3")
-    data = yaml.safe_load(spec.read_text())
-    data["job"]["hang_timeout"] = 10
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = _spec(sim_cluster, tmp_path, "frozen", [0, 1, 2], [3], "--step-sleep", "0.3", job={"hang_timeout": 10})
     hosts = [h.name for h in sim_cluster.hosts]
     run_id = "rec-frozen"
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
-    try:
-        head = read_until(proc, "step=6 ", timeout=180)
-        frozen = [pid for pid in run_pythons(run_id) if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST")
-                  == hosts[1]]
+    frozen: list[int] = []
+
+    def freeze() -> None:
+        frozen.extend(pid for pid in run_pythons(run_id)
+                      if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST") == hosts[1])
         assert len(frozen) == 2, frozen  # torchrun and its worker
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)
-        rest, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = "".join(head) + rest
-    assert proc.returncode == 0, out[-4000:]
+    out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", freeze)
+    assert code == 0, out[-4000:]
     assert re.search(rf"\[ddplaunch\] {hosts[1]}: its ranks are frozen \(process state T: pid \d+\) while the host "
                      "answers", out), out[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(its ranks are frozen .*\) → replaced by "
@@ -218,6 +219,24 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     (got,) = SHA_RE.findall(out)
     assert got == reference
     assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=30) is True
+
+
+def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_scratch(sim_cluster, tmp_path):
+    """job.resume_args reach the relaunched job only; here they point it at an empty checkpoint
+    directory, so it loads nothing and trains from step 0: seen from inside its process (no
+    torch.load), the summary says training restarted from scratch."""
+    spec = _spec(sim_cluster, tmp_path, "scratch", [0, 1, 2], [3], "--step-sleep", "0.3",
+                 job={"resume_args": ["--ckpt-dir", str(tmp_path / "scratch" / "elsewhere")]})
+    hosts = [h.name for h in sim_cluster.hosts]
+    out, record, _ = _crash_during(spec, tmp_path, "rec-scratch", sim_cluster, hosts[1])
+    assert record["state"] == "ok", out[-4000:]
+    (recovery,) = record["extra"]["recoveries"]
+    assert recovery["from_scratch"] is True and recovery["loaded"] == [] and recovery["steps_before"] >= 6
+    assert "[ddplaunch] training restarted from scratch" in out
+    assert re.search(r"\d+ optimizer steps done before; training restarted from scratch: the job did not resume "
+                     r"\(see job.resume_args\)", out), out[-3000:]
+    launches = [text for text in record["plan_text"].split("# run ") if " stage job:" in text.split("\n")[0]]
+    assert len(launches) == 2 and "elsewhere" not in launches[0] and "elsewhere" in launches[1]
 
 
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
