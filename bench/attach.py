@@ -7,7 +7,11 @@ the run is taken. For every tick line each of them shows, latency = when the lin
 when the rank printed it. A line every rank prints at once is shown once (folded, console.py
 FOLD_S = 1 s), so the job staggers its ranks: each prints at its own offset in the half second.
 
-Usage: .venv/bin/python bench/attach.py [--seconds 20] [--json out.json]
+With `--baseline DIR` (a checkout of an earlier ddplaunch, e.g. `git worktree add /tmp/base f0cea8f`)
+its foreground `up` runs too, right after, on the same job: today's screen against the one before
+the supervisor.
+
+Usage: .venv/bin/python bench/attach.py [--seconds 20] [--baseline DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--baseline", help="an earlier checkout whose `up` runs the same job after")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ddpl-attach-"))
     (tmp / "tick.py").write_text(JOB)
@@ -67,11 +72,18 @@ def main() -> None:
         t.join()
     up.wait()
     att.wait()
+    if args.baseline:
+        lat["up before the supervisor"] = []
+        base_env = dict(env, PYTHONPATH=args.baseline)
+        old = subprocess.Popen([*cmd, "up", str(spec), "--run-id", "lat-base"], stdout=subprocess.PIPE, text=True,
+                               env=base_env, cwd=args.baseline)
+        follow(old, lat["up before the supervisor"])
+        old.wait()
     rows = {k: {"lines": len(v), "median_s": statistics.median(v), "p90_s": sorted(v)[int(0.9 * len(v))],
                 "max_s": max(v)} for k, v in lat.items() if v}
-    print(f"{'follower':18} {'lines':>6} {'median':>8} {'p90':>8} {'max':>8}")
+    print(f"{'follower':26} {'lines':>6} {'median':>8} {'p90':>8} {'max':>8}")
     for k, r in rows.items():
-        print(f"{k:18} {r['lines']:6d} {r['median_s']:7.2f}s {r['p90_s']:7.2f}s {r['max_s']:7.2f}s")
+        print(f"{k:26} {r['lines']:6d} {r['median_s']:7.2f}s {r['p90_s']:7.2f}s {r['max_s']:7.2f}s")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -20,7 +20,7 @@ from typing import IO, Any, Callable, ClassVar, Iterator, Optional, Union
 
 EVENTS_FILE = "events.jsonl"
 #: Seconds between reads of a log that has nothing new (a line reaches a follower within this).
-FOLLOW_POLL = 0.05
+FOLLOW_POLL = 0.02
 
 
 @dataclass
