@@ -506,3 +506,61 @@ def test_a_relaunched_job_that_loads_nothing_is_said_to_have_restarted_from_scra
     assert only.describe().endswith("; 14 optimizer steps done before; training restarted from scratch: the job "
                                     "did not resume (see job.resume_args)"), only.describe()
     assert "[ddplaunch] training restarted from scratch" in out
+
+
+# ----------------------------------------------------------------------------- after a confirmed loss
+
+class _OneLost:
+    """Node 0's host is gone (confirmed); node 1 waits in a collective until it is stopped."""
+
+    def __init__(self) -> None:
+        self.polled, self.stopped_at, self.settle_timeout = False, None, None
+
+    def poll(self):
+        from ddplaunch.backends.watch import NodeEnd
+
+        if self.polled:
+            return []
+        self.polled = True
+        return [NodeEnd(0, None, how="host gone", lost=True, confirmed=True)]
+
+    def stop(self, nodes):
+        self.stopped_at = time.monotonic()
+
+    def settle(self, nodes, timeout):
+        from ddplaunch.backends.watch import NodeEnd
+
+        self.settle_timeout = timeout
+        return [NodeEnd(n, -9) for n in nodes]
+
+    def never_started(self, nodes):
+        return set()
+
+    def confirm_lost(self, node):
+        return None
+
+    def lost(self, node):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_grace(tmp_path):
+    """No report grace (the lost host will report nothing) and LOST_STOP_GRACE, not job.stop_grace:
+    survivors blocked in a collective with a dead peer never act on SIGTERM."""
+    from ddplaunch.backends.watch import LOST_STOP_GRACE, REPORT_GRACE, SETTLE_SLACK, follow
+    from ddplaunch.console import Console
+    from ddplaunch.plan import make_plan
+    from ddplaunch.results import StopEvent
+    from ddplaunch.stagelines import StageLines
+
+    with fake_registered(FakeScript()):
+        spec = load_spec(fake_spec(tmp_path, hosts=2))
+    plan = make_plan(spec, "loss-1", "job", 29500)
+    stage = _OneLost()
+    t0 = time.monotonic()
+    result = follow(stage, plan, StageLines(Console(io.StringIO())), StopEvent(), stop_grace=30)
+    assert stage.stopped_at is not None and stage.stopped_at - t0 < REPORT_GRACE
+    assert stage.settle_timeout == LOST_STOP_GRACE + SETTLE_SLACK
+    assert [o.state for o in result.outcomes] == ["lost", "interrupted"]

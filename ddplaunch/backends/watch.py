@@ -6,7 +6,8 @@ as torchrun. The policy is here: when a node fails, the others get `REPORT_GRACE
 report a failure of their own (a rank that failed at the same time is then told apart from one
 that only saw its peer die), then they are stopped; Ctrl-C or a hang stops everyone. Every node
 is classified with one vocabulary on every backend (results.py): ok, failed (its code, or its
-torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it).
+torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it). After a
+confirmed loss the others are stopped at once and get LOST_STOP_GRACE, not `job.stop_grace`.
 
 A host is lost only when the backend's own probe confirms it does not answer (`confirm_lost`):
 after its session or step ended without an exit status, or after its node has said nothing — not
@@ -37,6 +38,10 @@ REPORT_GRACE = 2.0
 SHUTDOWN_GRACE = 30.0
 #: Seconds beyond the grace for the stopped nodes' sessions or steps to end.
 SETTLE_SLACK = 5.0
+#: The stop grace once a host is lost (instead of `job.stop_grace`): the survivors are blocked in a
+#: collective with a dead peer, where a SIGTERM handler never runs, and the relaunch resumes from
+#: the checkpoint anyway; what has not ended by then is killed. No report grace either.
+LOST_STOP_GRACE = 5.0
 POLL_S = 0.1
 #: Seconds a node may say nothing (a heartbeat every second) before its host is probed.
 DETECT_S = 6.0
@@ -231,7 +236,8 @@ class _Watch:
                 self._at_fault(stop.lost)
                 self.lines.note(f"{cause}: stopping every node")
                 return cause
-            if failed_at is not None and time.time() - failed_at >= grace:
+            if failed_at is not None and (time.time() - failed_at >= grace or self.first_bad is not None
+                                          and self.first_bad.lost):
                 assert self.first_bad is not None
                 return f"{self.host(self.first_bad.node)} (node {self.first_bad.node}) failed"
             time.sleep(POLL_S)
@@ -305,7 +311,8 @@ class _Watch:
             o = self.result.outcomes[n]
             o.state, o.detail = INTERRUPTED, f"stopped by ddplaunch: {cause}"
         stage.stop(rest)
-        self.take(stage.settle(set(rest), self.stop_grace + SETTLE_SLACK))
+        lost = self.first_bad is not None and self.first_bad.lost
+        self.take(stage.settle(set(rest), (LOST_STOP_GRACE if lost else self.stop_grace) + SETTLE_SLACK))
         ran = time.time() - self.result.started_at
         for n in sorted(stage.never_started(rest)):
             o = self.result.outcomes[n]

@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional
 
 from ddplaunch.backends.slurm.client import SlurmClient
-from ddplaunch.backends.watch import SHUTDOWN_GRACE, LossAware, NodeEnd
+from ddplaunch.backends.watch import LOST_STOP_GRACE, SHUTDOWN_GRACE, LossAware, NodeEnd
 from ddplaunch.stagelines import StageLines
 
 SRUN_PIECE = 1024
@@ -153,10 +153,6 @@ class SrunStep:
         return self.proc.returncode
 
 
-#: Seconds the step gets to stop once a node is lost (srun waits in vain for the lost node's end).
-LOST_STOP_GRACE = 5.0
-
-
 class SrunStage(LossAware):
     """A stage's step, for backends/watch.py: srun's words on how each node ended, and once srun
     itself has ended, every node it said nothing of (exit 0 when srun exited 0). The backend's
@@ -189,7 +185,7 @@ class SrunStage(LossAware):
 
     def stop(self, nodes: list[int]) -> None:
         # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost, srun
-        # would wait for that node's end, which never comes
+        # would wait for that node's end, which never comes (and the survivors are killed soon)
         self.step.stop(grace=LOST_STOP_GRACE if self._lost else self.stop_grace)
 
     def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
