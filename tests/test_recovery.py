@@ -339,6 +339,8 @@ def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts(sim_cluster, tmp_
 
 
 def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
+    """A count of spares: the allocation holds one node more, its first; the crashed node 1 is
+    replaced by it at node rank 1, node 0 stays node 0."""
     data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
     data.update(_train(tmp_path, "slurm", "--step-sleep", "0.3"), workdir=str(ROOT))
     data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
@@ -353,6 +355,11 @@ def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_c
         recovery = _timely(record, t_crash)
         assert recovery["lost"] == [nodes[2]] and recovery["replaced"] == {nodes[2]: nodes[0]}
         assert re.search(rf"{nodes[2]} \(node 1\) lost \(no heartbeat for \d+s and \S+:6818 gave no answer", out)
+        # the survivor keeps node rank 0 and the master, though the spare comes first in the
+        # allocation's (the step's) node order: seen from rank 0 itself
+        after = out.split("recovery 1 of")[1]
+        assert f"stage job: master {slurm_cluster.hosts[1].addr}:" in after, after[:2000]
+        assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
 

@@ -231,3 +231,26 @@ def test_a_mixed_fleet_step_gives_each_node_its_count_by_name(tmp_path):
                              env={"SLURMD_NODENAME": host.label, "PATH": os.environ["PATH"]})
         assert out.stdout.strip() == want, (host.label, out)
     assert '--nproc-per-node "$n"' in body and 'c / n > 1 ? c / n : 1' in body
+
+
+def test_known_nodes_take_their_node_rank_by_name_not_by_the_steps_order(tmp_path, monkeypatch):
+    """After a spare (first in the allocation) replaced node 1, the step numbers the nodes
+    spare, n1, ... while the plan keeps n1 at node 0: each node's shell finds its own node rank by
+    its name, and the step's task ids map back to the plan's nodes."""
+    from ddplaunch.backends.slurm.render import task_nodes
+
+    spec = load(tmp_path, "cpu")
+    placeholder, _ = SlurmBackend(spec, RUN).hosts(False)
+    n1, spare = (placeholder.model_copy(update={"addr": n, "name": n}) for n in ("n1", "n0"))
+    plan = make_plan(spec.model_copy(update={"hosts": [n1, spare]}), "sp", "job", 25000)
+    body = step_request(plan, "77", by_name=True).argv[-1]
+    assert body.startswith('case "$SLURMD_NODENAME" in ') and '--node-rank "$r"' in body
+    assert "--master-addr n1 " in body  # the master did not move to the allocation's first node
+    case = body[:body.index(" esac") + 5]
+    for name, want in ((n1.label, "0"), ("n0", "1")):
+        out = subprocess.run(["bash", "-c", case + ' && echo "$r"'], capture_output=True, text=True, timeout=10,
+                             env={"SLURMD_NODENAME": name, "PATH": os.environ["PATH"]})
+        assert out.stdout.strip() == want, (name, out)
+    assert task_nodes([n1.label, "n0"], {"n0": 0, n1.label: 1}) == {0: 1, 1: 0}
+    # nodes not yet known (a dry run): the step's own numbering, as before
+    assert '--node-rank "$SLURM_NODEID"' in step_request(plan, "77").argv[-1]

@@ -19,7 +19,8 @@ from ddplaunch.backends.slurm.allocation import Allocation
 from ddplaunch.backends.slurm.client import SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.detached import (DetachedRequest, final_state, follow_output, job_active,
                                                render_detached)
-from ddplaunch.backends.slurm.render import AT_LAUNCH, StepRequest, in_step_order, pyxis_of, step_request
+from ddplaunch.backends.slurm.render import (AT_LAUNCH, NODE_ID, NODE_RANK, StepRequest, node_rank_case, pyxis_of,
+                                             step_request, task_nodes)
 from ddplaunch.backends.slurm.step import SrunStage, SrunStep
 from ddplaunch.backends.watch import follow, unanswered, unstarted
 from ddplaunch.errors import BackendError, PlanError
@@ -66,8 +67,8 @@ class SlurmBackend:
 
     def render(self, plan: LaunchPlan) -> StepRequest:
         job = self.alloc.job.job_id if self.alloc.job else (self.alloc.inside or AT_LAUNCH)
-        return step_request(in_step_order(plan, self.alloc.order), job, self.spec.slurm.cpus_per_task,
-                            pyxis=pyxis_of(self.spec))
+        return step_request(plan, job, self.spec.slurm.cpus_per_task, pyxis=pyxis_of(self.spec),
+                            by_name=bool(self.alloc.order))
 
     def launch(self, request: StepRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
@@ -80,7 +81,8 @@ class SlurmBackend:
                 result = unstarted(plan, UNREACHABLE, {n.node_rank: why for n in plan.nodes})
                 result.rescheduled = self.alloc.requeued()
                 return result
-        step = SrunStep(self.client, list(request.argv), env, plan.hosts, lines, f"ddplaunch-{plan.stage}", request.job)
+        step = SrunStep(self.client, list(request.argv), env, plan.hosts, lines, f"ddplaunch-{plan.stage}", request.job,
+                        task_node=task_nodes(plan.hosts, self.alloc.order))
         stage = SrunStage(step, lambda nodes: self._never_started(plan, nodes),
                           lambda node: self._unanswered(plan.hosts[node]),
                           lambda lost: self._after_loss(plan, lost),
@@ -152,8 +154,10 @@ class SlurmBackend:
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:
         """Of `nodes`, those that wrote no pid file: their setup lines never reached `exec torchrun`."""
         hosts = [plan.nodes[n].host_label for n in nodes]
-        answers = self._step_run(f"[ -f {pid_file(plan.run_id, '$SLURM_NODEID')} ] && echo DDPLAUNCH_PID_OK || "
-                                 "echo DDPLAUNCH_PID_NONE", hosts, 20)
+        by_name = bool(self.alloc.order)  # as the stage's step named its pid files
+        first = f"{node_rank_case(plan)}; " if by_name else ""
+        answers = self._step_run(f"{first}[ -f {pid_file(plan.run_id, NODE_RANK if by_name else NODE_ID)} ] && "
+                                 "echo DDPLAUNCH_PID_OK || echo DDPLAUNCH_PID_NONE", hosts, 20)
         return {n for n, h in zip(nodes, hosts) if "DDPLAUNCH_PID_NONE" in answers.get(h, (0, ""))[1]}
 
     def _step_run(self, script: str, hosts: list[str], timeout: float) -> dict[str, tuple[int, str]]:

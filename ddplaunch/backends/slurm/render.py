@@ -93,52 +93,52 @@ def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
     return AllocationRequest(script=script, argv=("sbatch", "--parsable", *sorted(opts)))
 
 
-def in_step_order(plan: LaunchPlan, order: dict[str, int]) -> LaunchPlan:
-    """The plan with its nodes in the order a Slurm step numbers them (the allocation's order, not
-    the order of the list): node 0 — the master — is the step's $SLURM_NODEID 0."""
-    if not order:
-        return plan
-    nodes = sorted(plan.nodes, key=lambda n: order.get(n.host_label, len(order)))
-    if [n.host_label for n in nodes] == plan.hosts:
-        return plan
-    master = nodes[0].host_label
-    renumbered = []
-    for rank, node in enumerate(nodes):
-        env = dict(node.env)
-        if "MASTER_ADDR" in env:  # started directly: the env contract names the master
-            env.update(MASTER_ADDR=master, RANK=str(rank), GROUP_RANK=str(rank))
-        torchrun = node.torchrun and replace(node.torchrun, node_rank=rank, master_addr=master)
-        renumbered.append(replace(node, node_rank=rank, env=tuple(sorted(env.items())), torchrun=torchrun))
-    return replace(plan, nodes=tuple(renumbered), master_addr=master)
+def node_rank_case(plan: LaunchPlan) -> str:
+    """The step's first line when its nodes are known by name: each node sets `r` to its own node
+    rank. A step numbers its nodes in the allocation's order ($SLURM_NODEID), which is not the
+    plan's once a spare took a lost node's place: by name, every survivor keeps its node rank and
+    the master moves only when it was lost."""
+    cases = " ".join(f"{word(n.host_label)}) r={n.node_rank};;" for n in plan.nodes)
+    return f'case "$SLURMD_NODENAME" in {cases} esac'
 
 
-#: A step's node number, as the step's shell sees it.
+def task_nodes(hosts: Sequence[str], order: dict[str, int]) -> dict[int, int]:
+    """{the step's task id: the plan's node index}: a step numbers its nodes in the allocation's
+    `order` (its tasks too, one per node)."""
+    by_step = sorted(range(len(hosts)), key=lambda i: order.get(hosts[i], len(order)))
+    return {task: node for task, node in enumerate(by_step)}
+
+
+#: A step's node number, as the step's shell sees it; and the node rank a node found by its name.
 NODE_ID = Raw("$SLURM_NODEID")
+NODE_RANK = Raw("$r")
 
 
 #: On a mixed fleet, the step's shell sets this variable to its node's process count first.
 NPROC = Raw('"$n"')
 
 
-def step_template(plan: LaunchPlan) -> NodeCommand:
+def step_template(plan: LaunchPlan, by_name: bool = False) -> NodeCommand:
     """The one command an srun step runs on every node of `plan`: node 0's command with the node
-    rank and host taken from the step (and the process count, where nodes differ: `node_counts`)."""
+    rank and host taken from the step (and the process count, where nodes differ: `node_counts`).
+    `by_name`: the node rank is the one `node_rank_case` set (else the step's node number)."""
     node = plan.nodes[0]
     host = Raw('"$SLURMD_NODENAME"')
+    rank = f'"{NODE_RANK if by_name else NODE_ID}"'
     env = dict(node.env)
     env["DDPLAUNCH_HOST"] = host
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = Raw('"[$SLURMD_NODENAME:\\${rank}] "')
     if "GROUP_RANK" in env:  # started directly: one rank per node
-        env["RANK"] = env["GROUP_RANK"] = Raw('"$SLURM_NODEID"')
+        env["RANK"] = env["GROUP_RANK"] = Raw(rank)
     mixed = len({str(n.nproc) for n in plan.nodes}) > 1
     if mixed:
         env["OMP_NUM_THREADS"] = Raw('"$(c=$(nproc); echo $(( c / n > 1 ? c / n : 1 )))"')
     torchrun = node.torchrun and replace(
-        node.torchrun, node_rank=Raw('"$SLURM_NODEID"'),
+        node.torchrun, node_rank=Raw(rank),
         nproc_per_node=NPROC if mixed else node.torchrun.nproc_per_node,
-        log_dir=Raw(word(in_run_dir(plan.run_id, f"torchrun-{plan.stage}-node")) + '"$SLURM_NODEID"'))
+        log_dir=Raw(word(in_run_dir(plan.run_id, f"torchrun-{plan.stage}-node")) + rank))
     container = node.container and replace(
-        node.container, name=Raw(word(container_name(plan.run_id, plan.stage, "")) + '"$SLURM_NODEID"'))
+        node.container, name=Raw(word(container_name(plan.run_id, plan.stage, "")) + rank))
     return replace(node, host_label=host, env=tuple(sorted(env.items())), torchrun=torchrun, host=None,
                    container=container)
 
@@ -202,19 +202,22 @@ def pyxis_of(spec: ClusterSpec) -> Optional[ContainerSpec]:
 
 
 def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None,
-                 heartbeat: bool = True, pyxis: Optional[ContainerSpec] = None) -> StepRequest:
+                 heartbeat: bool = True, pyxis: Optional[ContainerSpec] = None, by_name: bool = False) -> StepRequest:
     """The srun step of one stage in job `job` (an id, or AT_LAUNCH in a dry run); `heartbeat`:
-    each node says it lives every second (for the launcher's watcher; a detached run has none)."""
-    node = step_template(plan)
+    each node says it lives every second (for the launcher's watcher; a detached run has none);
+    `by_name`: the nodes are known (allocated), each takes its node rank by its name."""
+    node = step_template(plan, by_name)
+    node_id = NODE_RANK if by_name else NODE_ID
     # values each node finds itself (its name, its cores) are exported by the step's shell; the
     # rest travel in srun's process environment
     per_node = {k: v if isinstance(v, Raw) else Raw(word(v)) for k, v in node.env if isinstance(v, (Raw, HostWord))}
     common = tuple((k, v) for k, v in node.env if k not in per_node)
     run_dir = word(host_run_dir(plan.run_id))
-    body = [f"(umask 077 && mkdir -p {run_dir} && rm -f {pid_file(plan.run_id, NODE_ID)})"]
+    body = [node_rank_case(plan)] if by_name else []
+    body.append(f"(umask 077 && mkdir -p {run_dir} && rm -f {pid_file(plan.run_id, node_id)})")
     body += node_counts(plan)
     body.append("export " + " ".join(f"{k}={v}" for k, v in sorted(per_node.items())))
-    body.append(shell_line(node, env_source=False, node_id=NODE_ID, heartbeat=heartbeat))
+    body.append(shell_line(node, env_source=False, node_id=node_id, heartbeat=heartbeat))
     nodes = ",".join(plan.hosts)
     srun = ["srun", f"--jobid={job}", f"--nodes={plan.nnodes}", f"--ntasks={plan.nnodes}",
             "--ntasks-per-node=1", f"--nodelist={nodes}", "--kill-on-bad-exit=0", "--label", "--overlap",

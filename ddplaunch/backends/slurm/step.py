@@ -65,8 +65,12 @@ class SrunStep:
     """One srun process: its lines, and how each of its nodes ended."""
 
     def __init__(self, client: SlurmClient, argv: list[str], env: dict[str, str], hosts: list[str],
-                 lines: Optional[StageLines], name: str, job: str, stdin: Optional[str] = None):
+                 lines: Optional[StageLines], name: str, job: str, stdin: Optional[str] = None,
+                 task_node: Optional[dict[int, int]] = None):
+        """`hosts`: the nodes in the caller's order; `task_node`: {the step's task id: index in
+        `hosts`} when the step numbers them otherwise (default: the same order)."""
         self.client, self.hosts, self.lines, self.name, self.job = client, hosts, lines, name, job
+        self._task_node = task_node or {}
         self.ends: dict[int, tuple[Optional[int], str, float]] = {}  # node -> (exit code, how, when)
         self.output: dict[int, list[str]] = {}
         #: Nodes Slurm could not start the step on: host -> srun's reason.
@@ -95,13 +99,16 @@ class SrunStep:
             line = self._lines.feed(raw.rstrip(b"\n"))
             if line is None:
                 continue
-            node, text = line
-            if node is None:
+            task, text = line
+            if task is None:
                 self._srun_message(text)
             else:
-                self._emit(node, text)
-        for node, text in self._lines.rest():
-            self._emit(node, text)
+                self._emit(self._node(task), text)
+        for task, text in self._lines.rest():
+            self._emit(self._node(task), text)
+
+    def _node(self, task: int) -> int:
+        return self._task_node.get(task, task)
 
     def _emit(self, node: int, text: str) -> None:
         self.output.setdefault(node, []).append(text)
@@ -116,7 +123,7 @@ class SrunStep:
         if m:
             code = int(m.group(4)) if m.group(4) else None
             how = m.group(3)
-            for node in _task_ids(m.group(2)):
+            for node in map(self._node, _task_ids(m.group(2))):
                 self.ends.setdefault(node, (code, how, time.time()))
                 if code is not None and code != 0 and self.first_failure is None:
                     self.first_failure = node
