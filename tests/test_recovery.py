@@ -239,6 +239,42 @@ def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_sc
     assert len(launches) == 2 and "elsewhere" not in launches[0] and "elsewhere" in launches[1]
 
 
+def test_a_lost_host_that_answers_again_is_fenced_at_once(sim_cluster, tmp_path, reference):
+    """Host 2 cut off (its link down) with its ranks stopped, so nothing of theirs ends by itself:
+    it is lost and the spare takes its place. When its link comes back, its ranks are killed
+    within seconds (the supervisor keeps asking a lost host to end the run's processes), not
+    after their lease (120 s) ran out; the run ends ok and bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "fenced", [0, 1, 2], [3], "--step-sleep", "0.3")
+    hosts = [h.name for h in sim_cluster.hosts]
+    run_id = "rec-fenced"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    frozen: list[int] = []
+    try:
+        head = read_until(proc, "step=6 ", timeout=180)
+        frozen += [pid for pid, env in run_processes(run_id).items() if env.get("DDPLAUNCH_HOST") == hosts[1]
+                   and pid in run_pythons(run_id)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        sim_fault(sim_cluster, hosts[1], down=True)
+        head += read_until(proc, "recovery 1 of", timeout=120)
+        assert all(os.path.exists(f"/proc/{pid}") for pid in frozen)  # cut off, not dead
+        sim_fault(sim_cluster, hosts[1], clear=True)
+        back = time.monotonic()
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=120) is True
+        fenced = time.monotonic() - back
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sim_fault(sim_cluster, hosts[1], clear=True)
+    out = "".join(head) + rest
+    print(f"link back -> the lost host's ranks gone: {fenced:.1f}s")
+    assert proc.returncode == 0, out[-4000:]
+    assert fenced < 60, fenced  # the fence, not the lease (120 s + the stop grace)
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
+
+
 def test_a_job_error_with_recovery_on_is_not_retried(sim_cluster, tmp_path):
     spec = _spec(sim_cluster, tmp_path, "err", [0, 1, 2], [3], "--fail-at-step", "3", "--fail-rank", "1")
     proc = ddplaunch(["up", str(spec), "--run-id", "rec-err"], tmp_path, timeout=300)

@@ -23,7 +23,7 @@ from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
 from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every,
                                       pid_file, reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
-from ddplaunch.backends.ssh.lease import Renewals
+from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
@@ -55,6 +55,8 @@ class SshBackend(ShellLauncher):
         self.routes = resolve_routes(spec, [*spec.hosts, *super().spares()])
         self.connector = Connector(spec, self.routes)
         self._synced: set[str] = set()
+        #: Lost hosts asked to end the run's processes until they answer (or their lease ran out).
+        self.fence = Fence(lambda target: self._reap(*target), spec.supervisor.lease + spec.job.stop_grace + 30)
 
     # ------------------------------------------------------------------ connections
 
@@ -68,6 +70,7 @@ class SshBackend(ShellLauncher):
         return self.connector.connect(host.label)
 
     def close(self) -> None:
+        self.fence.close()
         self.connector.close()
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
@@ -302,6 +305,8 @@ class SshBackend(ShellLauncher):
         """End what is left of the run on `hosts`; drop the connections to the `lost` ones (a later
         stage connects afresh if one comes back)."""
         self.connector.drop([h.label for h in lost])
+        for host in lost:
+            self.fence.add((host, run_id), host.label)
         self._each(lambda h: self._reap(h, run_id), hosts)
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:

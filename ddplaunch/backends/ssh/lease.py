@@ -1,7 +1,9 @@
 """The supervisor's side of the nodes' leases (backends/shell.py `lease_loop`): while a stage runs,
 every node's lease file is rewritten every lease/4 seconds (at most 30), a fresh value each time.
 A node whose lease has not changed for `supervisor.lease` seconds stops its ranks itself, so a
-supervisor that died, froze or lost its network leaves no rank running longer than that.
+supervisor that died, froze or lost its network leaves no rank running longer than that. A host
+counted lost is fenced: no longer renewed, and asked again and again to end the run's processes
+until it answers (`Fence`), so a host that was only cut off does not run on beside its spare.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ddplaunch.backends.shell import lease_every
 
@@ -36,3 +38,34 @@ class Renewals:
         while not self._done.is_set():
             self.renew(str(time.monotonic_ns()))
             self._done.wait(self.every)
+
+
+class Fence:
+    """Hosts counted lost, kept from running on: each is asked to end the run's processes
+    (`reap(host)`) every RETRY_S seconds from the moment it is lost until it answers (a host cut
+    off, not dead, comes back with its ranks still running) or `until_s` has passed (by then its
+    own lease has stopped them). Threads end with `close`."""
+
+    RETRY_S = 2.0
+
+    def __init__(self, reap: Callable[[Any], object], until_s: float):
+        self.reap, self.until_s = reap, until_s
+        self._closed = threading.Event()
+        self.fenced: list[str] = []
+
+    def add(self, host: Any, label: str) -> None:
+        threading.Thread(target=self._run, args=(host, label), name=f"ddplaunch-fence-{label}", daemon=True).start()
+
+    def _run(self, host: Any, label: str) -> None:
+        deadline = time.monotonic() + self.until_s
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            try:
+                self.reap(host)
+            except Exception:  # noqa: BLE001 - not answering yet: the point of trying again
+                self._closed.wait(self.RETRY_S)
+                continue
+            self.fenced.append(label)
+            return
+
+    def close(self) -> None:
+        self._closed.set()
