@@ -27,7 +27,7 @@ from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
 from ddplaunch.backends.ssh.sync import sync
-from ddplaunch.backends.watch import follow, unstarted
+from ddplaunch.backends.watch import PROBE_S, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
 from ddplaunch.plan import NodeCommand, in_run_dir, master_addr, tool_python
@@ -205,10 +205,39 @@ class SshBackend(ShellLauncher):
         stage = SshStage(plan, channels, lines, self._term,
                          lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
                                                      [hosts[i] for i in lost]),
-                         lambda node: self.connector.unanswered(hosts[node].label))
+                         lambda node: self._unanswered(hosts, node))
         with Renewals(self.spec.supervisor.lease, lambda value: self._renew(hosts, plan.run_id, value)):
             return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
                           stop_grace=self.spec.job.stop_grace)
+
+    def _unanswered(self, hosts: list[HostSpec], node: int) -> Optional[str]:
+        """Why node's host does not answer (None: it does): this machine's probe and, at the same
+        time, one other host's of the stage (a peer asks the host's sshd). A host its peer reaches
+        is not lost: this machine's path to it broke, and its ranks still reach each other."""
+        target = hosts[node]
+        peers = [h for i, h in enumerate(hosts) if i != node][:1]
+        pool = ThreadPoolExecutor(max_workers=2)
+        try:
+            mine = pool.submit(self.connector.unanswered, target.label)
+            theirs = [pool.submit(self._peer_reaches, peer, target) for peer in peers]
+            why = mine.result()
+            return None if why is None or any(f.result() for f in theirs) else why
+        finally:
+            pool.shutdown(wait=False)
+
+    def _peer_reaches(self, peer: HostSpec, target: HostSpec) -> bool:
+        """Whether `peer` can open a TCP connection to `target`'s sshd (False when it cannot say:
+        a target behind a jump host or a ProxyCommand, or a peer that does not answer itself)."""
+        route = self.routes[target.label]
+        if route.jump is not None or route.proxy_command is not None:
+            return False
+        probe = (f"import socket; socket.create_connection(({route.hostname!r}, {route.port}), {PROBE_S}).close(); "
+                 "print('DDPLAUNCH_PEER_REACHES')")
+        try:
+            code, out = self._exec(peer, f"{word(tool_python(self.spec, peer))} -c {word(probe)}", timeout=PROBE_S + 5)
+        except BackendError:
+            return False
+        return code == 0 and "DDPLAUNCH_PEER_REACHES" in out
 
     def lease(self) -> Optional[tuple[int, int]]:
         return int(self.spec.supervisor.lease), int(self.spec.job.stop_grace) + 5
