@@ -41,6 +41,11 @@ class Recovery:
     dead_spares: dict[str, str] = field(default_factory=dict)
     #: Optimizer steps the job had taken in the launch that lost the host (its rank 0's count).
     steps_before: Optional[int] = None
+    #: When the failed launch had ended (every survivor stopped), when the relaunch started, and
+    #: when its first step completed: with lost_at and detected_at, the recovery's phases.
+    stopped_at: Optional[float] = None
+    relaunched_at: Optional[float] = None
+    first_step_at: Optional[float] = None
     #: What the relaunched job loaded (its checkpoint, if it resumed), and whether it trained
     #: with no load and no word of resuming: restarted from scratch.
     loaded: list[str] = field(default_factory=list)
@@ -69,11 +74,19 @@ class Recovery:
     def resumed(self, progress: Optional[Progress]) -> None:
         """The relaunched job's progress: when its first step completed, and from which step."""
         if progress is not None:
+            self.first_step_at = progress.first_at
             self.resumed_after_s = max(0.0, progress.first_at - self.lost_at)
             self.resumed_from = progress.resumed_from
             self.loaded = list(progress.loaded)
             self.from_scratch = (not progress.loaded and progress.resumed_from is None
                                  and progress.optimizer_steps is not None)
+
+    def phases(self) -> str:
+        """`named 7s, stopped 9s, relaunched 10s, first step 18s`: each phase's end, in seconds
+        after the lost host was last heard from."""
+        marks = (("named", self.detected_at), ("stopped", self.stopped_at), ("relaunched", self.relaunched_at),
+                 ("first step", self.first_step_at))
+        return ", ".join(f"{name} {max(0.0, at - self.lost_at):.1f}s" for name, at in marks if at is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -63,7 +63,9 @@ def summarize(report: RunReport, tail_lines: int = 10) -> str:
     if report.recoveries:
         n = len(report.recoveries)
         out.append(f"recovered from {n} host failure{'s' if n > 1 else ''}:")
-        out += [f"  {r.describe()}" for r in report.recoveries]
+        for r in report.recoveries:
+            out.append(f"  {r.describe()}")
+            out.append(f"    after the host was last heard from: {r.phases()}")
     if report.unrecovered:
         out.append(f"not recovered: {report.unrecovered}")
     training = sum(s.progress.training_s for s in report.stages if s.progress is not None)

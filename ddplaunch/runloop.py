@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -184,6 +185,7 @@ class RunLoop:
         result.recovered = recovery.number
         if recovery.steps_before is None and result.progress is not None:
             recovery.steps_before = result.progress.optimizer_steps
+        recovery.stopped_at = recovery.stopped_at or result.ended_at
         if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
             self.stop.reset()
         self.record.stages[-1] = result.to_dict()
@@ -238,6 +240,8 @@ class RunLoop:
         if plan.stage == "job" and hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
                                     hang_timeout)
+        if self.budget.done and self.budget.done[-1].relaunched_at is None:
+            self.budget.done[-1].relaunched_at = time.time()
         with watchdog or contextlib.nullcontext():
             result = self.backend.launch(request, lines, self.stop)
         result.diagnosis += watchdog.diagnosis if watchdog else []

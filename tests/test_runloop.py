@@ -485,6 +485,10 @@ def test_the_summary_says_what_the_relaunched_job_loaded_and_how_far_it_had_come
     (only,) = report.recoveries
     assert only.loaded == ["/ck/step_8.pt"] and not only.from_scratch
     assert "; the relaunched job loaded /ck/step_8.pt" in only.describe()
+    # every phase of the recovery, in order, from when the host was last heard from
+    assert re.search(r"\n    after the host was last heard from: named (\S+)s, stopped (\S+)s, relaunched (\S+)s, "
+                     r"first step (\S+)s\n", out), out
+    assert only.detected_at <= only.stopped_at <= only.relaunched_at <= only.first_step_at
     assert "restarted from scratch" not in out
     # job.resume_args: only the relaunch is told to resume
     first, again = (p.nodes[0].argv() for p in script.launched)
