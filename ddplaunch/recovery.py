@@ -64,7 +64,7 @@ class Recovery:
             text += f", {'trained again' if self.from_scratch else 'resumed'} after {self.resumed_after_s:.0f}s"
             text += f" from step {self.resumed_from}" if self.resumed_from is not None else ""
         if self.steps_before is not None:
-            text += f"; {self.steps_before} optimizer steps done before"
+            text += f"; at least {self.steps_before} optimizer steps done before"  # rank 0 says them once a second
         if self.loaded:
             text += f"; the relaunched job loaded {self.loaded[-1]}"
         elif self.from_scratch:
