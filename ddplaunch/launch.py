@@ -1,10 +1,11 @@
 """`up` and `check`: spec -> plans -> backend requests -> report, the one sentence of ddplaunch.
 
-`up` records the run, makes the spec's backend for it and hands the stages to the run loop
-(runloop.py): pre-flight gate, then each stage planned (pure), rendered and launched, the
-health check followed by its gate. `dry_run` prints every request `up` would execute;
-`detach` hands the whole run to a backend that is a Scheduler. Ctrl-C/SIGTERM stop every host in
-order. The code here never asks which backend it drives.
+`begin` records the run and opens its event log; `run_begun` makes the spec's backend for it and
+hands the stages to the run loop (runloop.py): pre-flight gate, then each stage planned (pure),
+rendered and launched, the health check followed by its gate. `up` is both, in this process; the
+command line runs them in the run's supervisor (supervisor.py). `dry_run` prints every request
+`up` would execute; `detach` hands the whole run to a backend that is a Scheduler. Ctrl-C/SIGTERM
+stop every host in order. The code here never asks which backend it drives.
 """
 
 from __future__ import annotations
