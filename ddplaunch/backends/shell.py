@@ -135,7 +135,7 @@ def render_plan(plans: list[LaunchPlan], heartbeat: bool = True, lease: Optional
             out.append(f"# upload {src} -> <host run dir>/{dst}")
         if lease is not None:
             out.append(f"# lease: while the stage runs the supervisor rewrites {word(in_run_dir(plan.run_id, LEASE_FILE))} "
-                       f"on every host each {lease_every(lease[0]):g}s (umask 077 && printf %s <monotonic ns> > FILE); a node whose "
+                       f"on every host each {lease_every(lease[0]):g}s (umask 077, printf %s <monotonic ns> to a new file renamed to FILE); a node whose "
                        f"lease is unchanged for {lease[0]}s stops its ranks")
         for node in plan.nodes:
             out.append(f"# node {node.node_rank} on {node.host_label}: "

@@ -245,7 +245,8 @@ class SshBackend(ShellLauncher):
     def _renew(self, hosts: list[HostSpec], run_id: str, value: str) -> None:
         """Every node's lease file gets `value` (a host that does not answer within the interval is
         skipped: a lost host's lease runs out, which fences it)."""
-        command = f"umask 077 && printf %s {word(value)} > {word(in_run_dir(run_id, LEASE_FILE))}"
+        lease = word(in_run_dir(run_id, LEASE_FILE))  # a fresh 0600 file renamed into place, whatever was there
+        command = f'umask 077 && printf %s {word(value)} > {lease}."$$" && mv -f {lease}."$$" {lease}'
         self._each(lambda h: self._exec(h, command, timeout=lease_every(self.spec.supervisor.lease)), hosts)
 
     def down(self, record: RunRecord) -> list[str]:
