@@ -68,7 +68,12 @@ class SlurmBackend:
     def render(self, plan: LaunchPlan) -> StepRequest:
         job = self.alloc.job.job_id if self.alloc.job else (self.alloc.inside or AT_LAUNCH)
         return step_request(plan, job, self.spec.slurm.cpus_per_task, pyxis=pyxis_of(self.spec),
-                            by_name=bool(self.alloc.order))
+                            by_name=self._by_name())
+
+    def _by_name(self) -> bool:
+        """Whether the nodes are known by name (a node list, or the allocation's): then each takes
+        its node rank by its name; placeholders of a dry run keep the step's numbering."""
+        return bool(self.alloc.order or self.alloc.nodelist)
 
     def launch(self, request: StepRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
@@ -154,7 +159,7 @@ class SlurmBackend:
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:
         """Of `nodes`, those that wrote no pid file: their setup lines never reached `exec torchrun`."""
         hosts = [plan.nodes[n].host_label for n in nodes]
-        by_name = bool(self.alloc.order)  # as the stage's step named its pid files
+        by_name = self._by_name()  # as the stage's step named its pid files
         first = f"{node_rank_case(plan)}; " if by_name else ""
         answers = self._step_run(f"{first}[ -f {pid_file(plan.run_id, NODE_RANK if by_name else NODE_ID)} ] && "
                                  "echo DDPLAUNCH_PID_OK || echo DDPLAUNCH_PID_NONE", hosts, 20)
