@@ -398,7 +398,7 @@ def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_c
         # the survivor keeps node rank 0 and the master, though the spare comes first in the
         # allocation's (the step's) node order: seen from rank 0 itself
         after = out.split("recovery 1 of")[1]
-        assert f"stage job: master {slurm_cluster.hosts[1].addr}:" in after, after[:2000]
+        assert f"stage job: master {nodes[1]}:" in after, after[:2000]
         assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
