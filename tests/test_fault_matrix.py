@@ -183,13 +183,15 @@ def test_slow_host_found_by_the_pair_gate(bed, tmp_path, on_fail):
     backend, cluster, spec = bed
     slow = cluster.hosts[1]
     path = spec(3, nproc_per_node=1,
-                # the 1 Gbit/s host measures ~0.13x the median pair; a healthy pair measured while
-                # both CI streams load the machine fell to 0.46x once (a healthy host named at 0.5)
+                # a loaded machine halves a healthy pair's busbw now and then (0.46x the median was
+                # seen with both CI streams and more beside them; a healthy host named at 0.5), and
+                # the median itself falls (0.29 GB/s against 0.87): a 200 Mbit/s host measures
+                # under 0.1x either way, far from a threshold of 0.3x
                 healthcheck={"sizes": ["64K"], "iterations": 2, "pairwise": True, "pair_size": "16M",
                              "on_fail": on_fail, "min_busbw_fraction": 0.3},
                 job={"script": "jobs/toy_ddp.py"})
     run_id = f"fm-slow-{on_fail}-{backend}"
-    sim_fault(cluster, slow.name, rate="1gbit")
+    sim_fault(cluster, slow.name, rate="200mbit")
     try:
         t0 = time.monotonic()
         proc = ddplaunch(["up", str(path), "--run-id", run_id], tmp_path, timeout=300)
@@ -205,7 +207,7 @@ def test_slow_host_found_by_the_pair_gate(bed, tmp_path, on_fail):
         assert proc.returncode == 0, out[-3000:]
         assert f"failed on {slow.name}: EXCLUDED" in out
         assert out.count("updated_weight=0.6") == 2 and f"[{slow.name}:" not in out.split("stage job")[-1]
-    no_hang(took, 150, "the pair gate's measurements of a 1 Gbit/s host end (16M per pair)")
+    no_hang(took, 150, "the pair gate's measurements of a 200 Mbit/s host end (16M per pair)")
     _clean(backend, cluster, tmp_path, run_id)
 
 
