@@ -43,7 +43,6 @@ class _Interrupts:
     def __init__(self, supervised: Supervised, stops_run: bool, say: Any):
         self.supervised, self.stops_run, self.say = supervised, stops_run, say
         self.count = 0
-        self.left = threading.Event()
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
@@ -52,7 +51,6 @@ class _Interrupts:
                 self.say(f"[ddplaunch] stopping run {self.supervised.run_id} (Ctrl-C again leaves it stopping "
                          "on its own)")
             return
-        self.left.set()
         raise KeyboardInterrupt
 
 
