@@ -110,8 +110,7 @@ class Run:
         return supervisor.stop(self._supervised(), grace)
 
     def _supervised(self) -> supervisor.Supervised:
-        record = load_run(self.run_id)
-        return supervisor.Supervised(record.run_id, record.launcher_pid, record.launcher_start)
+        return supervisor.Supervised.of(load_run(self.run_id))
 
 
 def submit(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, **options: Any) -> Run:

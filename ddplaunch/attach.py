@@ -34,7 +34,7 @@ def supervised_of(record: RunRecord) -> Supervised:
     if not (record.dir / EVENTS_FILE).is_file():
         raise RunNotFoundError(f"run {record.run_id} has no event log to attach to (started by an older ddplaunch, "
                                f"or by the scheduler): `ddplaunch logs -f {record.run_id}` follows its log")
-    return Supervised(record.run_id, record.launcher_pid, record.launcher_start)
+    return Supervised.of(record)
 
 
 class _Interrupts:

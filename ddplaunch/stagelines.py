@@ -100,10 +100,8 @@ class StageLines:
             data = json.loads(payload)
         except ValueError:
             return False
-        if kind == "LOADED":
+        if kind == "LOADED":  # before the first step, or after it: the progress shares the list
             self._loaded.append(str(data.get("path", "?"))[:300])
-            if self.progress is not None:
-                self.progress.loaded = list(self._loaded)
             return False
         steps = data.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -119,7 +117,7 @@ class StageLines:
         first = self.progress is None
         if self.progress is None:
             self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
-                                     loaded=list(self._loaded))
+                                     loaded=self._loaded)
         else:
             self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)
         self.progress.resumed_from = self._resumed_from

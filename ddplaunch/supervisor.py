@@ -48,6 +48,11 @@ class Supervised:
     pid: int
     start: Optional[int]
 
+    @classmethod
+    def of(cls, record: RunRecord) -> "Supervised":
+        """The supervisor a run's record names (its launcher), alive or not."""
+        return cls(record.run_id, record.launcher_pid, record.launcher_start)
+
     @property
     def dir(self) -> Path:
         return run_dir(self.run_id)
@@ -183,9 +188,7 @@ def _answer(fd: int, answer: dict[str, Any]) -> None:
 
 def of_record(record: RunRecord) -> Optional[Supervised]:
     """The supervisor of a recorded run, when it runs on this machine and is still alive."""
-    if record.launcher_alive() is not True:
-        return None
-    return Supervised(record.run_id, record.launcher_pid, record.launcher_start)
+    return Supervised.of(record) if record.launcher_alive() is True else None
 
 
 def stop(supervised: Supervised, grace: float) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import rank_ranges
 from ddplaunch.hostcmd import host_program, parse_answer
+from ddplaunch.hostside.stacks import FROZEN
 from ddplaunch.plan import LaunchPlan, tool_python
 from ddplaunch.results import StopEvent
 from ddplaunch.runs import write_private
@@ -82,10 +83,6 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     return stacks, problems, raw
 
 
-#: Process states of a rank that cannot run (hostside/stacks.py says which each process is in).
-FROZEN_STATES = ("T", "t", "D")
-
-
 def frozen_hosts(raw: dict[str, Any]) -> dict[str, str]:
     """Hosts whose every rank process is frozen (stopped, or in an uninterruptible wait) while
     some other host has a rank that can run: label -> why. Empty when the evidence pins nothing
@@ -94,7 +91,7 @@ def frozen_hosts(raw: dict[str, Any]) -> dict[str, str]:
     for host, data in raw.items():
         workers = [p for p in data.get("procs") or [] if p.get("rank") is not None]
         states = {p.get("state") for p in workers}
-        if workers and states <= set(FROZEN_STATES):
+        if workers and states <= set(FROZEN):
             pids = " ".join(str(p["pid"]) for p in workers)
             frozen[host] = (f"its ranks are frozen (process state {'/'.join(sorted(str(s) for s in states))}: "
                             f"pid {pids}) while the host answers")

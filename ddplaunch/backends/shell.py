@@ -28,8 +28,8 @@ from ddplaunch.torchrun_logs import HEARTBEAT
 #: (backends/watch.py counts a node silent for `recovery.detect_timeout` as a host to check). It
 #: reads the process's state, without forking: a zombie (exited, not yet reaped by a parent that
 #: waits for this very output to end) counts as gone.
-HEARTBEAT_LOOP = (f"{{ (while read -r s 2>/dev/null < /proc/$$/stat && s=${{s##*) }} && [ \"${{s%% *}}\" != Z ]; "
-                  f"do echo {HEARTBEAT}; sleep 1; done) & }}")
+ALIVE = 'read -r s 2>/dev/null < /proc/$$/stat && s=${s##*) } && [ "${s%% *}" != Z ]'
+HEARTBEAT_LOOP = f"{{ (while {ALIVE}; do echo {HEARTBEAT}; sleep 1; done) & }}"
 
 #: The file a node's lease loop reads (backends/ssh renews it): its content changes on every renewal.
 LEASE_FILE = "lease"
@@ -47,10 +47,9 @@ def lease_loop(run_id: str, lease: int, grace: int) -> str:
     supervisor no longer reads cannot block it) reads the node's lease file every second; when the
     file has not changed for `lease` seconds (bash's own $SECONDS: no clock, no fork), it SIGTERMs
     torchrun (which stops its workers within its shutdown timeout, job.stop_grace) and SIGKILLs it
-    `grace` seconds later if it still runs."""
+    `grace` seconds later if it still runs. It lives as long as the heartbeat does (`ALIVE`)."""
     file = word(in_run_dir(run_id, LEASE_FILE))
-    return (f"{{ (last=; t=$SECONDS; while read -r s 2>/dev/null < /proc/$$/stat && s=${{s##*) }} && "
-            f"[ \"${{s%% *}}\" != Z ]; do l=; read -r l 2>/dev/null < {file}; "
+    return (f"{{ (last=; t=$SECONDS; while {ALIVE}; do l=; read -r l 2>/dev/null < {file}; "
             f"if [ \"$l\" != \"$last\" ]; then last=$l; t=$SECONDS; "
             f"elif [ $((SECONDS - t)) -ge {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
             f"sleep 1; done) >/dev/null 2>&1 & }}")

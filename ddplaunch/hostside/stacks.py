@@ -26,7 +26,8 @@ def find_py_spy(python):
 
 
 #: Process states of a rank that cannot run: stopped (SIGSTOP, a debugger), or in an
-#: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one.
+#: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one; the
+#: hang watchdog (watchdog.frozen_hosts) reads these states too.
 FROZEN = ("T", "t", "D")
 
 

@@ -12,6 +12,7 @@ what the host's own sshd saw the connection arrive on.
 
 from __future__ import annotations
 
+import functools
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, TypeVar
@@ -56,7 +57,7 @@ class SshBackend(ShellLauncher):
         self.connector = Connector(spec, self.routes)
         self._synced: set[str] = set()
         #: Lost hosts asked to end the run's processes until they answer (or their lease ran out).
-        self.fence = Fence(lambda target: self._reap(*target), spec.supervisor.lease + spec.job.stop_grace + 30)
+        self.fence = Fence(spec.supervisor.lease + spec.job.stop_grace + 30)
 
     # ------------------------------------------------------------------ connections
 
@@ -336,7 +337,7 @@ class SshBackend(ShellLauncher):
         stage connects afresh if one comes back)."""
         self.connector.drop([h.label for h in lost])
         for host in lost:
-            self.fence.add((host, run_id), host.label)
+            self.fence.add(host.label, functools.partial(self._reap, host, run_id))
         self._each(lambda h: self._reap(h, run_id), hosts)
 
     def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ddplaunch.backends.shell import lease_every
 
@@ -42,29 +42,27 @@ class Renewals:
 
 class Fence:
     """Hosts counted lost, kept from running on: each is asked to end the run's processes
-    (`reap(host)`) every RETRY_S seconds from the moment it is lost until it answers (a host cut
-    off, not dead, comes back with its ranks still running) or `until_s` has passed (by then its
-    own lease has stopped them). Threads end with `close`."""
+    (`reap()`, given with it) every RETRY_S seconds from the moment it is lost until it answers (a
+    host cut off, not dead, comes back with its ranks still running) or `until_s` has passed (by
+    then its own lease has stopped them). Threads end with `close`."""
 
     RETRY_S = 2.0
 
-    def __init__(self, reap: Callable[[Any], object], until_s: float):
-        self.reap, self.until_s = reap, until_s
+    def __init__(self, until_s: float):
+        self.until_s = until_s
         self._closed = threading.Event()
-        self.fenced: list[str] = []
 
-    def add(self, host: Any, label: str) -> None:
-        threading.Thread(target=self._run, args=(host, label), name=f"ddplaunch-fence-{label}", daemon=True).start()
+    def add(self, label: str, reap: Callable[[], object]) -> None:
+        threading.Thread(target=self._run, args=(reap,), name=f"ddplaunch-fence-{label}", daemon=True).start()
 
-    def _run(self, host: Any, label: str) -> None:
+    def _run(self, reap: Callable[[], object]) -> None:
         deadline = time.monotonic() + self.until_s
         while not self._closed.is_set() and time.monotonic() < deadline:
             try:
-                self.reap(host)
+                reap()
             except Exception:  # noqa: BLE001 - not answering yet: the point of trying again
                 self._closed.wait(self.RETRY_S)
                 continue
-            self.fenced.append(label)
             return
 
     def close(self) -> None:
