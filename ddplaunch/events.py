@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any, Callable, ClassVar, Iterator, Optional, Union
+from typing import IO, Callable, ClassVar, Iterator, Optional, Union
 
 EVENTS_FILE = "events.jsonl"
 #: Seconds between reads of a log that has nothing new (a line reaches a follower within this).
@@ -192,13 +192,3 @@ def follow(run_dir: Path, alive: Callable[[], bool]) -> Iterator[Event]:
     finally:
         if f is not None:
             f.close()
-
-
-def ended(events: list[Event]) -> Optional[RunEnded]:
-    """The run's end, if it has been logged."""
-    return next((e for e in reversed(events) if isinstance(e, RunEnded)), None)
-
-
-def describe(event: Event) -> dict[str, Any]:
-    """An event as plain data (for `--json` consumers and the Python API)."""
-    return {"kind": event.KIND, **asdict(event)}
