@@ -26,6 +26,8 @@ MARK = re.compile(r"<!-- example: (?P<name>\S+) from (?P<test>\S+) hosts=(?P<hos
 PATH_RE = re.compile(r"(?<![\w.\-/])/[^\s:,)\]]+")
 #: pytest's temporary directory, shortened in the examples (paths are compared as PATH anyway)
 TMP_RE = re.compile(r"/tmp/pytest-of-[^/\s]+/pytest-\d+/[^/\s]+")
+#: the hours and minutes of a duration (`1m00s` and `45s` are one format: a wall time crossing a minute)
+LONG_DURATION = re.compile(r"(?<![\w.])(?:\d+h)?\d+m(?=\d+(?:\.\d+)?s\b)|(?<![\w.])\d+h(?=\d+(?:\.\d+)?s\b)")
 
 
 def normalize(line: str, hosts: list[str]) -> str:
@@ -33,6 +35,7 @@ def normalize(line: str, hosts: list[str]) -> str:
         line = re.sub(rf"(?<![\w.\-]){re.escape(host)}(?![\w\-])", "HOST", line)
     line = PATH_RE.sub("PATH", line)
     line = re.sub(r"^run \S+:", "run RUN:", line)
+    line = LONG_DURATION.sub("", line)
     return re.sub(r"\d+", "N", line.rstrip())
 
 
