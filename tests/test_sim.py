@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import random
+import shlex
 import shutil
 import stat
 import subprocess
@@ -324,6 +325,72 @@ def test_fault_rate_shapes_both_directions(sim_cluster):
     finally:
         sim_fault(c, shaped.name, clear=True)
     assert "tbf" not in c.run(shaped, ["tc", "qdisc", "show", "dev", c.ifname]).stdout
+
+
+#: CPU seconds a burn spends; its wall time says how much CPU the host's processes get.
+BURN = ("import time; w, c = time.monotonic(), time.process_time()\n"
+        "while time.process_time() - c < 0.3: pass\n"
+        "print(time.monotonic() - w)")
+
+
+def _burn_wall(c, host: str) -> float:
+    """Wall seconds 0.3 CPU-s take in a process the host's sshd starts (it inherits the host's cgroup)."""
+    code, out = ssh_run(c, host, f"{sys.executable} -c {shlex.quote(BURN)}", timeout=60)
+    assert code == 0, out
+    return float(out.strip().splitlines()[-1])
+
+
+@needs_sim
+def test_fault_slow_limits_every_process_of_the_host_and_clear_lifts_it(sim_cluster):
+    """--slow 10: the host's processes together get a tenth of a CPU, so a burn of 0.3 CPU-s
+    takes at least ~3 s there; on a host beside it, measured in the same test, far less."""
+    c, slowed, free = sim_cluster, sim_cluster.hosts[2], sim_cluster.hosts[3]
+    try:
+        sim_fault(c, slowed.name, slow=10)
+        assert c.host(slowed.name).fault.describe() == "slowed to 10% of a CPU"
+        throttled, normal = _burn_wall(c, slowed.name), _burn_wall(c, free.name)
+        assert throttled >= 2.0 and throttled >= 2 * normal, (throttled, normal)
+    finally:
+        sim_fault(c, slowed.name, clear=True)
+    assert not list(Path("/sys/fs/cgroup").glob(f"*/ddplaunch-sim-{c.prefix}-*")) and \
+        not list(Path("/sys/fs/cgroup").glob(f"ddplaunch-sim-{c.prefix}-*"))
+    after = _burn_wall(c, slowed.name)
+    assert after < throttled / 2, (after, throttled)
+
+
+LISTEN = ("import socket, sys; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+          "s.bind(('', int(sys.argv[1]))); s.listen(8); s.settimeout(20)\n"
+          "while True:\n  c, _ = s.accept(); c.close()")
+
+
+def _connects(c, from_host, addr: str, port: int) -> bool:
+    """Whether a TCP connection from `from_host` (None: this machine) to addr:port is accepted."""
+    probe = f"import socket; socket.create_connection(({addr!r}, {port}), timeout=2).close()"
+    argv = [sys.executable, "-c", probe]
+    proc = c.run(from_host, argv, check=False, timeout=20) if from_host else \
+        subprocess.run(argv, capture_output=True, timeout=20)
+    return proc.returncode == 0
+
+
+@needs_sim
+def test_fault_cut_training_drops_host_to_host_traffic_but_sshd_and_the_launcher(sim_cluster):
+    c, cut, peer = sim_cluster, sim_cluster.hosts[1], sim_cluster.hosts[0]
+    port = 29311
+    listener = subprocess.Popen(c.exec_argv(cut, [sys.executable, "-c", LISTEN, str(port)]))
+    try:
+        wait_listening(c, cut.name, port, timeout=20)
+        sim_fault(c, cut.name, cut_training=True)
+        assert c.host(cut.name).fault.describe() == "training traffic cut"
+        assert not _connects(c, peer, cut.addr, port)          # a peer: dropped
+        assert _connects(c, peer, cut.addr, 22)                # its sshd: answers
+        assert _connects(c, None, cut.addr, port)              # the launcher: untouched
+        sim_fault(c, cut.name, clear=True)
+        assert _connects(c, peer, cut.addr, port)
+        assert "DDPLAUNCH_CUT" not in c.run(cut, ["iptables", "-w", "-S"]).stdout
+    finally:
+        sim_fault(c, cut.name, clear=True)
+        listener.kill()
+        listener.wait(timeout=10)
 
 
 @needs_sim

@@ -147,13 +147,17 @@ def status_cmd(prefix: str | None, state_dir: Path | None) -> None:
 @click.option("--down", is_flag=True, help="Set the host's link down.")
 @click.option("--sshd-stop", is_flag=True, help="Stop the host's sshd.")
 @click.option("--crash", is_flag=True, help="Crash the host: link down, every process of it SIGKILLed.")
+@click.option("--cut-training", is_flag=True,
+              help="Drop the host's traffic to and from the other hosts but sshd's and slurmd's.")
+@click.option("--slow", type=int, default=None, metavar="PERCENT",
+              help="Limit every process of the host together to PERCENT % of one CPU (cgroups).")
 @click.option("--clear", is_flag=True, help="Undo all faults of the host (a crashed host's daemons start again).")
 @_sim_errors
 def fault_cmd(host: str, prefix: str | None, state_dir: Path | None, rate: str | None, down: bool,
-              sshd_stop: bool, crash: bool, clear: bool) -> None:
+              sshd_stop: bool, crash: bool, cut_training: bool, slow: int | None, clear: bool) -> None:
     """Inject a fault into HOST (name or address), or --clear it."""
     h = sim_fault(_state_dir(prefix, state_dir), host, rate=rate, down=down, sshd_stop=sshd_stop,
-                  crash=crash, clear=clear)
+                  crash=crash, cut_training=cut_training, slow=slow, clear=clear)
     click.echo(f"{h.name} ({h.addr}): faults: {h.fault.describe()}")
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddplaunch.sim import netns, slurm, sshd
+from ddplaunch.sim import cgroups, netns, slurm, sshd
 from ddplaunch.sim.image import podman_env
 from ddplaunch.sim.proc import SimError, require_root, require_tool
 from ddplaunch.sim.specs import render_slurm_spec, render_spec
@@ -227,6 +227,7 @@ def _teardown(state_dir: Path, purge: bool, naming: netns.Naming | None = None) 
     if naming is not None:
         result.namespaces = [ns for ns in netns.list_netns() if naming.owns_netns(ns)]
         result.killed = netns.destroy_network(naming)
+        cgroups.remove_all(naming.prefix)
     (state_dir / STATE_FILE).unlink(missing_ok=True)
     for pid_file in state_dir.glob("hosts/*/sshd.pid"):
         pid_file.unlink(missing_ok=True)

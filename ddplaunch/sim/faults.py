@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from ddplaunch.sim import slurm, sshd
+from ddplaunch.sim import cgroups, slurm, sshd
 from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
 from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import NETNS_DIR, netns_pids
@@ -23,10 +23,15 @@ from ddplaunch.sim.proc import SimError, require_root, run, stop_pids
 
 RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
 TBF_OPTS = ["burst", "256kb", "latency", "50ms"]
+#: The firewall chain of a host whose training traffic is cut, and the ports it still lets
+#: through (sshd; slurmd: the management network).
+CUT_CHAIN = "DDPLAUNCH_CUT"
+MANAGEMENT_PORTS = ("22", "6818")
 
 
 def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = None, down: bool = False,
-              sshd_stop: bool = False, crash: bool = False, clear: bool = False) -> SimHost:
+              sshd_stop: bool = False, crash: bool = False, cut_training: bool = False,
+              slow: int | None = None, clear: bool = False) -> SimHost:
     """Apply exactly one fault action to `host` (name or address) and record it.
 
     Args:
@@ -35,6 +40,10 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         down: set both legs of the host's link down (connections to it time out).
         sshd_stop: stop the host's sshd listener (by its recorded PID).
         crash: the link down, then SIGKILL to every process in the host's namespace.
+        cut_training: drop every packet between the host and the other hosts except those of
+            sshd and slurmd (a broken training fabric while the management network answers;
+            the launcher's own traffic is untouched).
+        slow: every process of the host gets together this percentage of one CPU (cgroups).
         clear: remove rate limits, bring the link up, restart sshd (and slurmd) if not running; a
             host that was down restarts its slurmd, as a booted one would (it registers at once).
 
@@ -43,10 +52,7 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
     Raises:
         SimError: not exactly one action, bad rate, unknown host, or a command failed.
     """
-    if sum([rate is not None, down, sshd_stop, crash, clear]) != 1:
-        raise SimError("give exactly one of --rate RATE, --down, --sshd-stop, --crash, --clear")
-    if rate is not None and not RATE_RE.match(rate):
-        raise SimError(f"bad rate {rate!r}: use a tc rate such as 1gbit, 100mbit or 500kbit")
+    _one_action([rate is not None, down, sshd_stop, crash, cut_training, slow is not None, clear], rate, slow)
     require_root("ddplaunch sim fault")
     state_dir = target.state_dir if isinstance(target, SimCluster) else Path(target)
     with prefix_lock(load_cluster(state_dir).prefix):
@@ -67,12 +73,28 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
             h.sshd_pid, h.fault.crashed, h.fault.down = None, True, True
             if cluster.slurm is not None:
                 cluster.slurm.slurmd_pids.pop(h.name, None)
+        elif cut_training:
+            _cut_training(cluster, h)
+            h.fault.training_cut = True
+        elif slow is not None:
+            cgroups.limit(cgroups.group_name(cluster.prefix, h.name), netns_pids(h.ns), slow)
+            h.fault.slow = slow
         else:
             _clear(cluster, h)
         save_state(cluster)
     if isinstance(target, SimCluster):
         target.hosts, target.slurm = cluster.hosts, cluster.slurm
     return h
+
+
+def _one_action(given: list[bool], rate: str | None, slow: int | None) -> None:
+    if sum(given) != 1:
+        raise SimError("give exactly one of --rate RATE, --down, --sshd-stop, --crash, --cut-training, "
+                       "--slow PERCENT, --clear")
+    if slow is not None and not 1 <= slow <= 100:
+        raise SimError(f"bad --slow {slow}: a percentage of one CPU, 1 to 100")
+    if rate is not None and not RATE_RE.match(rate):
+        raise SimError(f"bad rate {rate!r}: use a tc rate such as 1gbit, 100mbit or 500kbit")
 
 
 def _in_ns(h: SimHost, argv: list[str]) -> list[str]:
@@ -89,6 +111,35 @@ def _set_rate(cluster: SimCluster, h: SimHost, rate: str) -> None:
 def _set_link(cluster: SimCluster, h: SimHost, state: str) -> None:
     run(["ip", "link", "set", cluster.naming.veth(h.index), state])
     run(["ip", "-n", h.ns, "link", "set", cluster.ifname, state])
+
+
+def _cut_training(cluster: SimCluster, h: SimHost) -> None:
+    """A chain of the host's own firewall: packets to and from the other hosts dropped, but for
+    sshd's and slurmd's (the management network)."""
+    peers = ",".join(a for a in cluster.addrs if a != h.addr)
+    if not peers:
+        raise SimError(f"{h.name}: no other host to cut it off from")
+    ipt = _in_ns(h, ["iptables", "-w"])
+    run([*ipt, "-N", CUT_CHAIN], check=False)  # left from an earlier cut: flushed next
+    run([*ipt, "-F", CUT_CHAIN])
+    for port in MANAGEMENT_PORTS:
+        for way in ("--dport", "--sport"):
+            run([*ipt, "-A", CUT_CHAIN, "-p", "tcp", way, port, "-j", "RETURN"])
+    run([*ipt, "-A", CUT_CHAIN, "-j", "DROP"])
+    for hook, way in (("INPUT", "-s"), ("OUTPUT", "-d")):
+        if run([*ipt, "-C", hook, way, peers, "-j", CUT_CHAIN], check=False).returncode != 0:
+            run([*ipt, "-I", hook, way, peers, "-j", CUT_CHAIN])
+
+
+def _uncut_training(cluster: SimCluster, h: SimHost) -> None:
+    ipt = _in_ns(h, ["iptables", "-w"])
+    for hook in ("INPUT", "OUTPUT"):
+        rules = run([*ipt, "-S", hook], check=False).stdout or ""
+        for rule in rules.splitlines():
+            if rule.startswith(f"-A {hook} ") and rule.endswith(f"-j {CUT_CHAIN}"):
+                run([*ipt, "-D", *rule.split()[1:]], check=False)
+    run([*ipt, "-F", CUT_CHAIN], check=False)
+    run([*ipt, "-X", CUT_CHAIN], check=False)
 
 
 def _kill_all(h: SimHost) -> None:
@@ -112,6 +163,10 @@ def _clear(cluster: SimCluster, h: SimHost) -> None:
                  ["tc", "qdisc", "del", "dev", cluster.naming.veth(h.index), "root"]):
         run(argv, check=False)  # fails harmlessly when there is no root qdisc
     _set_link(cluster, h, "up")
+    if h.fault.training_cut:
+        _uncut_training(cluster, h)
+    if h.fault.slow is not None:
+        cgroups.release(cgroups.group_name(cluster.prefix, h.name), netns_pids(h.ns))
     host_dir = cluster.host_dir(h)
     if not sshd.is_our_sshd(h.sshd_pid, host_dir):
         h.sshd_pid = sshd.start_sshd(host_dir, cluster.enter_prefix(h))

@@ -59,11 +59,17 @@ class Fault:
     sshd_stopped: bool = False
     #: crashed: link down and every process of the host killed (its daemons too)
     crashed: bool = False
+    #: training traffic cut: packets to/from the other hosts dropped but for sshd's and slurmd's
+    training_cut: bool = False
+    #: every process of the host limited to this percentage of one CPU (cgroups)
+    slow: int | None = None
 
     def describe(self) -> str:
         parts = ([f"rate {self.rate}"] if self.rate else []) + (["crashed"] if self.crashed else []) \
             + (["link down"] if self.down and not self.crashed else []) \
-            + (["sshd stopped"] if self.sshd_stopped else [])
+            + (["sshd stopped"] if self.sshd_stopped else []) \
+            + (["training traffic cut"] if self.training_cut else []) \
+            + ([f"slowed to {self.slow}% of a CPU"] if self.slow is not None else [])
         return ", ".join(parts) or "-"
 
 

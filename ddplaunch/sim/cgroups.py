@@ -1,0 +1,101 @@
+"""CPU limits for a sim host: every process of it in one cgroup with a CPU bandwidth quota.
+
+`sim fault HOST --slow PERCENT` puts every process in the host's network namespace (its sshd,
+slurmd and what they started; what they start later inherits it) into a cgroup named
+`ddplaunch-sim-<prefix>-<host>` whose processes together get PERCENT % of one CPU (CFS bandwidth:
+cgroup v1's cpu.cfs_quota_us, or v2's cpu.max). `--clear` moves them back and removes it; `sim
+down` removes what is left of a prefix's cgroups.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddplaunch.sim.proc import SimError
+
+ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+
+
+def _base() -> tuple[Path, bool]:
+    """(the cpu hierarchy's root, whether it is cgroup v2)."""
+    if (ROOT / "cpu" / "cpu.cfs_quota_us").exists():
+        return ROOT / "cpu", False
+    controllers = ROOT / "cgroup.controllers"
+    if controllers.exists() and "cpu" in controllers.read_text().split():
+        return ROOT, True
+    raise SimError("no cgroup cpu controller here (neither /sys/fs/cgroup/cpu of cgroup v1 nor cpu in "
+                   "/sys/fs/cgroup/cgroup.controllers of v2): --slow needs one")
+
+
+def group_name(prefix: str, host: str) -> str:
+    return f"ddplaunch-sim-{prefix}-{host}"
+
+
+def limit(name: str, pids: list[int], percent: int) -> None:
+    """Put `pids` into cgroup `name`, limited to `percent` % of one CPU together."""
+    base, v2 = _base()
+    group = base / name
+    try:
+        if v2:
+            control = base / "cgroup.subtree_control"
+            if "cpu" not in control.read_text().split():
+                control.write_text("+cpu")
+        group.mkdir(exist_ok=True)
+        quota = max(1000, PERIOD_US * percent // 100)
+        if v2:
+            (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        _move(pids, group)
+    except OSError as err:
+        raise SimError(f"cgroup {group}: {err}") from None
+
+
+def release(name: str, pids: list[int]) -> None:
+    """Move `pids` back to the root cgroup and remove cgroup `name` (nothing there is fine)."""
+    base, _ = _base()
+    group = base / name
+    if not group.exists():
+        return
+    _move(pids + _members(group), base)
+    try:
+        group.rmdir()
+    except OSError as err:
+        raise SimError(f"cgroup {group} could not be removed: {err}") from None
+
+
+def remove_all(prefix: str) -> list[str]:
+    """Remove the cgroups of a prefix's hosts (their processes are gone); the names removed."""
+    try:
+        base, _ = _base()
+    except SimError:
+        return []
+    removed = []
+    for group in base.glob(group_name(prefix, "*")):
+        _move(_members(group), base)
+        try:
+            group.rmdir()
+            removed.append(group.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _members(group: Path) -> list[int]:
+    try:
+        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
+    except OSError:
+        return []
+
+
+def _move(pids: list[int], group: Path) -> None:
+    for pid in pids:
+        try:
+            (group / "cgroup.procs").write_text(str(pid))
+        except ProcessLookupError:
+            pass  # ended meanwhile
+        except OSError as err:
+            if err.errno != 3:  # ESRCH
+                raise
