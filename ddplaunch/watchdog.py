@@ -3,7 +3,8 @@
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
 any rank it takes a py-spy stack dump of every worker on every host (found by the run's env tag
 and their RANK), saves the dumps in the run record, prints where each rank is stuck and ends
-the run as a failure. Log parsing (mismatches, store errors) is in torchrun_logs.py.
+the run. A host whose ranks are frozen, or whose training link a link test finds broken
+(linktest.py), is named as lost: with recovery on, a spare takes its place. Log parsing (mismatches, store errors) is in torchrun_logs.py.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import rank_ranges
 from ddplaunch.hostcmd import host_program, parse_answer
 from ddplaunch.hostside.stacks import FROZEN
+from ddplaunch.linktest import broken_links
 from ddplaunch.plan import LaunchPlan, tool_python
 from ddplaunch.results import StopEvent
 from ddplaunch.runs import write_private
 from ddplaunch.spec import ClusterSpec, HostSpec
 from ddplaunch.stagelines import StageLines
 
+#: The rank-side step timing's file (in the package, or staged in a host's run directory): its
+#: wrappers sit between a job's line and torch's call.
+TIMING_FILE = re.compile(r"/(hostside|\.ddplaunch/runs/[^/]+)/steptiming\.py$")
 #: Seconds py-spy gets per host (all its workers are dumped in parallel there).
 DUMP_TIMEOUT = 30.0
 
@@ -121,7 +126,7 @@ def stuck_at(threads: list[dict[str, Any]], cwd: str) -> str:
 
 def _is_user(filename: str) -> bool:
     return not (re.search(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d", filename)
-                or filename.startswith("<"))
+                or filename.startswith("<") or TIMING_FILE.search(filename) is not None)
 
 
 def _relative(filename: str, cwd: str) -> str:
@@ -226,10 +231,19 @@ class HangWatchdog:
             lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
         except OSError as err:
             lines.append(f"could not save the stacks in {self.out_dir}: {err}")
-        frozen = frozen_hosts(raw)
-        lines += [f"{host}: {why}" for host, why in frozen.items()]
+        culprits = frozen_hosts(raw) or self._cut_off()
+        lines += [f"{host}: {why}" for host, why in culprits.items()]
         self.diagnosis = lines
         self.fired_after = time.time() - self._started
         for line in lines:
             self.lines.note(line)
-        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s", lost=frozen)
+        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s", lost=culprits)
+
+    def _cut_off(self) -> dict[str, str]:
+        """Hosts whose training link the link test finds broken (none when it cannot tell)."""
+        hosts = [n.host for n in self.plan.nodes if n.host is not None]
+        try:
+            return broken_links(self.backend, self.spec, hosts, self.plan.run_id)
+        except Exception as err:  # noqa: BLE001 - the hang is still reported
+            self.lines.note(f"link test failed: {type(err).__name__}: {err}")
+            return {}

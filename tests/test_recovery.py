@@ -225,6 +225,27 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=30) is True
 
 
+def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):
+    """One host's traffic to and from the other hosts dropped but for sshd's (`sim fault
+    --cut-training`): it still answers and heartbeats, its ranks run, every rank waits in a
+    collective. The hang watchdog's link test finds that host cut off from the others, which reach
+    each other; it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "cut", [0, 1, 2], [3], "--step-sleep", "0.3", job={"hang_timeout": 10})
+    hosts = [h.name for h in sim_cluster.hosts]
+    try:
+        out, code = _disturbed(spec, tmp_path, "rec-cut", "step=6 ",
+                               lambda: sim_fault(sim_cluster, hosts[1], cut_training=True))
+    finally:
+        sim_fault(sim_cluster, hosts[1], clear=True)
+    assert code == 0, out[-4000:]
+    assert re.search(rf"\[ddplaunch\] {hosts[1]}: its training link is broken: no TCP connection to or from "
+                     rf"{hosts[0]}, {hosts[2]} on port \d+", out), out[-4000:]
+    assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(its training link is broken.*\) → "
+                     rf"replaced by {hosts[3]}", out), out[-3000:]
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
+
+
 def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_scratch(sim_cluster, tmp_path):
     """job.resume_args reach the relaunched job only; here they point it at an empty checkpoint
     directory, so it loads nothing and trains from step 0: seen from inside its process (no

@@ -1,0 +1,48 @@
+"""The link test's verdict (linktest.judge): a host is named only when it reaches no peer and no
+peer reaches it while the others reach each other; anything less clear names nobody. The real
+link test runs in tests/test_recovery.py (a host whose training traffic is cut)."""
+
+from __future__ import annotations
+
+from ddplaunch.linktest import judge
+
+ADDRS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"}
+
+
+def _answers(links: set[tuple[str, str]], labels=ADDRS) -> dict:
+    """Each host's answer, given the (from, to) connections that succeeded."""
+    return {h: {"reached": sorted(ADDRS[b] for a, b in links if a == h), "came_from": []} for h in labels}
+
+
+def _full(labels) -> set[tuple[str, str]]:
+    return {(a, b) for a in labels for b in labels if a != b}
+
+
+def test_a_host_cut_off_from_every_peer_is_named_with_the_peers_that_reach_each_other():
+    verdict = judge(ADDRS, _answers(_full("acd")), 29500)
+    assert list(verdict) == ["b"]
+    assert "no TCP connection to or from a, c, d on port 29500" in verdict["b"]
+
+
+def test_healthy_links_name_nobody():
+    assert judge(ADDRS, _answers(_full("abcd")), 1) == {}
+
+
+def test_a_host_with_one_working_link_is_not_named():
+    links = _full("acd") | {("b", "c")}
+    assert judge(ADDRS, _answers(links), 1) == {}
+
+
+def test_a_split_in_two_names_nobody():
+    assert judge(ADDRS, _answers(_full("ab") | _full("cd")), 1) == {}
+
+
+def test_two_hosts_cannot_tell_which_one_is_cut():
+    two = {k: ADDRS[k] for k in "ab"}
+    assert judge(two, _answers(set(), two), 1) == {}
+
+
+def test_a_host_without_an_answer_makes_the_test_inconclusive():
+    answers = _answers(_full("acd"))
+    answers["c"] = None
+    assert judge(ADDRS, answers, 1) == {}
