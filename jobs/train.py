@@ -29,6 +29,10 @@ from datetime import timedelta
 # was unused -- which is the point here. That warning comes from the autograd thread, past Python's
 # warnings filters, so it is quieted at its source: C++ warnings of this process, unless asked for.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# Bitwise-reproducible math from run to run: MKL (torch's CPU BLAS) otherwise picks code paths by
+# the memory alignment of each buffer, so the same step can round differently in two processes
+# (seen: one run in ten differing at step 1). Set before torch loads MKL.
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -56,6 +60,13 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def burn(ms: float) -> None:
+    """Spend `ms` milliseconds of this thread's CPU time (wall time stretches on a slow CPU)."""
+    start = time.thread_time()
+    while (time.thread_time() - start) * 1e3 < ms:
+        pass
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=3)
@@ -75,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--burn-ms", type=float, default=0.0,
+                   help="CPU milliseconds to spend per step (a heavier model's compute: slowed by a slow CPU)")
     p.add_argument("--corrupt-rank", type=int, default=None, help="perturb this rank's weights")
     args = p.parse_args(argv)
     args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CKPT_DIR") or \
@@ -413,6 +426,7 @@ def main(argv=None) -> int:
                 os._exit(3)
             idx = torch.tensor(order[batch_no * args.batch_size:(batch_no + 1) * args.batch_size])
             xb, yb = x_all[idx].to(device), y_all[idx].to(device)
+            burn(args.burn_ms)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(xb), yb)
             loss.backward()  # DDP all_reduces (averages) gradients here
