@@ -183,6 +183,20 @@ def attach_cmd(run_id: str | None) -> None:
     sys.exit(follow_run(supervised_of(_pick(run_id)), sys.stdout, stops_run=False))
 
 
+@cli.command("top")
+@click.argument("run_id", required=False)
+@click.option("--once", is_flag=True, help="Print the table once and exit.")
+@_handle_errors
+def top_cmd(run_id: str | None, once: bool) -> None:
+    """Every host and rank of a run (default: the latest run here), refreshed each second until it
+    ends: state, step, step time, wait at the collectives, straggler score, recoveries."""
+    from ddplaunch.attach import supervised_of
+    from ddplaunch.top import top
+
+    supervised = supervised_of(_pick(run_id))
+    sys.exit(top(supervised.dir, supervised.alive, sys.stdout, once=once))
+
+
 @cli.command()
 @click.argument("run_id")
 @_handle_errors

@@ -2,7 +2,8 @@
 
 The process that runs the run loop (the supervisor, or `ddplaunch.up` in-process) appends every
 line the screen shows (`Shown`), each host's live state (`HostState`), stage boundaries, recoveries
-and the end (`RunEnded`: state, exit code, summary). Readers (`attach`, `up` in the foreground,
+each rank's step timing (`RankSteps`), a straggler named (`StragglerNamed`) and the end (`RunEnded`:
+state, exit code, summary). Readers (`attach`, `up` in the foreground,
 `ddplaunch.submit(...).events()`) replay the file and follow it; it is fsynced at stage boundaries,
 recoveries and the end. Each event carries the wall time (`t`) and the writer's monotonic clock
 (`mono`, for intervals). Data and file I/O only: no backend, no console.
@@ -91,6 +92,33 @@ class RecoveryStarted(_Event):
 
 
 @dataclass
+class RankSteps(_Event):
+    """A rank's timing report (hostside/steptiming.py): its newest step and, over the steps it
+    reported since its last, the median step time and wait at the collectives."""
+
+    KIND: ClassVar[str] = "rank-steps"
+    host: str
+    rank: int
+    step: int
+    step_s: float
+    wait_s: float
+
+
+@dataclass
+class StragglerNamed(_Event):
+    """A host whose ranks compute slower than their peers (stragglers.Straggler's fields)."""
+
+    KIND: ClassVar[str] = "straggler"
+    host: str
+    ranks: list[int]
+    slowdown: float
+    since_step: int
+    compute_s: float
+    peers_compute_s: float
+    peers_wait_s: float
+
+
+@dataclass
 class RunEnded(_Event):
     """The run's end: its final state and exit code, the summary people read, `--json`'s object;
     `error` when it ended on an error before or between stages (what `ddplaunch: error:` says)."""
@@ -103,11 +131,12 @@ class RunEnded(_Event):
     error: str = ""
 
 
-Event = Union[RunStarted, Shown, HostState, StageStarted, StageEnded, RecoveryStarted, RunEnded]
+Event = Union[RunStarted, Shown, HostState, StageStarted, StageEnded, RecoveryStarted, RankSteps, StragglerNamed,
+              RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in (RunStarted, Shown, HostState, StageStarted, StageEnded,
-                                                RecoveryStarted, RunEnded)}
+                                                RecoveryStarted, RankSteps, StragglerNamed, RunEnded)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
-DURABLE = (RunStarted, StageStarted, StageEnded, RecoveryStarted, RunEnded)
+DURABLE = (RunStarted, StageStarted, StageEnded, RecoveryStarted, StragglerNamed, RunEnded)
 
 
 def to_line(event: Event) -> str:

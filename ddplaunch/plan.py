@@ -31,6 +31,8 @@ PORT_RANGE = (20000, 32000)
 HOST_RUN_ROOT = ".ddplaunch/runs"
 HOSTSIDE = Path(__file__).with_name("hostside")
 ENTRY_SOURCE = HOSTSIDE / "entry.py"
+#: What the entry script loads beside it: every rank's step timing.
+ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "steptiming.py")
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 STAGES = ("healthcheck", "job")
@@ -221,7 +223,7 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
     resume = spec.job.resume_args if recovery else []  # a relaunch tells the job to resume
     args = [*head, "--", script, *(spec.job.args if job_args is None else job_args), *resume]
     return _Program(in_run_dir(run_id, "entry.py"), args,
-                    ((str(ENTRY_SOURCE), "entry.py"), *healthcheck, *uploads), spec.job.max_restarts)
+                    (*((str(src), src.name) for src in ENTRY_SOURCES), *healthcheck, *uploads), spec.job.max_restarts)
 
 
 def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,

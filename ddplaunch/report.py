@@ -14,6 +14,7 @@ from typing import Any, Optional
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.recovery import Recovery
 from ddplaunch.results import STATE_ORDER, StageResult
+from ddplaunch.stragglers import Straggler
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RunReport:
     #: Host failures the run survived (recovery.Recovery), and why it did not survive one.
     recoveries: list[Recovery] = field(default_factory=list)
     unrecovered: Optional[str] = None
+    #: Hosts named slower than their peers while the job ran (stragglers.Straggler).
+    stragglers: list[Straggler] = field(default_factory=list)
     #: Wall time of the run.
     wall_s: float = 0.0
     #: A dry run's text: exactly what `up` would execute (ddplaunch.up(..., dry_run=True)).
@@ -68,6 +71,7 @@ def summarize(report: RunReport, tail_lines: int = 10) -> str:
             out.append(f"    after the host was last heard from: {r.phases()}")
     if report.unrecovered:
         out.append(f"not recovered: {report.unrecovered}")
+    out += [f"straggler: {s.describe()}" for s in report.stragglers]
     training = sum(s.progress.training_s for s in report.stages if s.progress is not None)
     if training >= 1 and report.wall_s:
         out.append(f"training time: {_duration(training)} of {_duration(report.wall_s)} wall "
@@ -125,4 +129,5 @@ def summary_json(report: RunReport) -> str:
                        "preflight": report.preflight, "healthcheck": report.healthcheck,
                        "localization": report.localization, "excluded": report.excluded,
                        "recoveries": [r.to_dict() for r in report.recoveries], "unrecovered": report.unrecovered,
+                       "stragglers": [s.to_dict() for s in report.stragglers],
                        "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

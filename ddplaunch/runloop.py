@@ -14,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import Console
 from ddplaunch.errors import PlanError
-from ddplaunch.events import Event, EventLog, RecoveryStarted, StageEnded, StageStarted
+from ddplaunch.evict import Eviction
+from ddplaunch.events import Event, EventLog, RankSteps, RecoveryStarted, StageEnded, StageStarted, StragglerNamed
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.hostwords import CpuShare
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
@@ -31,6 +33,7 @@ from ddplaunch.results import Progress, StageResult, StopEvent, describe_exit
 from ddplaunch.runs import RunRecord, write_private
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.stagelines import StageLines
+from ddplaunch.stragglers import StragglerWatch
 from ddplaunch.torchrun_logs import mismatch_lines, store_errors
 from ddplaunch.watchdog import HangWatchdog
 
@@ -234,7 +237,7 @@ class RunLoop:
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
                               "set 1 and say so on every launch); env.OMP_NUM_THREADS in the spec chooses")
         lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None,
-                           secrets=self._secrets)
+                           secrets=self._secrets, on_report=self._reports_of(spec, plan) if plan.stage == "job" else None)
         watchdog = None
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
         if plan.stage == "job" and hang_timeout:
@@ -262,6 +265,35 @@ class RunLoop:
     def _event(self, event: Event) -> None:
         if self.events is not None:
             self.events.append(event)
+
+    def _reports_of(self, spec: ClusterSpec, plan: LaunchPlan) -> Callable[[str, str, dict[str, Any]], None]:
+        """What takes a job launch's rank reports: each rank's step timing is an event; a host
+        the straggler watch names is said once (screen, event log, record, summary) and, where
+        recovery.evict_stragglers, a spare and the budget allow, evicted at the next checkpoint."""
+        watch = StragglerWatch(plan.world_size, spec.stragglers.threshold, spec.stragglers.window)
+        eviction = Eviction(self.backend, plan, self.stop, self.console)
+
+        def report(kind: str, host: str, payload: dict[str, Any]) -> None:
+            if kind == "HELD":
+                eviction.held(payload)
+                return
+            steps = [s for s in payload.get("steps") or [] if isinstance(s, list) and len(s) == 3]
+            if steps and isinstance(payload.get("rank"), int):
+                self._event(RankSteps(host, payload["rank"], int(steps[-1][0]), statistics.median(s[1] for s in steps),
+                                      statistics.median(s[2] for s in steps)))
+            found = watch.feed(host, payload)
+            if found is None:
+                return
+            self.console.note(f"straggler: {found.describe()}")
+            self.report.stragglers.append(found)
+            self._event(StragglerNamed(found.host, found.ranks, found.slowdown, found.since_step, found.compute_s,
+                                       found.peers_compute_s, found.peers_wait_s))
+            self.record.extra["stragglers"] = [s.to_dict() for s in self.report.stragglers]
+            self.record.save()
+            if spec.recovery.evict_stragglers and self.budget.spares and \
+                    len(self.budget.lost) < spec.recovery.max_host_failures:
+                eviction.start(found)
+        return report
 
     def _first_step(self, progress: Progress) -> None:
         """The relaunched job completed a step: say when training resumed, live."""

@@ -184,6 +184,9 @@ class RecoverySpec(_Strict):
     #: seconds a node may say nothing (its shell's heartbeat comes every second) before its host
     #: is probed, and lost if it does not answer
     detect_timeout: float = Field(default=6.0, gt=0, le=600)
+    #: a host named a straggler is swapped for a spare at the job's next checkpoint (a planned
+    #: recovery within max_host_failures); without a spare it is only named
+    evict_stragglers: bool = False
 
     @field_validator("spares", mode="before")
     @classmethod
@@ -205,6 +208,15 @@ class SupervisorSpec(_Strict):
     #: SIGKILL after job.stop_grace): no rank outlives a dead, frozen or cut-off supervisor by more.
     #: Long enough for a laptop's network to come back; the supervisor suspects itself meanwhile.
     lease: float = Field(default=120.0, ge=5, le=86400)
+
+
+class StragglerSpec(_Strict):
+    """Stragglers named while the job runs, from every rank's step timing (stragglers.py)."""
+
+    #: a host is named when its ranks compute this much longer than their peers' median
+    threshold: float = Field(default=0.15, gt=0, le=10)
+    #: steps per window; a host is named when it is slow in two windows in a row
+    window: int = Field(default=10, ge=2, le=10000)
 
 
 class SshSpec(_Strict):
@@ -296,6 +308,7 @@ class ClusterSpec(_Strict):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
     supervisor: SupervisorSpec = Field(default_factory=SupervisorSpec)
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     container: Optional[ContainerSpec] = None
     sync: list[Line] = Field(default_factory=list)

@@ -26,6 +26,9 @@ from ddplaunch.torchrun_logs import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_
                                      rank_of)
 
 TAIL_LINES = 40
+#: Payloads handed to the run loop as they come (`on_report`): every rank's step timing
+#: (hostside/steptiming.py), rank 0 holding after a checkpoint (entry.py's HOLD_FILE).
+REPORTS = ("TIMING", "HELD")
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
 
@@ -34,9 +37,11 @@ class StageLines:
     """Every line of one launch, from every node."""
 
     def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None,
-                 secrets: Sequence[str] = ()):
+                 secrets: Sequence[str] = (), on_report: Optional[Callable[[str, str, dict[str, Any]], None]] = None):
         self.console = console
         self._on_first_step = on_first_step
+        #: gets the ranks' REPORTS (kind, host, payload): passed on, not kept here
+        self._on_report = on_report
         #: Secret values to mask in every line, longest first (one inside another is masked whole).
         self._secrets = sorted({s for s in secrets if len(s) >= MASKED_MIN}, key=len, reverse=True)
         self._lock = threading.Lock()
@@ -71,6 +76,11 @@ class StageLines:
         if not line.startswith(f"[{host}:"):
             line = f"[{host}] {line}"
         marker = PAYLOAD_RE.search(line)
+        if marker and marker.group(1) in REPORTS:
+            self._report(node_rank, host, marker.group(1), marker.group(2), now)
+            if marker.group(1) != "TIMING":  # each rank's timing every second: too much for the log
+                self.console.line(line, False)
+            return
         first = False
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = now
@@ -91,6 +101,20 @@ class StageLines:
         self.console.line(line, shown)
         if first and self._on_first_step is not None and self.progress is not None:
             self._on_first_step(self.progress)
+
+    def _report(self, node_rank: int, host: str, kind: str, payload: str, now: float) -> None:
+        """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
+        rank's timing comes only while it steps); the payload goes to `on_report`."""
+        with self._lock:
+            self.last_line_at = self.heard_at[node_rank] = now
+        if self._on_report is None:
+            return
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(data, dict):
+            self._on_report(kind, host, data)
 
     def _reported(self, kind: str, payload: str, now: float) -> bool:
         """Rank 0's own report of its optimizer steps or a checkpoint load; True for its first step."""

@@ -23,7 +23,7 @@ from ddplaunch.backends.slurm.detached import (MASTER, OutputReader, final_state
 from ddplaunch.backends.slurm.render import step_request
 from ddplaunch.errors import PlanError
 from ddplaunch.launch import UpOptions, dry_run, plan_stage, stages_of
-from ddplaunch.plan import ENTRY_SOURCE, HEALTHCHECK_SOURCES
+from ddplaunch.plan import ENTRY_SOURCES, HEALTHCHECK_SOURCES
 from ddplaunch.results import StopEvent
 from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
@@ -149,7 +149,7 @@ def test_the_script_stages_files_and_runs_stages_in_order(tmp_path):
     assert rc == 0, out
     assert log == ["healthcheck n7", "job n7"]
     run_dir = tmp_path / "home" / ".ddplaunch" / "runs" / "det-1"
-    for src in (ENTRY_SOURCE, *HEALTHCHECK_SOURCES, ROOT / "jobs" / "toy_ddp.py"):
+    for src in (*ENTRY_SOURCES, *HEALTHCHECK_SOURCES, ROOT / "jobs" / "toy_ddp.py"):
         assert hashlib.sha256((run_dir / src.name).read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
     assert out.splitlines()[0] == "DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7,n8"
     assert out.splitlines()[-1] == "DDPLAUNCH_DETACHED_END rc=0"

@@ -66,6 +66,16 @@ def test_the_run_outlives_its_up_and_attach_shows_it_to_the_end(tmp_path, refere
     assert got == reference
     assert _record(tmp_path, run_id)["state"] == "ok"
     assert wait_for(lambda: not run_processes(run_id), timeout=15) is True
+    _top_shows_every_rank(tmp_path, run_id)
+
+
+def _top_shows_every_rank(tmp_path: Path, run_id: str) -> None:
+    """`top --once` on the run: a row per rank with its last step, from the ranks' own timing."""
+    shown = ddplaunch(["top", "--once", run_id], tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"│\s+(\d)\s+│\s+(\d+)\s+│\s+\d+ ms", shown.stdout)}
+    assert set(rows) == {"0", "1"} and min(rows.values()) >= 30, shown.stdout
+    assert f"run {run_id}: ok" in shown.stdout and "localhost" in shown.stdout
 
 
 def test_detach_returns_once_taken_and_down_stops_the_run_through_its_supervisor(tmp_path):

@@ -17,7 +17,8 @@ finalization, where torch's C++ threads (Gloo, DDP) sometimes abort a finished p
 finalizes normally instead. A rank that dies after that line had finished its script. A
 worker that torchrun restarted (``job.max_restarts``) first prints ``DDPLAUNCH_RANKSTART_JSON
 {"rank": R, "restart": N}``. Rank 0 says the job's optimizer steps and checkpoint loads as it goes
-(``Progress``: hooks, no print convention).
+(``Progress``: hooks, no print convention); every rank sends its step and
+collective-wait times (``steptiming.py``).
 """
 
 import atexit
@@ -58,8 +59,12 @@ def split_argv(argv: list) -> tuple:
 
 def load_healthcheck():
     """Imports healthcheck.py from this file's directory under a name no job can shadow."""
-    spec = importlib.util.spec_from_file_location("ddplaunch_hostside_healthcheck",
-                                                  os.path.join(HERE, "healthcheck.py"))
+    return load_sibling("healthcheck")
+
+
+def load_sibling(name: str):
+    """Imports NAME.py from this file's directory under a name no job can shadow."""
+    spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -161,6 +166,10 @@ def say_restart() -> None:
 
 #: Seconds between two progress lines of rank 0 (the first step is said at once).
 PROGRESS_EVERY = 1.0
+#: A file of the host's run directory (beside this script) the launcher creates to ask rank 0 to
+#: hold before its first optimizer step after a checkpoint: the job is stopped there, with no
+#: completed step past that checkpoint (a straggler's eviction, recovery.evict_stragglers).
+HOLD_FILE = "hold-at-checkpoint"
 
 
 class Progress:
@@ -172,11 +181,14 @@ class Progress:
     ``DDPLAUNCH_LOADED_JSON {"rank": 0, "path": P, "via": F}``. Nothing imports torch for it:
     the hooks go in when the job imports torch."""
 
-    def __init__(self) -> None:
+    def __init__(self, timing=None) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
+        #: every rank's step timing (steptiming.py), told of each step; None: not timed
+        self.timing = timing
         self.steps, self.said, self.said_at = 0, -1, 0.0
         self._optimizer: Optional[int] = None
         self._patched: set = set()
+        self._saved: Optional[str] = None  # what rank 0 saved since its last optimizer step
         self._inside = threading.local()  # within a load said already
 
     def say(self, kind: str, data: dict) -> None:
@@ -193,10 +205,38 @@ class Progress:
             self._optimizer = id(optimizer)
         if id(optimizer) != self._optimizer:
             return
+        if self.timing is not None:
+            self.timing.stepped()
         self.steps += 1
         now = time.monotonic()
         if self.said < 0 or now - self.said_at >= PROGRESS_EVERY:
             self.flush(now)
+
+    def before_step(self, optimizer, *_args) -> None:
+        """Rank 0, before an optimizer step that follows a save: hold there if asked (HOLD_FILE),
+        saying so, until stopped. The checkpoint is complete (the job's code after its save ran)."""
+        if self.rank != 0 or self._saved is None or id(optimizer) != self._optimizer:
+            return
+        saved, self._saved = self._saved, None
+        hold = os.path.join(HERE, HOLD_FILE)
+        try:
+            os.unlink(hold)  # asked once: a relaunch on this host does not hold again
+        except OSError:
+            return
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # held: a stop ends it at once
+        self.say("HELD", {"steps": self.steps, "path": saved})
+        while True:
+            time.sleep(1)
+
+    def saving(self, via: str, fn):
+        """`fn` (a save function) noting on rank 0 what it saved."""
+        def save(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            target = args[1] if via == "torch.save" and len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
+            self._saved = str(target if isinstance(target, (str, os.PathLike)) else type(target).__name__)[:300]
+            return result
+        return functools.wraps(fn)(save)
 
     def flush(self, now: float = 0.0) -> None:
         if self.steps and self.steps != self.said:
@@ -224,26 +264,36 @@ class Progress:
 
     def patch(self) -> None:
         """Hook what of torch is imported by now (each once)."""
+        if self.timing is not None:
+            self.timing.patch()
         torch = sys.modules.get("torch")
         if torch is not None and "load" not in self._patched and hasattr(torch, "load"):
             self._patched.add("load")
             setattr(torch, "load", self.loaded("torch.load", getattr(torch, "load")))
+            if self.rank == 0 and hasattr(torch, "save"):
+                setattr(torch, "save", self.saving("torch.save", getattr(torch, "save")))
         opt = sys.modules.get("torch.optim.optimizer")
         if opt is not None and "step" not in self._patched and hasattr(opt, "register_optimizer_step_post_hook"):
             self._patched.add("step")
             opt.register_optimizer_step_post_hook(self.stepped)
+            if self.rank == 0 and hasattr(opt, "register_optimizer_step_pre_hook"):
+                opt.register_optimizer_step_pre_hook(self.before_step)
         dcp = sys.modules.get("torch.distributed.checkpoint")
         if dcp is not None and "dcp" not in self._patched:
             self._patched.add("dcp")
             for name in ("load", "load_state_dict"):
                 if hasattr(dcp, name):
                     setattr(dcp, name, self.loaded(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
+            for name in ("save", "save_state_dict"):
+                if self.rank == 0 and hasattr(dcp, name):
+                    setattr(dcp, name, self.saving(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls `then()` after any module of torch has been imported (a post-import hook)."""
 
-    NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint")
+    NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint", "torch.distributed",
+             "torch.nn.parallel.distributed")
 
     def __init__(self, then):
         self.then = then
@@ -274,6 +324,10 @@ def watch_progress() -> Progress:
     """Install the progress hooks (now for what torch is imported already, the rest on import)."""
     progress = Progress()
     try:
+        progress.timing = load_sibling("steptiming").StepTiming()
+    except Exception:  # noqa: BLE001 - progress is seen without it
+        pass
+    try:
         progress.patch()
         sys.meta_path.insert(0, _AfterImport(progress.patch))
     except Exception:  # noqa: BLE001 - progress is a help, never a failure of the job
@@ -297,6 +351,8 @@ def main(argv: list) -> None:
     code = run_script(script_argv)
     shut_down_like_python()
     progress.flush()
+    if progress.timing is not None:
+        progress.timing.flush()
     leave(code, finalize)
 
 

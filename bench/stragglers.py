@@ -1,0 +1,185 @@
+"""Stragglers: how fast a slowed host is named, what the ranks' timing costs, and a naive detector beside it.
+
+Builds one `ddplaunch sim` cluster of 4 hosts (prefix dst, 10.213.61.0/24); `ddplaunch up` runs
+jobs/train.py on them, 1 rank each, every step spending 40 ms of CPU (`--burn-ms 40`). Three parts:
+
+  detection  `--trials` runs per slowdown level: once rank 0 printed step 30, host 3's processes
+             are limited to a slice of one CPU (`sim fault --slow`, cgroups); measured: slowed ->
+             "straggler:" line on screen, the slowdown ddplaunch reports, and what a naive detector
+             (the rank whose step time is 15 % above the median, over the same steps, read from the
+             same runs' timing events) names: in DDP every rank's step lasts as long as the
+             slowest's, so it names nobody, or a host at random.
+  healthy    the same job never slowed, `--healthy-s` seconds: stragglers named (must be none).
+  overhead   the job with the ranks' timing on and off (DDPLAUNCH_STEP_TIMING=0), interleaved
+             (on, off, off, on, ...): the median step time of each, from the job's own step lines.
+
+The slices (percent of one CPU) are chosen for a 2-core machine where the 4 ranks share the cores
+(each gets about half a CPU while computing): 36 % makes a host about 40 % slower, 42 % about 20 %.
+Needs root; tears its sim down at the end.
+Usage: .venv/bin/python bench/stragglers.py [--trials 5] [--healthy-s 120] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ddplaunch.events import RankSteps, StragglerNamed, read_events  # noqa: E402
+from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
+from ddplaunch.sim.faults import sim_fault  # noqa: E402
+
+PREFIX, SUBNET = "dst", "10.213.61.0/24"
+VICTIM = 2
+LEVELS = {"~40% slower": 36, "~20% slower": 42}
+STEP_TIME_RE = re.compile(r"\[\S+:0\] step=(\d+) ")
+
+
+def spec_text(cluster, tmp: Path, samples: int, timing: bool) -> Path:
+    import yaml
+    data = yaml.safe_load(cluster.spec_path.read_text())
+    data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"enabled": False},
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp / f"ckpt-{time.monotonic_ns()}"),
+                     **({} if timing else {"DDPLAUNCH_STEP_TIMING": "0"})},
+                job={"script": "jobs/train.py", "args": ["--epochs", "1", "--samples", str(samples), "--batch-size",
+                                                         "8", "--ckpt-every", "0", "--log-every", "5",
+                                                         "--burn-ms", "40", "--seed", "3"]})
+    path = tmp / f"spec-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def up(spec: Path, tmp: Path, run_id: str) -> subprocess.Popen:
+    env = {"DDPLAUNCH_HOME": str(tmp / "state"), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "ddplaunch", "up", str(spec), "--run-id", run_id],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**__import__("os").environ, **env})
+
+
+def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[tuple[float, str]]:
+    deadline, lines = time.monotonic() + timeout, []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append((time.monotonic(), line))
+        if needle in line or time.monotonic() > deadline:
+            break
+    return lines
+
+
+def naive(events: list, after_step: int, window: int = 10) -> str:
+    """The naive detector on the same run: the rank whose step time is >= 15 % over the median."""
+    last: dict[int, tuple[str, float]] = {}
+    for e in events:
+        if isinstance(e, RankSteps) and e.step > after_step + window:
+            last.setdefault(e.rank, (e.host, e.step_s))
+    if len(last) < 2:
+        return "no data"
+    median = statistics.median(s for _, s in last.values())
+    slow = [h for h, s in last.values() if s >= 1.15 * median]
+    return ", ".join(slow) if slow else "nobody"
+
+
+def detection(cluster, tmp: Path, level: str, quota: int, trial: int) -> dict:
+    run_id = f"bst-{quota}-{trial}"
+    proc = up(spec_text(cluster, tmp, 40000, True), tmp, run_id)
+    victim = cluster.hosts[VICTIM].name
+    try:
+        read_until(proc, "step=30 ", 300)
+        sim_fault(cluster, victim, slow=quota)
+        t0 = time.monotonic()
+        got = read_until(proc, "[ddplaunch] straggler:", 120)
+        named_s = got[-1][0] - t0 if got and "straggler:" in got[-1][1] else None
+        line = got[-1][1] if got else ""
+    finally:
+        sim_fault(cluster, victim, clear=True)
+        proc.send_signal(2)
+        proc.communicate(timeout=120)
+    events = read_events(tmp / "state" / "runs" / run_id)
+    found = [e for e in events if isinstance(e, StragglerNamed)]
+    return {"level": level, "quota": quota, "trial": trial, "named_s": named_s,
+            "host": found[0].host if found else None, "right": bool(found and found[0].host == victim),
+            "slowdown": found[0].slowdown if found else None, "naive": naive(events, 30), "line": line.strip()}
+
+
+def healthy(cluster, tmp: Path, seconds: float) -> dict:
+    run_id = "bst-healthy"
+    proc = up(spec_text(cluster, tmp, 400000, True), tmp, run_id)
+    time.sleep(seconds)
+    proc.send_signal(2)
+    out, _ = proc.communicate(timeout=120)
+    events = read_events(tmp / "state" / "runs" / run_id)
+    steps = max((e.step for e in events if isinstance(e, RankSteps)), default=0)
+    return {"seconds": seconds, "steps": steps, "named": [e.host for e in events if isinstance(e, StragglerNamed)]}
+
+
+def step_time(cluster, tmp: Path, timing: bool, n: int) -> float:
+    proc = up(spec_text(cluster, tmp, 1600, timing), tmp, f"bst-ovh-{int(timing)}-{n}")
+    out, _ = proc.communicate(timeout=600)
+    marks = []
+    for line in out.splitlines():
+        m = STEP_TIME_RE.search(line)
+        if m:
+            marks.append(int(m.group(1)))
+    events = read_events(tmp / "state" / "runs" / f"bst-ovh-{int(timing)}-{n}")
+    stages = [e for e in events if type(e).__name__ in ("StageStarted", "StageEnded")]
+    wall = stages[-1].mono - stages[0].mono
+    return wall / max(marks[-1], 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--healthy-s", type=float, default=120)
+    ap.add_argument("--overhead-pairs", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="ddpl-strag-"))
+    cluster = sim_up(SimConfig(n_hosts=4, prefix=PREFIX, subnet=SUBNET, state_dir=tmp / "sim", workdir=ROOT,
+                               nproc_per_node=1))
+    results: dict = {"detection": [], "overhead": {"on": [], "off": []}}
+    try:
+        for trial in range(args.trials):
+            for level, quota in (LEVELS.items() if trial % 2 == 0 else reversed(LEVELS.items())):
+                r = detection(cluster, tmp, level, quota, trial)
+                print(f"  {level} trial {trial}: named {r['named_s']}s host {r['host']} slowdown {r['slowdown']} "
+                      f"naive: {r['naive']}", flush=True)
+                results["detection"].append(r)
+        for n in range(args.overhead_pairs):
+            for timing in ((True, False) if n % 2 == 0 else (False, True)):
+                results["overhead"]["on" if timing else "off"].append(step_time(cluster, tmp, timing, n))
+        results["healthy"] = healthy(cluster, tmp, args.healthy_s)
+    finally:
+        sim_down(tmp / "sim")
+    print("\n| slowdown (CPU slice) | named after (median, max) | right host | slowdown reported (median) | "
+          "naive step-time detector named |")
+    print("|---|---|---|---|---|")
+    for level, quota in LEVELS.items():
+        rs = [r for r in results["detection"] if r["level"] == level]
+        named = [r["named_s"] for r in rs if r["named_s"] is not None]
+        slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
+        print(f"| {level} ({quota}% of a CPU) | "
+              + (f"{statistics.median(named):.1f} s, {max(named):.1f} s" if named else "never") + " | "
+              f"{sum(r['right'] for r in rs)}/{len(rs)} | "
+              + (f"{statistics.median(slow):.0%}" if slow else "-") + " | "
+              + ", ".join(sorted(set(r["naive"] for r in rs))) + " |")
+    on, off = results["overhead"]["on"], results["overhead"]["off"]
+    print(f"\nstep time with the ranks' timing on: {statistics.median(on) * 1e3:.1f} ms, off: "
+          f"{statistics.median(off) * 1e3:.1f} ms (median of {len(on)} interleaved runs each): "
+          f"{(statistics.median(on) / statistics.median(off) - 1):+.1%}")
+    h = results["healthy"]
+    print(f"healthy run of {h['seconds']:.0f} s ({h['steps']} steps): stragglers named: {h['named'] or 'none'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

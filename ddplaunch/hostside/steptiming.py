@@ -1,0 +1,193 @@
+"""Per-rank step timing from inside every rank's process, with no change to the job's code.
+
+Loaded by entry.py (stdlib only here; torch is reached through what the job imports). Per
+optimizer step each rank records the step's wall time and how long it waited at the gradient
+collectives: in a synchronous job every rank's step takes as long as the slowest's, so the
+straggler is the rank that waits least — its compute share (step time minus wait) is the
+largest. Waits are measured
+
+- for `DistributedDataParallel`: by a comm hook installed on every DDP the script builds
+  (the default all-reduce, or the hook the script registers, called inside ours): from the
+  moment the step's last gradient bucket is ready on this rank to the moment the last bucket's
+  collective completes;
+- for plain blocking `torch.distributed` collectives the script calls itself: the time spent
+  inside the call (an async call's work is the script's own, not timed).
+
+A background thread sends what was recorded at most once a second as one line per batch,
+``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}``, written to the
+process's stdout file descriptor whole (the training thread never writes it). Nothing is sent
+while no step completes, so a hung job stays silent for the hang watchdog.
+`DDPLAUNCH_STEP_TIMING=0` in the job's environment turns it off.
+"""
+
+import functools
+import json
+import os
+import sys
+import threading
+import time
+
+#: Seconds between two timing lines of one rank.
+SEND_EVERY = 1.0
+#: Steps per line (a line stays well under the 4 KiB a pipe writes atomically).
+PER_LINE = 60
+#: Collectives of torch.distributed whose time a rank spends waiting in them.
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
+               "broadcast", "barrier", "all_to_all_single")
+
+
+class StepTiming:
+    """One rank's step and wait times, batched to the launcher off the training thread."""
+
+    def __init__(self):
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.enabled = os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0"
+        self._lock = threading.Lock()
+        self.steps = 0
+        self._last_end = None
+        self._arrived = None      # when this step's last gradient bucket was ready (DDP)
+        self._completed = None    # when the last bucket's collective completed
+        self._waited = 0.0        # seconds inside plain collectives this step
+        self._pending = []
+        self._sender = None
+        self._patched = set()
+
+    # ------------------------------------------------------------------ what the job does
+
+    def stepped(self):
+        """An optimizer step ended (called from entry.py's optimizer hook, on every rank)."""
+        now = time.monotonic()
+        with self._lock:
+            self.steps += 1
+            if self._last_end is not None:
+                wait = self._waited
+                if self._arrived is not None and self._completed is not None:
+                    wait += max(0.0, self._completed - self._arrived)
+                step_s = now - self._last_end
+                self._pending.append([self.steps, round(step_s, 6), round(min(wait, step_s), 6)])
+            self._last_end = now
+            self._arrived = self._completed = None
+            self._waited = 0.0
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name="ddplaunch-step-timing", daemon=True)
+            self._sender.start()
+
+    def _bucket_ready(self):
+        with self._lock:
+            self._arrived = time.monotonic()
+
+    def _bucket_done(self):
+        with self._lock:
+            now = time.monotonic()
+            self._completed = now if self._completed is None else max(self._completed, now)
+
+    def _waited_for(self, seconds):
+        with self._lock:
+            self._waited += seconds
+
+    # ------------------------------------------------------------------ to the launcher
+
+    def _send_loop(self):
+        while True:
+            time.sleep(SEND_EVERY)
+            self.flush()
+
+    def flush(self):
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for i in range(0, len(batch), PER_LINE):
+            line = "DDPLAUNCH_TIMING_JSON " + json.dumps({"rank": self.rank, "steps": batch[i:i + PER_LINE]}) + "\n"
+            try:
+                os.write(1, line.encode())
+            except OSError:
+                return
+
+    # ------------------------------------------------------------------ hooks
+
+    def patch(self):
+        """Hook what of torch.distributed and DDP is imported by now (each once)."""
+        if not self.enabled:
+            return
+        ddp = sys.modules.get("torch.nn.parallel.distributed")
+        if ddp is not None and "ddp" not in self._patched and hasattr(ddp, "DistributedDataParallel"):
+            self._patched.add("ddp")
+            self._patch_ddp(ddp.DistributedDataParallel)
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and "dist" not in self._patched and hasattr(dist, "all_reduce"):
+            self._patched.add("dist")
+            for name in COLLECTIVES:
+                if hasattr(dist, name):
+                    setattr(dist, name, self._timed_collective(getattr(dist, name)))
+
+    def _timed_collective(self, fn):
+        """`fn` with the time a blocking call spends in it counted as wait (an async call's work
+        is returned untouched: what the script does with it is its own)."""
+        timing = self
+
+        @functools.wraps(fn)
+        def ddplaunch_timing_wrapper(*args, **kwargs):
+            if kwargs.get("async_op"):
+                return fn(*args, **kwargs)
+            t0 = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timing._waited_for(time.monotonic() - t0)
+        return ddplaunch_timing_wrapper
+
+    def _patch_ddp(self, cls):
+        """Every DDP built gets our comm hook; one the script registers runs inside it."""
+        timing = self
+        init, register, builtin = cls.__init__, cls.register_comm_hook, getattr(cls, "_register_builtin_comm_hook", None)
+
+        @functools.wraps(init)
+        def __init__(ddp, *args, **kwargs):
+            init(ddp, *args, **kwargs)
+            try:
+                inner = {"state": None, "hook": None}
+                register(ddp, None, timing._comm_hook(ddp, inner))
+                ddp._ddplaunch_inner = inner
+            except Exception:  # noqa: BLE001 - timing is a help, never a failure of the job
+                pass
+
+        @functools.wraps(register)
+        def register_comm_hook(ddp, state, hook):
+            inner = getattr(ddp, "_ddplaunch_inner", None)
+            if inner is None or inner["hook"] is not None:
+                return register(ddp, state, hook)  # ours is not there, or a second call: DDP's own answer
+            inner.update(state=state, hook=hook)
+            return None
+
+        cls.__init__, cls.register_comm_hook = __init__, register_comm_hook
+        if builtin is not None:
+            @functools.wraps(builtin)
+            def _register_builtin_comm_hook(ddp, comm_hook_type):
+                hook = _builtin_hook(comm_hook_type)
+                if hook is None or getattr(ddp, "_ddplaunch_inner", None) is None:
+                    return builtin(ddp, comm_hook_type)
+                return register_comm_hook(ddp, ddp.process_group, hook)
+            cls._register_builtin_comm_hook = _register_builtin_comm_hook
+
+    def _comm_hook(self, ddp, inner):
+        timing = self
+
+        def ddplaunch_timed_hook(state, bucket):
+            timing._bucket_ready()
+            if inner["hook"] is not None:
+                fut = inner["hook"](inner["state"], bucket)
+            else:
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                fut = allreduce_hook(getattr(ddp, "process_group", None), bucket)  # type: ignore[arg-type]
+
+            def done(f):
+                timing._bucket_done()
+                return f.value()
+            return fut.then(done)
+        return ddplaunch_timed_hook
+
+
+def _builtin_hook(comm_hook_type):
+    """The Python hook of one of DDP's built-in hooks (None: not known here)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
+    return {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}.get(name)

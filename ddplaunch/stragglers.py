@@ -1,0 +1,126 @@
+"""Stragglers: the host whose ranks compute slower than their peers, named while training runs.
+
+Every rank sends its step times and its waits at the gradient collectives (hostside/
+steptiming.py). In a synchronous job every rank's step lasts as long as the slowest rank's, so
+step times are equal everywhere; what differs is the wait: the others wait at each collective for
+the straggler, which arrives last and waits least. A rank's compute share is its step time minus
+its wait. `StragglerWatch` compares, over the last `window` steps every rank has reported, each
+host's compute share (the median of its ranks' medians) with the median of the other hosts'
+ranks, and names a host whose share is `threshold` (15 %) or more above it in two windows in a
+row. Pure: fed with payloads, it returns verdicts; the run loop shows and records them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+#: How much slower than its peers a host's ranks compute before it is named (documented default).
+THRESHOLD = 0.15
+#: Steps per window; a host is named when it is slow in two windows in a row.
+WINDOW = 10
+#: Steps left out at the start of a launch (the first steps build buckets, warm caches).
+WARMUP = 3
+
+
+@dataclass
+class Straggler:
+    """A host found slower than its peers, with the evidence."""
+
+    host: str
+    ranks: list[int]
+    #: how much longer its ranks compute than their peers' median (0.5: 50 % slower)
+    slowdown: float
+    #: the first step of the windows it was slow in, and when it was named (wall time)
+    since_step: int
+    named_at: float
+    #: per step, medians over the windows: its ranks' compute share, the peers' compute share,
+    #: and the peers' wait at the collectives (what it costs every other rank)
+    compute_s: float
+    peers_compute_s: float
+    peers_wait_s: float
+    ranks_slow: dict[int, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        ranks = ", ".join(str(r) for r in self.ranks)
+        return (f"{self.host} (rank{'s' if len(self.ranks) > 1 else ''} {ranks}) computes {self.slowdown:.0%} slower "
+                f"than its peers since step {self.since_step}: {self.compute_s * 1e3:.0f} ms a step against "
+                f"{self.peers_compute_s * 1e3:.0f} ms; every other rank waits {self.peers_wait_s * 1e3:.0f} ms "
+                "a step for it")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StragglerWatch:
+    """One launch's per-rank timing; `feed` a rank's payload, get a newly named straggler back.
+    `world_size` None (processes per node found on the host): judged once two hosts reported."""
+
+    def __init__(self, world_size: Optional[int], threshold: float = THRESHOLD, window: int = WINDOW):
+        self.world_size, self.threshold, self.window = world_size, threshold, window
+        self._lock = threading.Lock()
+        #: rank -> step -> (step_s, wait_s)
+        self._steps: dict[int, dict[int, tuple[float, float]]] = {}
+        self.host_of: dict[int, str] = {}
+        self.named: dict[str, Straggler] = {}
+        self._slow_in: dict[str, int] = {}   # host -> the last window end it was slow in
+        self._judged = WARMUP
+
+    def feed(self, host: str, payload: dict[str, Any]) -> Optional[Straggler]:
+        """A rank's `DDPLAUNCH_TIMING_JSON` payload; the straggler it makes named, if any."""
+        rank, steps = payload.get("rank"), payload.get("steps")
+        if not isinstance(rank, int) or not isinstance(steps, list):
+            return None
+        with self._lock:
+            mine = self._steps.setdefault(rank, {})
+            self.host_of[rank] = host
+            for item in steps:
+                if (isinstance(item, list) and len(item) == 3 and all(isinstance(v, (int, float)) for v in item)
+                        and item[0] > WARMUP):
+                    mine[int(item[0])] = (float(item[1]), float(item[2]))
+            return self._judge()
+
+    def _judge(self) -> Optional[Straggler]:
+        if len(self._steps) < (self.world_size or 2) or len(set(self.host_of.values())) < 2:
+            return None
+        newest = min(max(s, default=0) for s in self._steps.values())
+        found = None
+        while self._judged + self.window <= newest:  # every full window not judged yet, in order
+            first, last = self._judged + 1, self._judged + self.window
+            self._judged = last
+            found = self._window(first, last) or found
+        for steps in self._steps.values():  # keep two windows
+            for s in [s for s in steps if s <= self._judged - 2 * self.window]:
+                del steps[s]
+        return found
+
+    def _window(self, first: int, last: int) -> Optional[Straggler]:
+        per_rank: dict[int, tuple[float, float]] = {}
+        for rank, steps in self._steps.items():
+            got = [steps[s] for s in range(first, last + 1) if s in steps]
+            if len(got) < self.window // 2:
+                return None  # a rank's report is missing: judge nothing rather than guess
+            per_rank[rank] = (statistics.median(t - w for t, w in got), statistics.median(w for _, w in got))
+        hosts = sorted(set(self.host_of[r] for r in per_rank))
+        for host in hosts:
+            ranks = sorted(r for r in per_rank if self.host_of[r] == host)
+            peers = [r for r in per_rank if self.host_of[r] != host]
+            mine = statistics.median(per_rank[r][0] for r in ranks)
+            theirs = statistics.median(per_rank[r][0] for r in peers)
+            slow = theirs > 0 and mine >= (1 + self.threshold) * theirs
+            if not slow:
+                self._slow_in.pop(host, None)
+                continue
+            since = self._slow_in.setdefault(host, first)
+            if since == first or host in self.named:  # slow in one window so far, or named already
+                continue
+            found = Straggler(host=host, ranks=ranks, slowdown=mine / theirs - 1, since_step=since,
+                              named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
+                              peers_wait_s=statistics.median(per_rank[r][1] for r in peers),
+                              ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
+            self.named[host] = found
+            return found
+        return None

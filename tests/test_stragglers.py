@@ -1,0 +1,92 @@
+"""The straggler watch (stragglers.StragglerWatch), fed with the payloads ranks send: in a
+synchronous job every rank's step lasts as long as the slowest's, so the straggler is the rank
+that waits least at the collectives. The real thing (sim hosts, a host's CPU limited) is in
+tests/test_stragglers_sim.py."""
+
+from __future__ import annotations
+
+import random
+
+from ddplaunch.stragglers import THRESHOLD, WARMUP, WINDOW, StragglerWatch
+
+HOSTS = {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h3", 5: "h3"}
+
+
+def _feed(watch: StragglerWatch, steps: range, compute: dict[int, float], noise: float = 0.0, seed: int = 0):
+    """Every rank reports `steps`: a step lasts as long as the slowest rank's compute plus 10 ms
+    of transfer; each rank waits the rest. The straggler named, if any, with the step it was named at."""
+    rnd = random.Random(seed)
+    named = []
+    for step in steps:
+        mine = {r: c * (1 + rnd.uniform(-noise, noise)) for r, c in compute.items()}
+        step_s = max(mine.values()) + 0.010
+        for rank, c in mine.items():
+            found = watch.feed(HOSTS[rank], {"rank": rank, "steps": [[step, step_s, step_s - c]]})
+            if found is not None:
+                named.append((found, step))
+    return named
+
+
+def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
+    watch = StragglerWatch(6)
+    compute = {r: 0.100 for r in HOSTS} | {2: 0.150, 3: 0.150}
+    named = _feed(watch, range(1, 60), compute)
+    assert len(named) == 1, named
+    found, step = named[0]
+    assert (found.host, found.ranks) == ("h2", [2, 3])
+    assert abs(found.slowdown - 0.5) < 0.01
+    assert abs(found.peers_wait_s - 0.060) < 0.001 and abs(found.compute_s - 0.150) < 0.001
+    assert step == WARMUP + 2 * WINDOW  # two windows in a row, then named: once
+    assert "h2 (ranks 2, 3) computes 50% slower than its peers since step" in found.describe()
+
+
+def test_a_healthy_run_with_noise_names_nobody():
+    for seed in range(20):
+        watch = StragglerWatch(6)
+        assert _feed(watch, range(1, 300), {r: 0.100 for r in HOSTS}, noise=0.3, seed=seed) == []
+
+
+def test_a_slowdown_under_the_threshold_names_nobody():
+    watch = StragglerWatch(6)
+    compute = {r: 0.100 for r in HOSTS} | {4: 0.100 * (1 + THRESHOLD - 0.03), 5: 0.100 * (1 + THRESHOLD - 0.03)}
+    assert _feed(watch, range(1, 200), compute) == []
+
+
+def test_a_slowdown_in_one_window_only_names_nobody():
+    watch = StragglerWatch(6)
+    healthy = {r: 0.100 for r in HOSTS}
+    _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
+    assert _feed(watch, range(WARMUP + WINDOW + 1, WARMUP + 2 * WINDOW + 1), healthy | {0: 0.3, 1: 0.3}) == []
+    assert _feed(watch, range(WARMUP + 2 * WINDOW + 1, 100), healthy) == []
+
+
+def test_nothing_is_judged_until_every_rank_reported():
+    watch = StragglerWatch(6)
+    compute = {r: 0.100 for r in HOSTS if r != 5} | {0: 0.3}
+    assert _feed(watch, range(1, 100), compute) == []
+
+
+def test_one_host_alone_has_no_peers():
+    watch = StragglerWatch(2)
+    for step in range(1, 60):
+        assert watch.feed("h1", {"rank": 0, "steps": [[step, 0.2, 0.0]]}) is None
+        assert watch.feed("h1", {"rank": 1, "steps": [[step, 0.2, 0.1]]}) is None
+
+
+def test_a_malformed_payload_is_ignored():
+    watch = StragglerWatch(2)
+    assert watch.feed("h1", {"rank": "0", "steps": []}) is None
+    assert watch.feed("h1", {"rank": 0, "steps": [["x", 1, 2], [5, 1], None]}) is None
+
+
+def test_the_hold_file_is_the_one_the_entry_looks_for():
+    """evict.py asks rank 0 to hold by creating entry.py's HOLD_FILE (the host side imports nothing)."""
+    import importlib.util
+
+    from ddplaunch import evict
+    from ddplaunch.plan import ENTRY_SOURCE
+
+    spec = importlib.util.spec_from_file_location("entry_under_test", ENTRY_SOURCE)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    assert entry.HOLD_FILE == evict.HOLD_FILE
