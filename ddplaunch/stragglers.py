@@ -6,8 +6,8 @@ step times are equal everywhere; what differs is the wait: the others wait at ea
 the straggler, which arrives last and waits least. A rank's compute share is its step time minus
 its wait. `StragglerWatch` compares, over the last `window` steps every rank has reported, each
 host's compute share (the median of its ranks' medians) with the median of the other hosts'
-ranks, and names a host whose share is `threshold` (15 %) or more above it in two windows in a
-row. Pure: fed with payloads, it returns verdicts; the run loop shows and records them.
+ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
+the spread of its peers' — above it in three windows in a row. Pure: fed with payloads, it returns verdicts; the run loop shows and records them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,15 @@ from typing import Any, Optional
 
 #: How much slower than its peers a host's ranks compute before it is named (documented default).
 THRESHOLD = 0.15
-#: Steps per window; a host is named when it is slow in two windows in a row.
-WINDOW = 10
-#: Steps left out at the start of a launch (the first steps build buckets, warm caches).
-WARMUP = 3
+#: Steps per window, and the windows in a row a host must be slow in before it is named.
+WINDOW = 20
+IN_A_ROW = 3
+#: Steps left out at the start of a launch (the first steps build buckets, warm caches, and the
+#: ranks' start-up work lingers: on a busy machine rank 0 ran ~25 % slower for its first 25 steps).
+WARMUP = 20
+#: A host must also be slower than this many times the spread of its peers (their median absolute
+#: deviation): on a noisy machine (CPUs shared) the bar rises with the noise.
+NOISE_FACTOR = 3.0
 
 
 @dataclass
@@ -110,13 +115,14 @@ class StragglerWatch:
             peers = [r for r in per_rank if self.host_of[r] != host]
             mine = statistics.median(per_rank[r][0] for r in ranks)
             theirs = statistics.median(per_rank[r][0] for r in peers)
-            slow = theirs > 0 and mine >= (1 + self.threshold) * theirs
-            if not slow:
+            spread = statistics.median(abs(per_rank[r][0] - theirs) for r in peers)
+            bar = max(self.threshold, NOISE_FACTOR * spread / theirs) if theirs > 0 else None
+            if bar is None or mine < (1 + bar) * theirs:
                 self._slow_in.pop(host, None)
                 continue
             since = self._slow_in.setdefault(host, first)
-            if since == first or host in self.named:  # slow in one window so far, or named already
-                continue
+            if first - since < (IN_A_ROW - 1) * self.window or host in self.named:
+                continue  # not slow long enough yet, or named already
             found = Straggler(host=host, ranks=ranks, slowdown=mine / theirs - 1, since_step=since,
                               named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
                               peers_wait_s=statistics.median(per_rank[r][1] for r in peers),
