@@ -183,6 +183,21 @@ def attach_cmd(run_id: str | None) -> None:
     sys.exit(follow_run(supervised_of(_pick(run_id)), sys.stdout, stops_run=False))
 
 
+@cli.command("report")
+@click.argument("run_id", required=False)
+@click.option("--html", "html_out", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="Write the run's page here: one self-contained HTML file with plots.")
+@_handle_errors
+def report_cmd(run_id: str | None, html_out: str) -> None:
+    """A run's page (default: the latest run here): every rank's step time over the run, the health
+    check's busbw per size, the pair bandwidth matrix, the timeline of stages and recoveries."""
+    from ddplaunch.runpage import render
+
+    record = _pick(run_id)
+    Path(html_out).write_text(render(record.dir))
+    click.echo(f"run {record.run_id}: page written to {html_out}")
+
+
 @cli.command("top")
 @click.argument("run_id", required=False)
 @click.option("--once", is_flag=True, help="Print the table once and exit.")

@@ -76,6 +76,10 @@ def _top_shows_every_rank(tmp_path: Path, run_id: str) -> None:
     rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"│\s+(\d)\s+│\s+(\d+)\s+│\s+\d+ ms", shown.stdout)}
     assert set(rows) == {"0", "1"} and min(rows.values()) >= 30, shown.stdout
     assert f"run {run_id}: ok" in shown.stdout and "localhost" in shown.stdout
+    page = tmp_path / "page.html"
+    written = ddplaunch(["report", run_id, "--html", str(page)], tmp_path, timeout=60)
+    assert written.returncode == 0 and f"run {run_id}: page written to {page}" in written.stdout, written.stderr
+    assert set(re.findall(r'<polyline class="rank" data-rank="(\d+)"', page.read_text())) == {"0", "1"}
 
 
 def test_detach_returns_once_taken_and_down_stops_the_run_through_its_supervisor(tmp_path):
