@@ -272,6 +272,8 @@ class RunLoop:
         recovery.evict_stragglers, a spare and the budget allow, evicted at the next checkpoint."""
         watch = StragglerWatch(plan.world_size, spec.stragglers.threshold, spec.stragglers.window)
         eviction = Eviction(self.backend, plan, self.stop, self.console)
+        # filled from a line reader's thread, saved with the record by this one (stage ends, the end)
+        named: list[dict[str, Any]] = self.record.extra.setdefault("stragglers", [])
 
         def report(kind: str, host: str, payload: dict[str, Any]) -> None:
             if kind == "HELD":
@@ -288,8 +290,7 @@ class RunLoop:
             self.report.stragglers.append(found)
             self._event(StragglerNamed(found.host, found.ranks, found.slowdown, found.since_step, found.compute_s,
                                        found.peers_compute_s, found.peers_wait_s))
-            self.record.extra["stragglers"] = [s.to_dict() for s in self.report.stragglers]
-            self.record.save()
+            named.append(found.to_dict())
             if spec.recovery.evict_stragglers and self.budget.spares and \
                     len(self.budget.lost) < spec.recovery.max_host_failures:
                 eviction.start(found)

@@ -46,7 +46,7 @@ def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_clus
     run_id = "strag-slow"
     proc = popen_ddplaunch(["up", str(_spec(sim_cluster, tmp_path)), "--run-id", run_id], tmp_path)
     try:
-        head = read_until(proc, "step=60 ", timeout=240)
+        head = read_until(proc, "step=100 ", timeout=300)  # judged healthy from step 80 on
         assert not [line for line in head if "straggler" in line], "".join(head)[-3000:]
         sim_fault(sim_cluster, slow, slow=15)
         slowed_at = time.monotonic()
@@ -115,9 +115,10 @@ def test_an_evicted_straggler_is_swapped_for_the_spare_at_the_next_checkpoint(si
                      rf"after step {step}: .*\) → replaced by {hosts[3]}", out), out[-3000:]
     assert f"[ddplaunch] training resumed at step {step} " in out, out[-3000:]  # nothing redone
     events = read_events(tmp_path / "state" / "runs" / run_id)
-    before = [e.step_s for e in events if isinstance(e, RankSteps) and e.host == hosts[0] and e.step <= 40]
     relaunch = max(i for i, e in enumerate(events) if type(e).__name__ == "RecoveryStarted")
+    before = [e.step_s for e in events[:relaunch] if isinstance(e, RankSteps) and e.step <= 40]
+    slowed = [e.step_s for e in events[:relaunch] if isinstance(e, RankSteps) and e.step > 60]
     after = [e.step_s for e in events[relaunch:] if isinstance(e, RankSteps)]
-    ratio = statistics.median(after) / statistics.median(before)
-    print(f"step time after the eviction / before the slowdown: {ratio:.2f}")
-    assert ratio < 1.5, (before, after)
+    print(f"median step time: {statistics.median(before) * 1e3:.0f} ms before the slowdown, "
+          f"{statistics.median(slowed) * 1e3:.0f} ms slowed, {statistics.median(after) * 1e3:.0f} ms after the eviction")
+    assert statistics.median(after) < 0.7 * statistics.median(slowed), (slowed, after)
