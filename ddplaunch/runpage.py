@@ -3,8 +3,8 @@
 Drawn from what the run directory holds — its event log (each rank's step times, stages,
 recoveries, stragglers), `healthcheck.json` (busbw per message size; the pair gate's pairs) and
 `localize.json` — as inline SVG: no script, no stylesheet or font from the network, nothing to
-install to open it. Plots: every rank's step time over the run (a straggler's ranks stand out:
-the others wait for it, so their line rises with it — its compute share is in the table), the
+install to open it. Plots: every rank's compute per step over the run (step time minus its wait at
+the collectives: step times are equal on every rank, this singles out a straggler), the
 health check's busbw per size, the pair bandwidth matrix as a heatmap, and the timeline of stages,
 recoveries and stragglers. Pure: data in, text out.
 """
@@ -42,19 +42,20 @@ def _axes(x_label: str, y_label: str, y_max: float, unit: str) -> list[str]:
 
 
 def step_plot(events: list[Event]) -> str:
-    """Every rank's step time over the run (seconds since the run started)."""
+    """Every rank's compute share of its steps over the run (seconds since the run started): step
+    times are equal on every rank of a synchronous job, the compute share singles out a straggler."""
     steps = [e for e in events if isinstance(e, RankSteps)]
     if not steps:
         return "<p>No rank reported its steps (the job stepped no torch.optim optimizer, or ran before this ddplaunch).</p>"
     t0 = min(e.t for e in events)
     t_max = max(e.t for e in steps) - t0 or 1.0
-    y_max = max(e.step_s for e in steps) * 1e3 * 1.1 or 1.0
-    out = _axes("seconds since the run started", "step time (ms)", y_max, "")
+    y_max = max(e.step_s - e.wait_s for e in steps) * 1e3 * 1.1 or 1.0
+    out = _axes("seconds since the run started", "compute per step (ms)", y_max, "")
     ranks = sorted({e.rank for e in steps})
     for i, rank in enumerate(ranks):
         mine = [e for e in steps if e.rank == rank]
         points = " ".join(f"{PAD + (e.t - t0) / t_max * (W - PAD - 10):.1f},"
-                          f"{H - PAD - e.step_s * 1e3 / y_max * (H - PAD - 10):.1f}" for e in mine)
+                          f"{H - PAD - (e.step_s - e.wait_s) * 1e3 / y_max * (H - PAD - 10):.1f}" for e in mine)
         color = COLORS[i % len(COLORS)]
         out.append(f'<polyline class="rank" data-rank="{rank}" fill="none" stroke="{color}" stroke-width="1.5" '
                    f'points="{points}"><title>rank {rank} ({_esc(mine[-1].host)})</title></polyline>')
@@ -124,8 +125,8 @@ def timeline(events: list[Event]) -> str:
             text = (f"recovery {e.number}: {', '.join(e.lost)} lost; "
                     + ", ".join(f"{a} → {b}" for a, b in e.replaced.items()))
         elif isinstance(e, StragglerNamed):
-            text = (f"straggler {e.host} (ranks {', '.join(map(str, e.ranks))}): {e.slowdown:.0%} slower since "
-                    f"step {e.since_step}")
+            text = (f"straggler {e.host} (rank{'s' if len(e.ranks) > 1 else ''} {', '.join(map(str, e.ranks))}): "
+                    f"{e.slowdown:.0%} slower since step {e.since_step}")
         elif isinstance(e, RunEnded):
             text = f"run ended: {e.state} (exit {e.exit_code})"
         if text:
@@ -171,7 +172,8 @@ def render(run_dir: Path) -> str:
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
             "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}</style></head><body>"
             f"<h1>{_esc(title)}: {_esc(state)}</h1><p>{head}</p>"
-            "<h2>Step time of every rank</h2>" + step_plot(events)
+            "<h2>Compute per step of every rank (step time minus wait at the collectives)</h2>"
+            + step_plot(events)
             + "<h2>Health check: busbw per message size</h2>" + busbw_plot(healthcheck)
             + "<h2>Pair bandwidth (busbw against the median)</h2>" + pair_heatmap(pairs)
             + "<h2>Timeline</h2>" + timeline(events)

@@ -51,7 +51,7 @@ def test_the_page_has_every_plot_and_needs_nothing_from_the_network(tmp_path):
     assert len([a for t, a in tags if t == "rect" and a.get("class") == "busbw"]) == 2
     assert len([a for t, a in tags if t == "rect" and a.get("class") == "pair"]) == 4  # both halves of 2 pairs
     assert "<h1>run r1: ok (exit 0)</h1>" in page
-    assert "straggler h2 (ranks 1): 80% slower since step 2" in page and "recovery 1: h2 lost; h2 → h3" in page
+    assert "straggler h2 (rank 1): 80% slower since step 2" in page and "recovery 1: h2 lost; h2 → h3" in page
 
 
 def test_every_value_from_the_run_is_escaped(tmp_path):
