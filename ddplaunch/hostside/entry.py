@@ -67,7 +67,11 @@ def load_sibling(name: str):
     spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    before, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ left in the run dir
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = before
     return module
 
 

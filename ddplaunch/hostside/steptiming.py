@@ -179,10 +179,9 @@ class StepTiming:
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
                 fut = allreduce_hook(getattr(ddp, "process_group", None), bucket)  # type: ignore[arg-type]
 
-            def done(f):
-                timing._bucket_done()
-                return f.value()
-            return fut.then(done)
+            # a callback, not `then`: DDP gets the collective's own future (its errors unwrapped)
+            fut.add_done_callback(lambda _: timing._bucket_done())
+            return fut
         return ddplaunch_timed_hook
 
 
