@@ -176,13 +176,23 @@ class StepTiming:
             if inner["hook"] is not None:
                 fut = inner["hook"](inner["state"], bucket)
             else:
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-                fut = allreduce_hook(getattr(ddp, "process_group", None), bucket)  # type: ignore[arg-type]
+                fut = _scaled_sum(getattr(ddp, "process_group", None), bucket)
 
             # a callback, not `then`: DDP gets the collective's own future (its errors unwrapped)
             fut.add_done_callback(lambda _: timing._bucket_done())
             return fut
         return ddplaunch_timed_hook
+
+
+def _scaled_sum(group, bucket):
+    """DDP's built-in all-reduce, rounding for rounding: the bucket times 1/size (the reducer's
+    own scaling when no hook is set), then summed (torch's Python allreduce_hook divides instead,
+    which rounds differently on 3 ranks: the final weights would differ from an untimed run's)."""
+    import torch.distributed as dist
+    group = group if group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 def _builtin_hook(comm_hook_type):
