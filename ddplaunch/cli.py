@@ -189,7 +189,7 @@ def attach_cmd(run_id: str | None) -> None:
               help="Write the run's page here: one self-contained HTML file with plots.")
 @_handle_errors
 def report_cmd(run_id: str | None, html_out: str) -> None:
-    """A run's page (default: the latest run here): every rank's step time over the run, the health
+    """A run's page (default: the latest run here): every rank's compute per step over the run, the health
     check's busbw per size, the pair bandwidth matrix, the timeline of stages and recoveries."""
     from ddplaunch.runpage import render
 

@@ -22,10 +22,10 @@ from ddplaunch.spec import ClusterSpec, HostSpec
 WINDOW_S = 4.0
 
 
-def link_answers(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec], run_id: str,
+def link_answers(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec], port: int,
                  window: float = WINDOW_S) -> dict[str, Optional[dict[str, Any]]]:
-    """Each host's answer (reached, came_from, error), None for a host that gave none."""
-    port = derive_port(f"{run_id}-links")
+    """Each host's answer (reached, came_from, error) to a link test on `port`, None for a host
+    that gave none."""
     addrs = {h.label: rendezvous_addr(h) for h in hosts}
     nonces: dict[str, str] = {}
 
@@ -61,5 +61,5 @@ def judge(addrs: dict[str, str], answers: dict[str, Optional[dict[str, Any]]], p
 
 def broken_links(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec], run_id: str) -> dict[str, str]:
     """The hosts (label -> why) whose training link is broken, by a link test run now."""
-    answers = link_answers(backend, spec, hosts, run_id)
-    return judge({h.label: rendezvous_addr(h) for h in hosts}, answers, derive_port(f"{run_id}-links"))
+    port = derive_port(f"{run_id}-links")
+    return judge({h.label: rendezvous_addr(h) for h in hosts}, link_answers(backend, spec, hosts, port), port)

@@ -7,7 +7,8 @@ the straggler, which arrives last and waits least. A rank's compute share is its
 its wait. `StragglerWatch` compares, over the last `window` steps every rank has reported, each
 host's compute share (the median of its ranks' medians) with the median of the other hosts'
 ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
-the spread of its peers' — above it in three windows in a row. Pure: fed with payloads, it returns verdicts; the run loop shows and records them.
+the spread of its peers' — above it in three windows in a row. Pure: fed with payloads, it
+returns verdicts; the run loop shows and records them.
 """
 
 from __future__ import annotations

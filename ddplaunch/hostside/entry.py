@@ -209,9 +209,9 @@ class Progress:
             self._optimizer = id(optimizer)
         if id(optimizer) != self._optimizer:
             return
-        if self.timing is not None:
-            self.timing.stepped()
         self.steps += 1
+        if self.timing is not None:
+            self.timing.stepped(self.steps)
         now = time.monotonic()
         if self.said < 0 or now - self.said_at >= PROGRESS_EVERY:
             self.flush(now)
@@ -327,10 +327,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 def watch_progress() -> Progress:
     """Install the progress hooks (now for what torch is imported already, the rest on import)."""
     progress = Progress()
-    try:
-        progress.timing = load_sibling("steptiming").StepTiming()
-    except Exception:  # noqa: BLE001 - progress is seen without it
-        pass
+    if os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0":
+        try:
+            progress.timing = load_sibling("steptiming").StepTiming()
+        except Exception:  # noqa: BLE001 - progress is seen without it
+            pass
     try:
         progress.patch()
         sys.meta_path.insert(0, _AfterImport(progress.patch))

@@ -17,7 +17,7 @@ A background thread sends what was recorded at most once a second as one line pe
 ``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}``, written to the
 process's stdout file descriptor whole (the training thread never writes it). Nothing is sent
 while no step completes, so a hung job stays silent for the hang watchdog.
-`DDPLAUNCH_STEP_TIMING=0` in the job's environment turns it off.
+`DDPLAUNCH_STEP_TIMING=0` in the job's environment turns it off (entry.py then does not load it).
 """
 
 import functools
@@ -41,9 +41,7 @@ class StepTiming:
 
     def __init__(self):
         self.rank = int(os.environ.get("RANK", "0"))
-        self.enabled = os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0"
         self._lock = threading.Lock()
-        self.steps = 0
         self._last_end = None
         self._arrived = None      # when this step's last gradient bucket was ready (DDP)
         self._completed = None    # when the last bucket's collective completed
@@ -54,17 +52,16 @@ class StepTiming:
 
     # ------------------------------------------------------------------ what the job does
 
-    def stepped(self):
-        """An optimizer step ended (called from entry.py's optimizer hook, on every rank)."""
+    def stepped(self, step):
+        """Optimizer step `step` ended (entry.py's optimizer hook counts them, on every rank)."""
         now = time.monotonic()
         with self._lock:
-            self.steps += 1
             if self._last_end is not None:
                 wait = self._waited
                 if self._arrived is not None and self._completed is not None:
                     wait += max(0.0, self._completed - self._arrived)
                 step_s = now - self._last_end
-                self._pending.append([self.steps, round(step_s, 6), round(min(wait, step_s), 6)])
+                self._pending.append([step, round(step_s, 6), round(min(wait, step_s), 6)])
             self._last_end = now
             self._arrived = self._completed = None
             self._waited = 0.0
@@ -106,8 +103,6 @@ class StepTiming:
 
     def patch(self):
         """Hook what of torch.distributed and DDP is imported by now (each once)."""
-        if not self.enabled:
-            return
         ddp = sys.modules.get("torch.nn.parallel.distributed")
         if ddp is not None and "ddp" not in self._patched and hasattr(ddp, "DistributedDataParallel"):
             self._patched.add("ddp")

@@ -53,34 +53,32 @@ def limit(name: str, pids: list[int], percent: int) -> None:
         raise SimError(f"cgroup {group}: {err}") from None
 
 
-def release(name: str, pids: list[int]) -> None:
-    """Move `pids` back to the root cgroup and remove cgroup `name` (nothing there is fine)."""
+def release(name: str) -> None:
+    """Move the processes of cgroup `name` back to the root cgroup and remove it (none is fine)."""
     base, _ = _base()
-    group = base / name
-    if not group.exists():
+    if (base / name).exists():
+        _remove(base / name, base)
+
+
+def remove_all(prefix: str) -> None:
+    """Remove the cgroups of a prefix's hosts (left when a host was never cleared)."""
+    try:
+        base, _ = _base()
+    except SimError:
         return
-    _move(pids + _members(group), base)
+    for group in base.glob(group_name(prefix, "*")):
+        try:
+            _remove(group, base)
+        except SimError:
+            pass  # a process still in it: `sim down` goes on, as it does with other leftovers
+
+
+def _remove(group: Path, base: Path) -> None:
+    _move(_members(group), base)
     try:
         group.rmdir()
     except OSError as err:
         raise SimError(f"cgroup {group} could not be removed: {err}") from None
-
-
-def remove_all(prefix: str) -> list[str]:
-    """Remove the cgroups of a prefix's hosts (their processes are gone); the names removed."""
-    try:
-        base, _ = _base()
-    except SimError:
-        return []
-    removed = []
-    for group in base.glob(group_name(prefix, "*")):
-        _move(_members(group), base)
-        try:
-            group.rmdir()
-            removed.append(group.name)
-        except OSError:
-            pass
-    return removed
 
 
 def _members(group: Path) -> list[int]:
@@ -96,6 +94,3 @@ def _move(pids: list[int], group: Path) -> None:
             (group / "cgroup.procs").write_text(str(pid))
         except ProcessLookupError:
             pass  # ended meanwhile
-        except OSError as err:
-            if err.errno != 3:  # ESRCH
-                raise

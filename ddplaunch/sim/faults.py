@@ -166,7 +166,7 @@ def _clear(cluster: SimCluster, h: SimHost) -> None:
     if h.fault.training_cut:
         _uncut_training(cluster, h)
     if h.fault.slow is not None:
-        cgroups.release(cgroups.group_name(cluster.prefix, h.name), netns_pids(h.ns))
+        cgroups.release(cgroups.group_name(cluster.prefix, h.name))
     host_dir = cluster.host_dir(h)
     if not sshd.is_our_sshd(h.sshd_pid, host_dir):
         h.sshd_pid = sshd.start_sshd(host_dir, cluster.enter_prefix(h))
