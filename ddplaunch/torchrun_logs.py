@@ -75,10 +75,24 @@ def rank_of(line: str) -> Optional[tuple[str, int]]:
     return (m.group(1), int(m.group(2))) if m else None
 
 
+#: torch's trailer of an error raised in a Future's callback (a DDP comm hook's, ours included):
+#: `At:` and the callback's Python frames, after the error itself.
+#: torch's own prefix of a rank's error lines (`[rank0]: `, sometimes twice).
+_TORCH_RANK_RE = re.compile(r"^(\[rank\d+\]: )+")
+_AT_RE = re.compile(r"^(\[rank\d+\]: )*At:\s*$")
+_AT_FRAME_RE = re.compile(r"^(\[rank\d+\]: )*(\s+\S.*\(\d+\): \S.*)?\s*$")
+
+
 def rank_cause(lines: list[str], keep: int = 12) -> list[str]:
-    """A rank's own account of its failure: its last traceback (prefix stripped), else its last lines."""
+    """A rank's own account of its failure: its last traceback (prefix stripped), else its last
+    lines; never the frame list a callback's error ends with (the error is above it)."""
     text = [RANK_PREFIX_RE.sub("", line, count=1) for line in lines]
-    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    at = max((i for i, line in enumerate(text) if _AT_RE.match(line)), default=None)
+    if at is not None:
+        end = next((j for j in range(at + 1, len(text)) if not _AT_FRAME_RE.match(text[j])), len(text))
+        text = text[:at] + text[end:]
+    starts = [i for i, line in enumerate(text)
+              if _TORCH_RANK_RE.sub("", line).startswith("Traceback (most recent call last)")]
     if starts:
         block = text[starts[-1]:]
         # the frames are long; the exception (last lines) is what people need

@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 
-from ddplaunch.torchrun_logs import mismatch_lines, store_errors
+from ddplaunch.torchrun_logs import VICTIM_RE, mismatch_lines, rank_cause, store_errors
 from ddplaunch.watchdog import RankStack, stuck_at, summarize_stacks
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
@@ -50,6 +50,25 @@ def test_mismatch_and_store_errors_condensed():
     store = "[dlt1] torch.distributed.DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."
     assert store_errors([store]) == [
         "dlt1: DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."]
+
+
+def test_a_callbacks_error_is_the_cause_not_its_frame_list():
+    """An error raised in a Future's callback (a DDP comm hook's) ends with `At:` and the callback's
+    frames: the cause keeps the error above them, so a rank that only saw its peer die is known."""
+    frames = [f"[dlt1:0] [rank0]: [rank0]:   /x/mod{i}.py({i}): f{i}" for i in range(14)]
+    lines = ["[dlt1:0] step=2 loss=0.5", "[dlt1:0] [rank0]: Traceback (most recent call last):",
+             *[f'[dlt1:0] [rank0]:   File "/x/y{i}.py", line {i}, in g' for i in range(14)],
+             "[dlt1:0] [rank0]: RuntimeError: Got the following error when running the callback: RuntimeError: "
+             "[pair.cc:553] Connection closed by peer [10.213.7.12]:61868. This is typically caused by a "
+             "remote worker crashing.",
+             "[dlt1:0] [rank0]: [rank0]: At:", *frames, "[dlt1:0] ", "[dlt1:0] after the frames"]
+    cause = rank_cause(lines)
+    assert cause[0] == "[rank0]: Traceback (most recent call last):"
+    assert "Connection closed by peer" in cause[-2] and cause[-1] == "after the frames", cause
+    assert VICTIM_RE.search("\n".join(cause))
+    assert not any("At:" in line or "mod" in line for line in cause)
+    # without the trailer: the same error last
+    assert rank_cause(lines[:-len(frames) - 3])[-1] == cause[-2]
 
 
 # ----------------------------------------------------------------------------- on the sim cluster
