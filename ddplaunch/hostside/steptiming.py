@@ -10,8 +10,10 @@ largest. Waits are measured
   (the default all-reduce, or the hook the script registers, called inside ours): from the
   moment the step's last gradient bucket is ready on this rank to the moment the last bucket's
   collective completes;
-- for plain blocking `torch.distributed` collectives the script calls itself: the time spent
-  inside the call (an async call's work is the script's own, not timed).
+- for FSDP2 and every other `torch.distributed` collective (the functions are wrapped): the
+  time a blocking call spends inside it, and for an async call the time spent blocked in its
+  `Work.wait()` (FSDP2 all-gathers and reduce-scatters through these functions; on CPU/Gloo its
+  default calls block).
 
 A background thread sends what was recorded at most once a second as one line per batch,
 ``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}``, written to the
@@ -33,7 +35,7 @@ SEND_EVERY = 1.0
 PER_LINE = 60
 #: Collectives of torch.distributed whose time a rank spends waiting in them.
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
-               "broadcast", "barrier", "all_to_all_single")
+               "broadcast", "barrier", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 
 
 class StepTiming:
@@ -49,6 +51,7 @@ class StepTiming:
         self._pending = []
         self._sender = None
         self._patched = set()
+        self._inside = threading.local()  # in a timed collective (its own Work.wait is not counted twice)
 
     # ------------------------------------------------------------------ what the job does
 
@@ -113,20 +116,29 @@ class StepTiming:
             for name in COLLECTIVES:
                 if hasattr(dist, name):
                     setattr(dist, name, self._timed_collective(getattr(dist, name)))
+            work = getattr(getattr(dist, "distributed_c10d", None), "Work", None)
+            if work is not None and hasattr(work, "wait"):
+                try:
+                    work.wait = self._timed_collective(work.wait)
+                except (AttributeError, TypeError):  # a build whose Work takes no attribute: untimed
+                    pass
 
     def _timed_collective(self, fn):
-        """`fn` with the time a blocking call spends in it counted as wait (an async call's work
-        is returned untouched: what the script does with it is its own)."""
-        timing = self
+        """`fn` (a collective, or `Work.wait`) with the time a call blocks in it counted as wait:
+        an async collective returns at once and its wait is timed where the script waits for it;
+        a blocking one waits inside its own call (timed once, not again in its Work.wait)."""
+        timing, inside = self, self._inside
 
         @functools.wraps(fn)
         def ddplaunch_timing_wrapper(*args, **kwargs):
-            if kwargs.get("async_op"):
+            if getattr(inside, "on", False) or kwargs.get("async_op"):
                 return fn(*args, **kwargs)
+            inside.on = True
             t0 = time.monotonic()
             try:
                 return fn(*args, **kwargs)
             finally:
+                inside.on = False
                 timing._waited_for(time.monotonic() - t0)
         return ddplaunch_timing_wrapper
 

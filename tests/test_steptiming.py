@@ -1,0 +1,77 @@
+"""hostside/steptiming.py under torchrun, with no change to the job: a DDP job, an FSDP2 job and
+a job of plain all_reduce calls, each with one rank that computes longer per step. Every rank's
+step lasts as long as the slow one's; the timing each rank sends says that its peer waited at the
+collectives while it did not, and the launcher's straggler watch names it from those lines alone."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ddplaunch.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerWatch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from torchrun_util import ROOT, run_torchrun  # noqa: E402
+
+ENTRY = ROOT / "ddplaunch" / "hostside" / "entry.py"
+TIMING_RE = re.compile(r"^DDPLAUNCH_TIMING_JSON (\{.*\})$", re.M)
+#: Enough steps for the watch to judge: its warm-up, then IN_A_ROW windows.
+STEPS = WARMUP + WINDOW * (IN_A_ROW + 1)
+#: The slow rank's extra compute per step (the other's is a few ms).
+SLOW_S = 0.03
+
+JOB = """\
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+kind = {kind!r}
+if kind == "ddp":
+    model = torch.nn.parallel.DistributedDataParallel(model)
+elif kind == "fsdp2":
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(model[0]); fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range({steps}):
+    opt.zero_grad()
+    loss = model(torch.randn(16, 64)).square().mean()
+    if rank == 1:
+        time.sleep({slow})  # this rank computes longer
+    loss.backward()
+    if kind == "allreduce":
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+    opt.step()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "allreduce"])
+def test_the_rank_that_computes_longer_waits_least_and_is_named(tmp_path, kind):
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(JOB.format(kind=kind, steps=STEPS, slow=SLOW_S)))
+    run = run_torchrun(ENTRY, "--no-healthcheck", "--", job, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:]
+    steps: dict[int, dict[int, tuple[float, float]]] = {0: {}, 1: {}}
+    watch, named = StragglerWatch(world_size=2), []
+    for payload in map(json.loads, TIMING_RE.findall(run.stdout)):
+        steps[payload["rank"]].update({s: (t, w) for s, t, w in payload["steps"]})
+        found = watch.feed(f"host{payload['rank']}", payload)
+        named += [found] if found is not None else []
+    # every step of every rank timed (the first has no start: it is not)
+    assert sorted(steps[0]) == sorted(steps[1]) == list(range(2, STEPS + 1)), steps
+    late = range(WARMUP, STEPS + 1)
+    wait = {r: sorted(steps[r][s][1] for s in late) for r in (0, 1)}
+    median = {r: wait[r][len(wait[r]) // 2] for r in (0, 1)}
+    # the fast rank waits for the slow one's extra compute at the collectives; the slow one hardly waits
+    assert median[0] > SLOW_S / 2 > median[1], median
+    assert [(s.host, s.ranks) for s in named] == [("host1", [1])], named
