@@ -65,6 +65,13 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
+def burn_cpu(ms: float) -> None:
+    """Spend `ms` milliseconds of this thread's CPU time (wall time stretches on a slow CPU)."""
+    start = time.thread_time()
+    while (time.thread_time() - start) * 1e3 < ms:
+        pass
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", choices=("fsdp", "ddp"), default="fsdp")
@@ -89,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--burn-ms", type=float, default=0.0,
+                   help="CPU milliseconds to spend per step (a step slows down where the CPU does)")
     p.add_argument("--corrupt-rank", type=int, default=None,
                    help="perturb this rank's gathered copy before hashing (tests the check)")
     p.add_argument("--dump-final", default=None, help="rank 0 torch.saves the full parameters here")
@@ -583,6 +592,7 @@ def main(argv=None) -> int:
         rows = global_batch_indices(step, args.samples, args.global_batch, args.seed)
         batch = data[rows[rank * local_batch:(rank + 1) * local_batch]].to(device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
+        burn_cpu(args.burn_ms)
         optimizer.zero_grad(set_to_none=True)
         logits = wrapped(inputs)
         loss = F.cross_entropy(logits, targets.reshape(-1))

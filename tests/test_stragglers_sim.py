@@ -1,5 +1,5 @@
 """Stragglers named while training runs, on real (simulated) hosts, with no change to the job:
-4 hosts x 1 rank train a DDP job whose steps spend CPU (`--burn-ms`); once training runs, one
+4 hosts x 1 rank train a DDP or an FSDP2 job whose steps spend CPU (`--burn-ms`); once training runs, one
 host's processes are limited to a slice of one CPU (`sim fault --slow`, cgroups). Every rank's
 step time is the same (DDP waits for the slowest), yet the slowed host is named — host, rank,
 slowdown, since which step — from the ranks' own timing (compute share = step time - wait at
@@ -28,35 +28,63 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 NAMED_S = 90.0
 
 
-def _spec(cluster, tmp_path: Path) -> Path:
+#: The jobs, each step spending 40 ms of CPU: DDP (jobs/train.py) and FSDP2 (jobs/fsdp_train.py).
+JOBS = {"ddp": {"script": "jobs/train.py",
+                "args": ["--epochs", "1", "--samples", "16384", "--batch-size", "8", "--ckpt-every", "0",
+                         "--log-every", "10", "--burn-ms", "40", "--seed", "3"]},
+        "fsdp2": {"script": "jobs/fsdp_train.py",
+                  "args": ["--steps", "2000", "--global-batch", "16", "--samples", "4096", "--ckpt-every", "0",
+                           "--log-every", "10", "--burn-ms", "40", "--seed", "3"]}}
+
+
+def _spec(cluster, tmp_path: Path, kind: str = "ddp") -> Path:
     data = yaml.safe_load(cluster.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")},
-                job={"script": "jobs/train.py",
-                     "args": ["--epochs", "1", "--samples", "16384", "--batch-size", "8", "--ckpt-every", "0",
-                              "--log-every", "10", "--burn-ms", "40", "--seed", "3"]})
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=JOBS[kind])
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
 
-def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_cluster, tmp_path):
-    hosts = [h.name for h in sim_cluster.hosts]
+@pytest.mark.parametrize("kind", sorted(JOBS))
+def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_cluster, tmp_path, kind):
+    _slowed_host_is_named(sim_cluster, _spec(sim_cluster, tmp_path, kind), tmp_path, f"strag-slow-{kind}")
+
+
+def test_a_slurm_node_slowed_mid_training_is_named(slurm_cluster, tmp_path):
+    """The same on the Slurm sim: the job's srun step on 3 nodes, one node's CPU limited."""
+    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
+    data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"sizes": ["64K"], "iterations": 1},
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=JOBS["ddp"])
+    data["slurm"].update(nodes=len(slurm_cluster.hosts), output_dir=str(tmp_path / "slurm-out"))
+    spec = tmp_path / "slurm.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    try:
+        _slowed_host_is_named(slurm_cluster, spec, tmp_path, "strag-slurm")
+    finally:
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, [h.name for h in slurm_cluster.hosts], timeout=120)
+
+
+def _slowed_host_is_named(cluster, spec: Path, tmp_path: Path, run_id: str) -> None:
+    """Node 2's host slowed to 15 % of one CPU once training passed step 100: named (host, rank,
+    slowdown) on screen, in the event log, the record and the summary, and no other host."""
+    hosts = [h.name for h in cluster.hosts]
     slow = hosts[2]
-    run_id = "strag-slow"
-    proc = popen_ddplaunch(["up", str(_spec(sim_cluster, tmp_path)), "--run-id", run_id], tmp_path)
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
     try:
         head = read_until(proc, "step=100 ", timeout=300)  # judged healthy from step 80 on
         assert not [line for line in head if "straggler" in line], "".join(head)[-3000:]
-        sim_fault(sim_cluster, slow, slow=15)
+        sim_fault(cluster, slow, slow=15)
         slowed_at = time.monotonic()
         named = read_until(proc, "[ddplaunch] straggler:", timeout=120)
         took = time.monotonic() - slowed_at
-        sim_fault(sim_cluster, slow, clear=True)
+        sim_fault(cluster, slow, clear=True)
         proc.send_signal(2)  # the point is made: Ctrl-C ends the run
         rest, _ = proc.communicate(timeout=120)
     finally:
-        sim_fault(sim_cluster, slow, clear=True)
+        sim_fault(cluster, slow, clear=True)
         if proc.poll() is None:
             proc.kill()
     out = "".join(head + named) + rest
@@ -72,7 +100,7 @@ def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_clus
     # the evidence: it computes longer, the others wait for it
     assert found.compute_s > found.peers_compute_s and found.peers_wait_s > 0
     steps = [e for e in events if isinstance(e, RankSteps)]
-    assert {e.rank for e in steps} == {0, 1, 2, 3} and {e.host for e in steps} == set(hosts)
+    assert {e.rank for e in steps} == set(range(len(hosts))) and {e.host for e in steps} == set(hosts)
     record = json.loads((run_dir / "record.json").read_text())
     assert [s["host"] for s in record["extra"]["stragglers"]] == [slow]
     assert f"straggler: {slow} (rank 2) computes" in rest  # the summary says it too
