@@ -135,6 +135,21 @@ def step_time(cluster, tmp: Path, timing: bool, n: int) -> float:
     return (t1 - t0) / (s1 - s0)
 
 
+def _detection_table(detection: list) -> None:
+    print("\n| slowdown (CPU slice) | named after (median, max) | right host | slowdown reported (median) | "
+          "naive step-time detector named |")
+    print("|---|---|---|---|---|")
+    for level in LEVELS:
+        rs = [r for r in detection if r["level"] == level]
+        named = [r["named_s"] for r in rs if r["named_s"] is not None]
+        slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
+        print(f"| {level} | "
+              + (f"{statistics.median(named):.1f} s, {max(named):.1f} s" if named else "never") + " | "
+              f"{sum(r['right'] for r in rs)}/{len(rs)} | "
+              + (f"{statistics.median(slow):.0%}" if slow else "-") + " | "
+              + ", ".join(sorted(set(r["naive"] for r in rs))) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=5)
@@ -159,22 +174,13 @@ def main() -> None:
         results["healthy"] = healthy(cluster, tmp, args.healthy_s)
     finally:
         sim_down(tmp / "sim")
-    print("\n| slowdown (CPU slice) | named after (median, max) | right host | slowdown reported (median) | "
-          "naive step-time detector named |")
-    print("|---|---|---|---|---|")
-    for level, quota in LEVELS.items():
-        rs = [r for r in results["detection"] if r["level"] == level]
-        named = [r["named_s"] for r in rs if r["named_s"] is not None]
-        slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
-        print(f"| {level} | "
-              + (f"{statistics.median(named):.1f} s, {max(named):.1f} s" if named else "never") + " | "
-              f"{sum(r['right'] for r in rs)}/{len(rs)} | "
-              + (f"{statistics.median(slow):.0%}" if slow else "-") + " | "
-              + ", ".join(sorted(set(r["naive"] for r in rs))) + " |")
+    if results["detection"]:
+        _detection_table(results["detection"])
     on, off = results["overhead"]["on"], results["overhead"]["off"]
-    print(f"\nstep time with the ranks' timing on: {statistics.median(on) * 1e3:.1f} ms, off: "
-          f"{statistics.median(off) * 1e3:.1f} ms (median of {len(on)} interleaved runs each): "
-          f"{(statistics.median(on) / statistics.median(off) - 1):+.1%}")
+    if on and off:
+        print(f"\nstep time with the ranks' timing on: {statistics.median(on) * 1e3:.1f} ms, off: "
+              f"{statistics.median(off) * 1e3:.1f} ms (median of {len(on)} interleaved runs each): "
+              f"{(statistics.median(on) / statistics.median(off) - 1):+.1%}")
     h = results["healthy"]
     print(f"healthy run of {h['seconds']:.0f} s ({h['steps']} steps): stragglers named: {h['named'] or 'none'}")
     if args.json:

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Callable, ClassVar, Iterator, Optional, Union
 
+from ddplaunch.results import NodeState
+
 EVENTS_FILE = "events.jsonl"
 #: Seconds between reads of a log that has nothing new (a line reaches a follower within this).
 FOLLOW_POLL = 0.02
@@ -71,13 +73,16 @@ class StageStarted(_Event):
 
 @dataclass
 class StageEnded(_Event):
-    """A launch ended: every node's state (results.STATE_ORDER) and whether the stage passed."""
+    """A launch ended: every node's state and whether the stage passed."""
 
     KIND: ClassVar[str] = "stage-ended"
     stage: str
     ok: bool
-    states: dict[str, str]
+    states: dict[str, NodeState]
     host_failure: bool = False
+
+    def __post_init__(self) -> None:  # read back from the log: the values as the enum again
+        self.states = {host: NodeState(state) for host, state in self.states.items()}
 
 
 @dataclass

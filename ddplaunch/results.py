@@ -11,12 +11,26 @@ import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
-# Node states, in the order a report lists them (worst first).
-FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK = (
-    "failed", "lost", "unreachable", "interrupted", "running", "not-started", "ok")
-STATE_ORDER = (FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK)
+
+
+class NodeState(StrEnum):
+    """How a node of a stage stands, in the order a report lists them (worst first). A str: the
+    record, the event log and `--json` hold its value."""
+
+    FAILED = "failed"
+    LOST = "lost"
+    UNREACHABLE = "unreachable"
+    INTERRUPTED = "interrupted"
+    RUNNING = "running"
+    NOT_STARTED = "not-started"
+    OK = "ok"
+
+
+FAILED, LOST, UNREACHABLE, INTERRUPTED, RUNNING, NOT_STARTED, OK = NodeState
+STATE_ORDER = tuple(NodeState)
 #: States that say the host, not the job, failed: the host is gone or cannot be reached.
 HOST_STATES = (LOST, UNREACHABLE)
 
@@ -27,7 +41,7 @@ class NodeOutcome:
 
     node_rank: int
     host: str
-    state: str = NOT_STARTED
+    state: NodeState = NOT_STARTED
     exit_code: Optional[int] = None
     detail: str = ""
     failed_rank: Optional[int] = None

@@ -26,6 +26,7 @@ from ddplaunch.evict import Eviction
 from ddplaunch.events import Event, EventLog, RankSteps, RecoveryStarted, StageEnded, StageStarted, StragglerNamed
 from ddplaunch.gate import healthcheck_gate, preflight_gate, preflight_wanted
 from ddplaunch.hostwords import CpuShare
+from ddplaunch.oomkill import name_oom_kills
 from ddplaunch.plan import LaunchPlan, derive_port, make_plan, master_addr, stage_port_key
 from ddplaunch.recovery import RecoveryBudget
 from ddplaunch.report import RunReport
@@ -250,6 +251,7 @@ class RunLoop:
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
         result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)
+        result.diagnosis += self._oom_kills(spec, plan, result)
         if result.ran_healthcheck:
             self.report.healthcheck = result.healthcheck
             if result.healthcheck is not None:
@@ -261,6 +263,14 @@ class RunLoop:
         self._event(StageEnded(result.stage, result.ok, {o.host: o.state for o in result.outcomes},
                                result.host_failure))
         return result
+
+    def _oom_kills(self, spec: ClusterSpec, plan: LaunchPlan, result: StageResult) -> list[str]:
+        """What the kernel's OOM killer ended (oomkill.py); a failed read costs the report nothing."""
+        try:
+            return name_oom_kills(self.backend, spec, plan, result)
+        except Exception as err:  # noqa: BLE001 - the failure is reported without it
+            self.console.note(f"kernel log not read: {type(err).__name__}: {err}")
+            return []
 
     def _event(self, event: Event) -> None:
         if self.events is not None:

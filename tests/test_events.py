@@ -15,6 +15,7 @@ import ddplaunch
 from ddplaunch.events import (EVENTS_FILE, EventLog, HostState, RecoveryStarted, RunEnded, RunStarted, Shown,
                               StageEnded, StageStarted, follow, from_line, read_events, to_line)
 from ddplaunch.launch import UpOptions, up
+from ddplaunch.results import NodeState
 from ddplaunch.runs import run_dir
 from ddplaunch.specfile import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
@@ -44,7 +45,7 @@ def test_a_recovered_run_logs_every_stage_the_recovery_and_its_end(tmp_path):
     start, first_end, recovery, end = events[0], events[_index(events, StageEnded)], \
         events[_index(events, RecoveryStarted)], events[-1]
     assert isinstance(start, RunStarted) and start.supervisor_pid == os.getpid() and start.hosts == ["f1", "f2", "f3"]
-    assert isinstance(first_end, StageEnded) and first_end.host_failure and first_end.states["f2"] == "lost"
+    assert isinstance(first_end, StageEnded) and first_end.host_failure and first_end.states["f2"] is NodeState.LOST
     assert isinstance(recovery, RecoveryStarted) and recovery.replaced == {"f2": "f4"}
     assert recovery.hosts == ["f1", "f4", "f3"]
     assert isinstance(end, RunEnded) and (end.state, end.exit_code) == ("ok", 0)

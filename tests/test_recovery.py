@@ -341,6 +341,69 @@ def test_a_torchrun_killed_on_a_live_host_is_the_jobs_failure_not_a_lost_host(si
     assert run_processes("rec-sigkill") == {}
 
 
+OOM_JOB = """\
+import os, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(1, 400):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 0:
+        print(f"step={step}", flush=True)
+    if step == 5 and rank == 1:  # this rank alone goes into a small memory cgroup and outgrows it
+        with open(os.path.join(os.environ["OOM_CGROUP"], "cgroup.procs"), "w") as procs:
+            procs.write(str(os.getpid()))
+        block = bytearray(1 << 30)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+    time.sleep(0.1)
+"""
+
+
+@contextlib.contextmanager
+def _memory_cgroup(name: str, limit: int):
+    """A memory cgroup of `limit` bytes (v1's memory hierarchy, or v2's root), removed after."""
+    v1 = Path("/sys/fs/cgroup/memory")
+    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / name
+    group.mkdir(exist_ok=True)
+    (group / ("memory.limit_in_bytes" if v1.is_dir() else "memory.max")).write_text(str(limit))
+    try:
+        yield group
+    finally:
+        for _ in range(50):  # the killed process leaves the group as it is reaped
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_rank_the_oom_killer_ended_is_named_in_the_kernels_words(sim_cluster, tmp_path):
+    """One rank outgrows its memory (a memory cgroup of 128 MiB) and the kernel's OOM killer ends
+    it with SIGKILL: the job's failure, not a lost host, and the summary says who killed it, with
+    the kernel's own line read from that host's kernel log."""
+    script = tmp_path / "oom_job.py"
+    script.write_text(OOM_JOB)
+    with _memory_cgroup(f"ddplaunch-test-oom-{os.getpid()}", 128 << 20) as group:
+        spec = _spec(sim_cluster, tmp_path, "oom", [0, 1, 2], [3], job={"script": str(script), "args": []})
+        data = yaml.safe_load(spec.read_text())
+        data["env"]["OOM_CGROUP"] = str(group)
+        spec.write_text(yaml.safe_dump(data, sort_keys=False))
+        proc = ddplaunch(["up", str(spec), "--run-id", "rec-oom"], tmp_path, timeout=300)
+    out = proc.stdout
+    victim = sim_cluster.hosts[1].name
+    assert proc.returncode == 1, out[-3000:]
+    assert "recovery 1 of" not in out and "recovered from" not in out, out[-3000:]
+    assert re.search(rf"first failure: {victim} \(node 1\): failed, exit code 1; rank 1 \(local rank 0\) killed "
+                     r"by SIGKILL; rank 1 \(pid \d+\) killed by the OOM killer", out), out[-3000:]
+    assert re.search(rf"{victim}: rank 1 \(pid (\d+)\) was killed by the kernel's OOM killer: Memory cgroup out of "
+                     r"memory: Killed process \1 \(python", out), out[-3000:]
+    assert run_processes("rec-oom") == {}
+
+
 def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):
     """A recovered run that loses a second host ends, naming both (the master first here)."""
     spec = _spec(sim_cluster, tmp_path, "twice", [0, 1, 2], [3], "--step-sleep", "0.3")

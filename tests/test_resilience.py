@@ -11,6 +11,7 @@ import signal
 import time
 from pathlib import Path
 
+from ddplaunch.oomkill import killed_ranks
 from ddplaunch.torchrun_logs import VICTIM_RE, mismatch_lines, rank_cause, store_errors
 from ddplaunch.watchdog import RankStack, stuck_at, summarize_stacks
 from tests.doc_examples import check_doc_example
@@ -69,6 +70,15 @@ def test_a_callbacks_error_is_the_cause_not_its_frame_list():
     assert not any("At:" in line or "mod" in line for line in cause)
     # without the trailer: the same error last
     assert rank_cause(lines[:-len(frames) - 3])[-1] == cause[-2]
+
+
+def test_the_ranks_signal_9_ended_are_found_in_torchruns_failure_report():
+    report = ["[dlt2] Failures:", "[dlt2] [1]:", "[dlt2]   rank      : 2 (local_rank: 1)",
+              "[dlt2]   exitcode  : 1 (pid: 4101)", "[dlt2] Root Cause (first observed failure):", "[dlt2] [0]:",
+              "[dlt2]   host      : dlt2", "[dlt2]   rank      : 1 (local_rank: 0)",
+              "[dlt2]   exitcode  : -9 (pid: 4100)", "[dlt2]   traceback : Signal 9 (SIGKILL) received by PID 4100"]
+    assert killed_ranks(report) == {4100: 1}
+    assert killed_ranks(report[:4]) == {}
 
 
 # ----------------------------------------------------------------------------- on the sim cluster

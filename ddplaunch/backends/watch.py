@@ -27,7 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
 from ddplaunch.plan import LaunchPlan
-from ddplaunch.results import FAILED, INTERRUPTED, LOST, OK, RUNNING, UNREACHABLE, NodeOutcome, StageResult, StopEvent
+from ddplaunch.results import (FAILED, INTERRUPTED, LOST, OK, RUNNING, UNREACHABLE, NodeOutcome, NodeState, StageResult,
+                                StopEvent)
 from ddplaunch.stagelines import StageLines
 from ddplaunch.torchrun_logs import culprit, parse_torchrun_failures, rank_cause
 
@@ -147,7 +148,7 @@ def unanswered(addr: str, port: int, timeout: float = PROBE_S) -> Optional[str]:
         return NoAnswer(f"{addr}:{port} refused or unreachable ({err.strerror or err})", err.errno in LOCAL_ERRNOS)
 
 
-def unstarted(plan: LaunchPlan, state: str, details: dict[int, str]) -> StageResult:
+def unstarted(plan: LaunchPlan, state: NodeState, details: dict[int, str]) -> StageResult:
     """The result of a stage that started nowhere: the nodes in `details` in `state` (unreachable,
     or failed staging), the others never started."""
     now = time.time()
