@@ -100,6 +100,8 @@ class RecoveryBudget:
         self.spares = list(spares)
         self.done: list[Recovery] = []
         self.lost: list[str] = []
+        #: spares dropped while they waited (sparewatch.py): label -> why
+        self.dropped: dict[str, str] = {}
 
     def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None
                    ) -> tuple[Optional[list[HostSpec]], str]:

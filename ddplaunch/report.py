@@ -35,6 +35,8 @@ class RunReport:
     unrecovered: Optional[str] = None
     #: Hosts named slower than their peers while the job ran (stragglers.Straggler).
     stragglers: list[Straggler] = field(default_factory=list)
+    #: Spares that stopped answering while they waited, dropped (label -> why).
+    spares_dropped: dict[str, str] = field(default_factory=dict)
     #: Wall time of the run.
     wall_s: float = 0.0
     #: A dry run's text: exactly what `up` would execute (ddplaunch.up(..., dry_run=True)).
@@ -72,6 +74,7 @@ def summarize(report: RunReport, tail_lines: int = 10) -> str:
     if report.unrecovered:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
+    out += [f"spare {label} dropped while it waited: {why}" for label, why in report.spares_dropped.items()]
     training = sum(s.progress.training_s for s in report.stages if s.progress is not None)
     if training >= 1 and report.wall_s:
         out.append(f"training time: {_duration(training)} of {_duration(report.wall_s)} wall "
@@ -130,4 +133,5 @@ def summary_json(report: RunReport) -> str:
                        "localization": report.localization, "excluded": report.excluded,
                        "recoveries": [r.to_dict() for r in report.recoveries], "unrecovered": report.unrecovered,
                        "stragglers": [s.to_dict() for s in report.stragglers],
+                       "spares_dropped": report.spares_dropped,
                        "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

@@ -33,6 +33,7 @@ from ddplaunch.report import RunReport
 from ddplaunch.results import Progress, StageResult, StopEvent, describe_exit
 from ddplaunch.runs import RunRecord, write_private
 from ddplaunch.spec import ClusterSpec
+from ddplaunch.sparewatch import SpareWatch
 from ddplaunch.stagelines import StageLines
 from ddplaunch.stragglers import StragglerWatch
 from ddplaunch.torchrun_logs import mismatch_lines, store_errors
@@ -246,8 +247,11 @@ class RunLoop:
                                     hang_timeout)
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
-        with watchdog or contextlib.nullcontext():
+        spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console) \
+            if plan.stage == "job" and self.budget.spares else contextlib.nullcontext()
+        with watchdog or contextlib.nullcontext(), spares:
             result = self.backend.launch(request, lines, self.stop)
+        self.report.spares_dropped = dict(self.budget.dropped)
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
         result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)

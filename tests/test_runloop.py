@@ -229,6 +229,41 @@ def test_a_spare_that_died_while_it_waited_is_skipped_at_no_cost_to_the_budget(t
     assert "f2 lost (" in only.describe() and "replaced by f5" in only.describe()
 
 
+def test_a_spare_that_stops_answering_while_it_waits_is_dropped_after_two_rounds(tmp_path):
+    """The spare watch (sparewatch.py), round by round: a spare that fails two rounds in a row
+    while the control host answers is dropped at no cost; a round in which the control fails
+    too counts for nothing (this machine's network may be what failed)."""
+    from ddplaunch.console import make_console
+    from ddplaunch.recovery import RecoveryBudget
+    from ddplaunch.sparewatch import SpareWatch
+    from tests.fakes import FakeBackend
+
+    script = FakeScript()
+    with fake_registered(script):
+        spec = load_spec(fake_spec(tmp_path, recovery={**RECOVER, "spares": ["f4", "f5"]}))
+    budget = RecoveryBudget(spec.recovery, list(spec.recovery.spares))
+    out = io.StringIO()
+    watch = SpareWatch(FakeBackend(spec, None, script), budget, spec.hosts[0], make_console(out, None, ["f1"]))
+    assert watch.check() == []
+    script.unreachable = {"f4", "f1"}  # the control fails too: nothing counts
+    assert watch.check() == [] and watch.check() == [] and set(watch.strikes.values()) == {0}
+    script.unreachable = {"f4"}
+    assert watch.check() == []  # one strike
+    script.unreachable = set()
+    assert watch.check() == [] and watch.strikes["f4"] == 0  # answered again: strikes cleared
+    script.unreachable = {"f4"}
+    assert watch.check() == [] and watch.check() == ["f4"]
+    assert [h.label for h in budget.spares] == ["f5"] and budget.lost == []
+    assert list(budget.dropped) == ["f4"] and budget.dropped["f4"].startswith("f4 (f4): no answer"), budget.dropped
+    assert "spare f4 does not answer (" in out.getvalue() and "dropped while it waited, at no cost to " \
+        "recovery.max_host_failures (1 spare left)" in out.getvalue()
+    with watch:
+        pass
+    script.unreachable = {"f5"}
+    assert watch.check() == [] and watch.check() == []  # after the launch: the budget is the run loop's
+    assert [h.label for h in budget.spares] == ["f5"]
+
+
 def test_a_dead_spare_with_no_spare_left_ends_the_run_naming_it(tmp_path):
     script = FakeScript(stages=[crashed("f2"), StageScript(unreachable={"f4": "no answer"})])
     report, out, _ = run(tmp_path, script, recovery=RECOVER)
