@@ -51,15 +51,14 @@ def name_oom_kills(backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, 
     suspects = _suspects(result)
     if not suspects:
         return []
-    labels = {o.host for o in suspects}
-    hosts = [n.host for n in plan.nodes if n.host is not None and n.host_label in labels]
+    by_host = {o.host: o for o in suspects}
+    hosts = [n.host for n in plan.nodes if n.host is not None and n.host_label in by_host]
     nonces: dict[str, str] = {}
     ranks: dict[str, dict[int, int]] = {o.host: killed_ranks(o.tail) for o in suspects}
 
     def command(host: HostSpec) -> str:
-        outcome = next(o for o in suspects if o.host == host.label)
         args = {"pids": sorted(ranks[host.label]), "since": result.started_at,
-                "pid_files": [str(in_run_dir(plan.run_id, f"node{outcome.node_rank}.pid"))]}
+                "pid_files": [str(in_run_dir(plan.run_id, f"node{by_host[host.label].node_rank}.pid"))]}
         text, nonces[host.label] = host_program("oomlog", tool_python(spec, host), json.dumps(args, sort_keys=True))
         return text
 
@@ -69,7 +68,7 @@ def name_oom_kills(backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, 
         killed = data.get("killed") if isinstance(data, dict) else None
         if not killed:
             continue
-        outcome = next(o for o in suspects if o.host == host.label)
+        outcome = by_host[host.label]
         for pid, said in sorted(killed.items()):
             rank = ranks[host.label].get(int(pid))
             who = f"rank {rank} (pid {pid})" if rank is not None else f"torchrun (pid {pid})"
