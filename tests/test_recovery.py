@@ -493,31 +493,3 @@ def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts(sim_cluster, tmp_
     assert re.search(r"resumed from \S+ at step \d+ \(written by 3 ranks", out), out[-3000:]
     hashes = set(re.findall(r"rank=\d+ full_params_sha256=([0-9a-f]{64})", out.split("recovery 1 of")[1]))
     assert len(hashes) == 1, hashes  # every rank of the resharded run holds the same parameters
-
-
-def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
-    """A count of spares: the allocation holds one node more, its first; the crashed node 1 is
-    replaced by it at node rank 1, node 0 stays node 0."""
-    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
-    data.update(_train(tmp_path, "slurm", "--step-sleep", "0.3"), workdir=str(ROOT))
-    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
-    data["recovery"] = {"max_host_failures": 1, "spares": 1}
-    spec = tmp_path / "slurm" / "cluster.yaml"
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    nodes = [h.name for h in slurm_cluster.hosts]
-    # the allocation holds all three nodes; its first (the batch script's) is the spare
-    out, record, t_crash = _crash_during(spec, tmp_path, "rec-slurm", slurm_cluster, nodes[2])
-    try:
-        assert record["state"] == "ok", out[-4000:]
-        recovery = _timely(record, t_crash)
-        assert recovery["lost"] == [nodes[2]] and recovery["replaced"] == {nodes[2]: nodes[0]}
-        assert re.search(rf"{nodes[2]} \(node 1\) lost \(no heartbeat for \d+s and \S+:6818 gave no answer", out)
-        # the survivor keeps node rank 0 and the master, though the spare comes first in the
-        # allocation's (the step's) node order: seen from rank 0 itself
-        after = out.split("recovery 1 of")[1]
-        assert f"stage job: master {nodes[1]}:" in after, after[:2000]
-        assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
-    finally:
-        from ddplaunch.sim.slurm import wait_nodes_idle
-
-        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)

@@ -1,0 +1,84 @@
+"""Recovery on the Slurm sim: a node lost (crashed) or frozen mid-training is replaced by the
+spare node the allocation holds (a count of spares: one node more, its first), every other node
+keeping its node rank. The SSH side of the same is tests/test_recovery.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+
+import pytest
+import yaml
+
+from tests.ssh_util import ROOT, run_processes, run_pythons, wait_for
+from tests.test_recovery import _crash_during, _disturbed, _timely, _train
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
+    """A count of spares: the allocation holds one node more, its first; the crashed node 1 is
+    replaced by it at node rank 1, node 0 stays node 0."""
+    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
+    data.update(_train(tmp_path, "slurm", "--step-sleep", "0.3"), workdir=str(ROOT))
+    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
+    data["recovery"] = {"max_host_failures": 1, "spares": 1}
+    spec = tmp_path / "slurm" / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    nodes = [h.name for h in slurm_cluster.hosts]
+    # the allocation holds all three nodes; its first (the batch script's) is the spare
+    out, record, t_crash = _crash_during(spec, tmp_path, "rec-slurm", slurm_cluster, nodes[2])
+    try:
+        assert record["state"] == "ok", out[-4000:]
+        recovery = _timely(record, t_crash)
+        assert recovery["lost"] == [nodes[2]] and recovery["replaced"] == {nodes[2]: nodes[0]}
+        assert re.search(rf"{nodes[2]} \(node 1\) lost \(no heartbeat for \d+s and \S+:6818 gave no answer", out)
+        # the survivor keeps node rank 0 and the master, though the spare comes first in the
+        # allocation's (the step's) node order: seen from rank 0 itself
+        after = out.split("recovery 1 of")[1]
+        assert f"stage job: master {nodes[1]}:" in after, after[:2000]
+        assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
+    finally:
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
+
+
+def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_cluster, tmp_path):
+    """On the Slurm sim: every process of the job on node 1 stopped (SIGSTOP; slurmd answers):
+    the hang watchdog reads the ranks' process states through an srun step, that node counts as
+    lost, the allocation's spare takes its node rank and the job ends ok."""
+    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
+    data.update(_train(tmp_path, "slurm-frozen", "--step-sleep", "0.3"), workdir=str(ROOT))
+    data["job"]["hang_timeout"] = 10
+    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
+    data["recovery"] = {"max_host_failures": 1, "spares": 1}
+    spec = tmp_path / "slurm-frozen" / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    nodes = [h.name for h in slurm_cluster.hosts]
+    run_id = "rec-slurm-frozen"
+    frozen: list[int] = []
+
+    def freeze() -> None:
+        frozen.extend(pid for pid in run_pythons(run_id)
+                      if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST") == nodes[2])
+        assert len(frozen) == 2, frozen  # torchrun and its worker
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+    try:
+        out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", freeze)
+        assert code == 0, out[-4000:]
+        assert re.search(rf"\[ddplaunch\] {nodes[2]}: its ranks are frozen \(process state T: pid \d+\) while the "
+                         "host answers", out), out[-4000:]
+        assert re.search(rf"recovered from 1 host failure:\n  {nodes[2]} lost \(its ranks are frozen .*\) → "
+                         rf"replaced by {nodes[0]}", out), out[-3000:]
+        assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=60) is True
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
