@@ -15,7 +15,6 @@ from enum import StrEnum
 from typing import Any, Optional
 
 
-
 class NodeState(StrEnum):
     """How a node of a stage stands, in the order a report lists them (worst first). A str: the
     record, the event log and `--json` hold its value."""
