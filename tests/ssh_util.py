@@ -92,10 +92,17 @@ def ddplaunch(args: list[str], tmp_path: Path, timeout: float = 240) -> subproce
                           timeout=timeout, cwd=ROOT, env=launcher_env(tmp_path))
 
 
+def _as_from_a_terminal() -> None:
+    """SIGHUP at its default in the child, as a terminal starts it: the test runner may itself run
+    under `nohup` (SIGHUP ignored, which every child would inherit)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
     started.note(args, tmp_path)
     proc = subprocess.Popen([sys.executable, "-m", "ddplaunch", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=launcher_env(tmp_path))
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=launcher_env(tmp_path),
+                            preexec_fn=_as_from_a_terminal)
     started.launchers.append(proc)
     return proc
 
