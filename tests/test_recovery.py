@@ -201,6 +201,15 @@ def test_the_launchers_own_network_dropped_for_12s_loses_no_host(sim_cluster, tm
     assert got == reference
 
 
+def _freeze(run_id: str, host: str) -> list[int]:
+    """SIGSTOP every Python process of the run on `host` (torchrun and its worker); their pids."""
+    frozen = [pid for pid in run_pythons(run_id) if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST") == host]
+    assert len(frozen) == 2, frozen  # torchrun and its worker
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    return frozen
+
+
 def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, reference):
     """Every process of the job on one host stopped (SIGSTOP; its host answers, its heartbeat goes
     on): the others wait in a collective; the hang watchdog finds that host's ranks frozen (state
@@ -209,14 +218,7 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     hosts = [h.name for h in sim_cluster.hosts]
     run_id = "rec-frozen"
     frozen: list[int] = []
-
-    def freeze() -> None:
-        frozen.extend(pid for pid in run_pythons(run_id)
-                      if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST") == hosts[1])
-        assert len(frozen) == 2, frozen  # torchrun and its worker
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-    out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", freeze)
+    out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", lambda: frozen.extend(_freeze(run_id, hosts[1])))
     assert code == 0, out[-4000:]
     assert re.search(rf"\[ddplaunch\] {hosts[1]}: its ranks are frozen \(process state T: pid \d+\) while the host "
                      "answers", out), out[-4000:]

@@ -8,25 +8,34 @@ import contextlib
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.ssh_util import ROOT, run_processes, run_pythons, wait_for
-from tests.test_recovery import _crash_during, _disturbed, _timely, _train
+from tests.ssh_util import ROOT, wait_for
+from tests.test_recovery import _crash_during, _disturbed, _freeze, _timely, _train
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+
+def _spec(cluster, tmp_path: Path, name: str, **job) -> Path:
+    """The training job on 2 nodes of the Slurm sim, a count of 1 spare (the allocation's first
+    node), budget 1; `job` adds keys to its job section."""
+    data = yaml.safe_load(cluster.slurm.spec_path.read_text())
+    data.update(_train(tmp_path, name, "--step-sleep", "0.3"), workdir=str(ROOT))
+    data["job"].update(job)
+    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
+    data["recovery"] = {"max_host_failures": 1, "spares": 1}
+    spec = tmp_path / name / "cluster.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    return spec
 
 
 def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
     """A count of spares: the allocation holds one node more, its first; the crashed node 1 is
     replaced by it at node rank 1, node 0 stays node 0."""
-    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
-    data.update(_train(tmp_path, "slurm", "--step-sleep", "0.3"), workdir=str(ROOT))
-    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
-    data["recovery"] = {"max_host_failures": 1, "spares": 1}
-    spec = tmp_path / "slurm" / "cluster.yaml"
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = _spec(slurm_cluster, tmp_path, "slurm")
     nodes = [h.name for h in slurm_cluster.hosts]
     # the allocation holds all three nodes; its first (the batch script's) is the spare
     out, record, t_crash = _crash_during(spec, tmp_path, "rec-slurm", slurm_cluster, nodes[2])
@@ -50,25 +59,12 @@ def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_c
     """On the Slurm sim: every process of the job on node 1 stopped (SIGSTOP; slurmd answers):
     the hang watchdog reads the ranks' process states through an srun step, that node counts as
     lost, the allocation's spare takes its node rank and the job ends ok."""
-    data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
-    data.update(_train(tmp_path, "slurm-frozen", "--step-sleep", "0.3"), workdir=str(ROOT))
-    data["job"]["hang_timeout"] = 10
-    data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
-    data["recovery"] = {"max_host_failures": 1, "spares": 1}
-    spec = tmp_path / "slurm-frozen" / "cluster.yaml"
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    spec = _spec(slurm_cluster, tmp_path, "slurm-frozen", hang_timeout=10)
     nodes = [h.name for h in slurm_cluster.hosts]
     run_id = "rec-slurm-frozen"
     frozen: list[int] = []
-
-    def freeze() -> None:
-        frozen.extend(pid for pid in run_pythons(run_id)
-                      if run_processes(run_id).get(pid, {}).get("DDPLAUNCH_HOST") == nodes[2])
-        assert len(frozen) == 2, frozen  # torchrun and its worker
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
     try:
-        out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", freeze)
+        out, code = _disturbed(spec, tmp_path, run_id, "step=6 ", lambda: frozen.extend(_freeze(run_id, nodes[2])))
         assert code == 0, out[-4000:]
         assert re.search(rf"\[ddplaunch\] {nodes[2]}: its ranks are frozen \(process state T: pid \d+\) while the "
                          "host answers", out), out[-4000:]
