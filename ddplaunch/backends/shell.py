@@ -45,13 +45,14 @@ def lease_every(lease: float) -> float:
 def lease_loop(run_id: str, lease: int, grace: int) -> str:
     """While the node's shell (then torchrun) lives, a silent loop (it never writes: a pty the
     supervisor no longer reads cannot block it) reads the node's lease file every second; when the
-    file has not changed for `lease` seconds (bash's own $SECONDS: no clock, no fork), it SIGTERMs
+    file has not changed for `lease` seconds (bash's own $SECONDS: no clock, no fork; whole seconds,
+    so the test is "more than `lease`": at least `lease` real seconds, never one less), it SIGTERMs
     torchrun (which stops its workers within its shutdown timeout, job.stop_grace) and SIGKILLs it
     `grace` seconds later if it still runs. It lives as long as the heartbeat does (`ALIVE`)."""
     file = word(in_run_dir(run_id, LEASE_FILE))
     return (f"{{ (last=; t=$SECONDS; while {ALIVE}; do l=; read -r l 2>/dev/null < {file}; "
             f"if [ \"$l\" != \"$last\" ]; then last=$l; t=$SECONDS; "
-            f"elif [ $((SECONDS - t)) -ge {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
+            f"elif [ $((SECONDS - t)) -gt {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
             f"sleep 1; done) >/dev/null 2>&1 & }}")
 
 
