@@ -12,25 +12,72 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from typing import IO, Any, Optional
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Optional, Protocol
 
 from ddplaunch import launch
+from ddplaunch.backends import scheduler_of
 from ddplaunch.console import make_console
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, RunNotFoundError
 from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import RunRecord
+from ddplaunch.runview import JOB_POLL, record_backend
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.supervisor import Supervised, submit
 
 
-def supervised_of(record: RunRecord) -> Supervised:
-    """The supervisor a recorded run names (alive or not).
+class Followed(Protocol):
+    """What following a run needs of its supervisor."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def dir(self) -> Path: ...
+
+    def alive(self) -> bool: ...
+
+    def signal(self, signum: int) -> bool: ...
+
+    def where(self) -> str: ...
+
+
+class Scheduled:
+    """A detached run whose supervisor runs in its scheduler's job (Slurm's `up --detach`): it
+    lives while the job is queued or running (the scheduler asked at most every JOB_POLL
+    seconds); `down` stops it, never a signal from here. Its event log is read where the job
+    writes it: the run's directory on a file system the job shares with this machine."""
+
+    def __init__(self, record: RunRecord, running: Callable[[], bool]):
+        self.run_id, self.dir, self._running = record.run_id, record.dir, running
+        self._asked, self._alive = -JOB_POLL, True
+
+    def alive(self) -> bool:
+        if time.monotonic() - self._asked >= JOB_POLL:
+            self._alive, self._asked = self._running(), time.monotonic()
+        return self._alive
+
+    def signal(self, signum: int) -> bool:
+        return False
+
+    def where(self) -> str:
+        return "its scheduler's job"
+
+
+def supervised_of(record: RunRecord) -> Followed:
+    """The supervisor a recorded run names (alive or not): a process on this machine, or the
+    scheduler's job of a detached Slurm run.
 
     Raises:
-        RunNotFoundError: the run has no event log to follow (an older ddplaunch's run, or a
-            Slurm `--detach` run: `ddplaunch logs -f RUN_ID` follows those).
+        RunNotFoundError: the run has no event log to follow (an older ddplaunch's run:
+            `ddplaunch logs -f RUN_ID` follows those).
     """
+    if record.extra.get("detached"):
+        scheduler = scheduler_of(record_backend(record))
+        if scheduler is not None:
+            return Scheduled(record, lambda: scheduler.job_running(record))
     if not (record.dir / EVENTS_FILE).is_file():
         raise RunNotFoundError(f"run {record.run_id} has no event log to attach to (started by an older ddplaunch, "
                                f"or by the scheduler): `ddplaunch logs -f {record.run_id}` follows its log")
@@ -40,7 +87,7 @@ def supervised_of(record: RunRecord) -> Supervised:
 class _Interrupts:
     """SIGINT/SIGTERM while following: stop the run (`up`) or detach (`attach`)."""
 
-    def __init__(self, supervised: Supervised, stops_run: bool, say: Any):
+    def __init__(self, supervised: Followed, stops_run: bool, say: Any):
         self.supervised, self.stops_run, self.say = supervised, stops_run, say
         self.count = 0
 
@@ -54,7 +101,7 @@ class _Interrupts:
         raise KeyboardInterrupt
 
 
-def follow_run(supervised: Supervised, stream: IO[str], *, stops_run: bool, err: Optional[IO[str]] = None,
+def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: Optional[IO[str]] = None,
                as_json: bool = False) -> int:
     """Show a supervised run from its first line to its end; its exit code (130 when left by
     Ctrl-C, 1 when the supervisor died without ending the run)."""
@@ -90,7 +137,7 @@ def follow_run(supervised: Supervised, stream: IO[str], *, stops_run: bool, err:
         _restore(old)
     if console is not None:
         console.close()
-    print(f"ddplaunch: the supervisor of run {supervised.run_id} (pid {supervised.pid}) ended without ending "
+    print(f"ddplaunch: the supervisor of run {supervised.run_id} ({supervised.where()}) ended without ending "
           f"the run; `ddplaunch down {supervised.run_id}` ends what is left on its hosts", file=err, flush=True)
     return EXIT_FAILURE
 

@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 job or health-check failure, 2 bad input, 130 interrupted.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,7 +94,7 @@ def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
 
     spec = load_spec(spec_path)
     if dry_run:
-        click.echo(launch.dry_run(spec, opts), nl=False)
+        click.echo(launch.dry_run(spec, opts, spec_path), nl=False)
         return
     if opts.detach:
         attach.detach(spec, spec_path, opts)
@@ -181,6 +182,15 @@ def attach_cmd(run_id: str | None) -> None:
     from ddplaunch.attach import follow_run, supervised_of
 
     sys.exit(follow_run(supervised_of(_pick(run_id)), sys.stdout, stops_run=False))
+
+
+@cli.command("supervise", hidden=True)
+@_handle_errors
+def supervise_cmd() -> None:
+    """The supervisor of a detached Slurm run, in the foreground: what its batch job runs."""
+    from ddplaunch.supervisor import supervise_here
+
+    sys.exit(supervise_here(os.environ))
 
 
 @cli.command("report")

@@ -17,20 +17,21 @@ import socket
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
-from ddplaunch.backends.contract import Launcher, Request, RunContext
+from ddplaunch.backends.contract import Launcher, Request, RunContext, Scheduler
 from ddplaunch.console import make_console
-from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, PlanError
-from ddplaunch.events import EventLog, RunEnded, RunStarted
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, PlanError, RunNotFoundError
+from ddplaunch.events import EVENTS_FILE, EventLog, RunEnded, RunStarted
 from ddplaunch.gate import exclude_hosts
 from ddplaunch.plan import LaunchPlan, derive_port, stage_port_key
 from ddplaunch.report import RunReport, summarize, summary_json
 from ddplaunch.results import StopEvent
 from ddplaunch.runloop import RunLoop, UpOptions, plan_stage, stages_of
-from ddplaunch.runs import RunRecord, check_run_id, new_run_id, open_private, run_dir
+from ddplaunch.runs import RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
 from ddplaunch.spec import ClusterSpec
 
 __all__ = ["UpOptions", "detach", "dry_run", "up"]
@@ -55,18 +56,27 @@ def _plans(spec: ClusterSpec, backend: Launcher[Any], run_id: str, opts: UpOptio
             for s in stages_of(spec, opts)]
 
 
-def dry_run(spec: ClusterSpec, opts: UpOptions) -> str:
+def dry_run(spec: ClusterSpec, opts: UpOptions, spec_path: str = "<spec>") -> str:
     """The text `up --dry-run` prints: every request `up` would execute; nothing runs, nothing
     is written. Values only known at launch (a port checked free, Slurm's allocated nodes) are
     marked. With `--detach` on a backend with a scheduler, the one request that hands the run to it
     (elsewhere a detached run executes what an attached one does)."""
     spec, run_id = _prepared(spec, opts, fresh=False)
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
-    plans = _plans(spec, backend, run_id, opts)
     scheduler = scheduler_of(backend)
     if opts.detach and scheduler is not None:
-        return scheduler.render_detached(plans).text()
-    return backend.allocation_text() + "".join(backend.render(plan).text() for plan in plans)
+        return _detached(spec, scheduler, backend, run_id, spec_path, opts)[1]
+    return backend.allocation_text() + "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
+
+
+def _detached(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
+              opts: UpOptions) -> tuple[Request, str]:
+    """The request that hands the run to the scheduler, and its text with what the supervisor
+    then runs inside the job. The supervisor's options: the spec it gets has the --exclude'd hosts
+    taken out already."""
+    request = scheduler.render_detached(str(spec_path), {**dataclasses.asdict(opts), "exclude": []})
+    stages = "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
+    return request, request.text() + "# inside the job, its supervisor runs each stage as a step of it:\n" + stages
 
 
 def before_stages(spec: ClusterSpec) -> str:
@@ -80,8 +90,9 @@ def before_stages(spec: ClusterSpec) -> str:
 
 
 def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> Optional[str]:
-    """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run,
-    record it, return at once; None when the backend has none (a supervisor takes the run then:
+    """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run
+    (its supervisor runs in the scheduler's job), record it, return once the scheduler has it;
+    None when the backend has none (a supervisor on this machine takes the run then:
     supervisor.py).
 
     Raises:
@@ -94,10 +105,9 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     if scheduler is None:
         backend.close()
         return None
-    request: Request = scheduler.render_detached(_plans(spec, backend, run_id, opts))
+    request, text = _detached(spec, scheduler, backend, run_id, spec_path, opts)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(),
-                       plan_text=request.text())
+                       hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(), plan_text=text)
     record.extra["base_dir"] = spec.base_dir
     record.state = "submitted"
     record.save()
@@ -110,9 +120,6 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     record.extra["detached"] = where
     record.save()
     out = stream or sys.stdout
-    if spec.recovery.max_host_failures:
-        out.write(f"run {run_id}: recovery.max_host_failures is not honoured by a detached run: no launcher "
-                  "follows it to replace a lost host\n")
     out.write(f"run {run_id}: {where}\n")
     return where
 
@@ -127,21 +134,41 @@ class Begun:
     events: EventLog
 
 
-def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Begun:
+def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = False) -> Begun:
     """Record a new run (state "running", this process its launcher) and open its event log.
+    With `take_over`, a run recorded already (by `up --detach`, on a file system its scheduler's
+    job shares, or by this job before a requeue) is this one: its record is taken over.
 
     Raises:
         PlanError: bad --exclude or --run-id, or a run with that id exists (nothing is recorded).
     """
-    spec, run_id = _prepared(spec, opts, fresh=True)
+    spec, run_id = _prepared(spec, opts, fresh=not take_over)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
                        hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
     record.extra["base_dir"] = spec.base_dir
+    if take_over:
+        _take_over(record)
     record.state = "running"
     record.save()
     events = EventLog(record.dir)
     events.append(RunStarted(run_id, spec.backend, record.hosts, os.getpid(), socket.gethostname()))
     return Begun(spec, record, events)
+
+
+def _take_over(record: RunRecord) -> None:
+    """`record` continues the run recorded under its id, if one is: what `up --detach` recorded
+    (the job, the plan shown) stays; the event log of an earlier try (a requeued job's) is kept
+    beside, so that `attach` follows this one from its start."""
+    with contextlib.suppress(RunNotFoundError):
+        before = load_run(record.run_id)
+        record.extra, record.started_at, record.plan_text = before.extra, before.started_at, before.plan_text
+    events = record.dir / EVENTS_FILE
+    tries = 1
+    while events.exists():
+        kept = events.with_name(f"events-try{tries}.jsonl")
+        if not kept.exists():
+            events.rename(kept)
+        tries += 1
 
 
 def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunReport:

@@ -19,6 +19,8 @@ from ddplaunch.results import StopEvent
 from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
 from ddplaunch.spec import ClusterSpec
 
+#: Seconds between two questions to the scheduler whether a detached run's job has ended.
+JOB_POLL = 2.0
 FOLLOW_POLL = 0.2
 
 
@@ -30,10 +32,11 @@ def record_backend(record: RunRecord) -> Launcher[Any]:
 
 
 def settle(record: RunRecord, backend: Launcher[Any]) -> RunRecord:
-    """A detached run (state "submitted") takes its final state from the scheduler once it has
-    ended, and keeps it in the record."""
+    """A detached run whose record its supervisor did not end (it never saw the record, or was
+    killed with its job) takes its final state from the scheduler once the job has ended, and
+    keeps it in the record."""
     scheduler = scheduler_of(backend)
-    if record.state != "submitted" or scheduler is None:
+    if record.state not in ACTIVE_STATES or not record.extra.get("detached") or scheduler is None:
         return record
     try:
         state = scheduler.final_state(record)
@@ -73,6 +76,7 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
         return
     if not record.log_path.exists():
         return
+    asked = time.monotonic()
     with open(record.log_path) as f:
         while True:
             line = f.readline()
@@ -83,6 +87,8 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
             if not follow:
                 return
             current = load_run(record.run_id)
+            if current.extra.get("detached") and time.monotonic() - asked >= JOB_POLL:
+                current, asked = settle(current, backend), time.monotonic()  # its job was ended whole
             if current.state not in ACTIVE_STATES or current.launcher_alive() is False:
                 for rest in f:  # what was written between the last read and the end
                     if mine(rest):

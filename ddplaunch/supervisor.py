@@ -19,14 +19,16 @@ import json
 import os
 import select
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, MutableMapping, NoReturn, Optional
 
 from ddplaunch import launch
 from ddplaunch.errors import EXIT_FAILURE, BackendError, DdplaunchError
+from ddplaunch.handoff import SUPERVISE_ENV, decode_run
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import RunRecord, process_start_time, run_dir
 from ddplaunch.spec import ClusterSpec
@@ -60,6 +62,9 @@ class Supervised:
     def alive(self) -> bool:
         started = process_start_time(self.pid)
         return started is not None and (self.start is None or started == self.start)
+
+    def where(self) -> str:
+        return f"pid {self.pid}"
 
     def frozen(self) -> bool:
         """Stopped by a signal (SIGSTOP, a debugger): it would not act on a request to stop."""
@@ -203,3 +208,16 @@ def stop(supervised: Supervised, grace: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def supervise_here(environ: MutableMapping[str, str]) -> int:
+    """`ddplaunch supervise`: run the run handed over in `environ` (handoff.py) in this process,
+    in the foreground, its screen on stdout (the batch script of a detached Slurm run: the job's
+    output); the run's exit code. The run's record, when the launcher's file system is this one's
+    (or a requeued job's first try wrote it), is taken over; the hand-over leaves the environment
+    before any stage starts."""
+    spec, spec_path, opts = decode_run(environ)
+    environ.pop(SUPERVISE_ENV, None)
+    up_opts = UpOptions(**opts)
+    begun = launch.begin(spec, spec_path, up_opts, take_over=True)
+    return launch.run_begun(begun, up_opts, stream=sys.stdout).exit_code

@@ -1,5 +1,7 @@
-"""`ddplaunch up --detach` on a real (simulated) Slurm cluster: one batch job runs every stage by
-itself; `logs -f` follows it to its end, `status` says how it ended, `down` cancels it; secrets
+"""`ddplaunch up --detach` on a real (simulated) Slurm cluster: the run's supervisor runs inside
+its own allocation, with every feature of an attached run; `attach` from a new process follows it
+to its end, the allocation ends with the run, `status` says how it ended, `down` cancels it; a
+node crashed mid-training is replaced by the allocation's spare with no launcher at all; secrets
 reach the ranks through sbatch's environment and nowhere else.
 
 Needs root, munge and the Slurm daemons (`slurm_cluster` skips with the reason otherwise). Every
@@ -18,9 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddplaunch.sim.faults import sim_fault
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
-from tests.ssh_util import ddplaunch, run_processes, wait_for
-from tests.test_slurm import in_queue, job_of, queue_state, slurm_env, slurm_spec
+from tests.ssh_util import ROOT, ddplaunch, run_processes, wait_for
+from tests.test_recovery import SHA_RE, _train
+from tests.test_recovery_slurm import _spec as recovery_spec
+from tests.test_slurm import in_queue, job_of, slurm_env, slurm_spec
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 SECRET = "det-s3cret-9f2c"
@@ -30,7 +35,14 @@ def _record(tmp_path: Path, run_id: str) -> dict:
     return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())
 
 
-def test_detached_run_is_followed_to_its_end(slurm_cluster, tmp_path):
+def _gone_within(cluster, job: str, seconds: float) -> float:
+    """Seconds until `job` left the queue (it must within `seconds`)."""
+    started = time.monotonic()
+    wait_for(lambda: not in_queue(cluster, job), timeout=seconds, interval=0.2)
+    return time.monotonic() - started
+
+
+def test_detached_run_is_attached_to_its_end_and_its_allocation_ends_with_it(slurm_cluster, tmp_path):
     spec = slurm_spec(slurm_cluster, tmp_path)
     dry = ddplaunch(["up", str(spec), "--dry-run", "--detach", "--run-id", "det-ok"], tmp_path)
     assert dry.returncode == 0, dry.stderr
@@ -39,27 +51,31 @@ def test_detached_run_is_followed_to_its_end(slurm_cluster, tmp_path):
     detach_s = time.monotonic() - started
     assert out.returncode == 0, out.stdout + out.stderr
     job = job_of(tmp_path, "det-ok")
-    assert f"run det-ok: submitted Slurm job {job}; follow it with `ddplaunch logs det-ok -f`" in out.stdout
+    assert f"run det-ok: submitted Slurm job {job}" in out.stdout
     # what was submitted is exactly what the dry run printed
     assert _record(tmp_path, "det-ok")["plan_text"] == dry.stdout
 
     started = time.monotonic()
-    logs = ddplaunch(["logs", "det-ok", "-f"], tmp_path, timeout=240)
+    attached = ddplaunch(["attach", "det-ok"], tmp_path, timeout=240)  # a new process, as from another shell
     follow_s = time.monotonic() - started
-    text = logs.stdout + logs.stderr
-    assert logs.returncode == 0, text
-    assert queue_state(slurm_cluster, job) in ("", "COMPLETED"), "logs -f returned while the job still ran"
+    text = attached.stdout + attached.stderr
+    assert attached.returncode == 0, text
+    gone_s = _gone_within(slurm_cluster, job, 10)  # the allocation ends with the run
     for rank in range(4):
         assert re.search(rf"\[\S+:{rank}\] rank={rank} mean_grad=4\.0 updated_weight=0\.6", text), text
     assert len(set(re.findall(r"\[(\S+):\d\] rank=", text))) == 2, text  # two nodes, two ranks each
-    assert "HEALTHCHECK OK world=4" in text and "[ddplaunch] run ended: exit 0" in text, text
-    assert "DDPLAUNCH_" not in text, text
+    # the attached run's own pre-flight and health gate ran inside the allocation
+    assert "pre-flight: ok" in text and "health check: ok" in text and "stage job: ok on all 2 node(s)" in text, text
+    record = _record(tmp_path, "det-ok")
+    assert record["state"] == "ok" and record["launcher_host"] in [h.name for h in slurm_cluster.hosts], record
 
     status = ddplaunch(["status", "det-ok"], tmp_path)
     assert status.stdout.startswith("det-ok: ok (slurm"), status.stdout
-    assert f"slurm job {job} (detached" in status.stdout and "COMPLETED" in status.stdout, status.stdout
-    assert _record(tmp_path, "det-ok")["state"] == "ok"
-    print(f"\nup --detach returned in {detach_s:.1f}s; logs -f ended with the job after {follow_s:.1f}s")
+    assert f"slurm job {job} (detached" in status.stdout, status.stdout
+    logs = ddplaunch(["logs", "det-ok", "--rank", "3"], tmp_path)
+    assert "rank=3 mean_grad=4.0" in logs.stdout and "rank=2 " not in logs.stdout, logs.stdout
+    print(f"\nup --detach returned in {detach_s:.1f}s; attach ended with the run after {follow_s:.1f}s; "
+          f"the allocation left the queue {gone_s:.1f}s later")
 
 
 JOB = """\
@@ -113,4 +129,45 @@ def test_down_cancels_a_detached_run_and_the_secret_stays_in_the_environment(slu
     wait_for(lambda: not in_queue(slurm_cluster, job), timeout=60)
     wait_for(lambda: not run_processes("det-down"), timeout=30)
     status = ddplaunch(["status", "det-down"], tmp_path)
-    assert status.stdout.startswith("det-down: cancelled (slurm"), status.stdout
+    # the supervisor, told to stop by the cancel, stopped every step and ended the record itself
+    assert status.stdout.startswith(("det-down: interrupted (slurm", "det-down: cancelled (slurm")), status.stdout
+
+
+def _undisturbed(tmp_path: Path) -> str:
+    """The final weights of the same training (world size 2), undisturbed, on this machine."""
+    data = {"name": "det-ref", "backend": "local", "workdir": str(ROOT), **_train(tmp_path, "det-ref")}
+    data["nproc_per_node"] = 2
+    spec = tmp_path / "det-ref" / "c.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    ref = ddplaunch(["up", str(spec), "--run-id", "det-ref"], tmp_path, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr
+    (sha,) = SHA_RE.findall(ref.stdout)
+    return sha
+
+
+def test_a_node_crashed_mid_training_is_replaced_with_no_launcher_at_all(slurm_cluster, tmp_path):
+    """`up --detach` returns; the supervisor inside the allocation names the crashed node and
+    moves its node rank to the allocation's spare; `attach`, started only afterwards, shows the
+    whole run and exits 0; the job's final parameters equal an undisturbed run's."""
+    nodes = [h.name for h in slurm_cluster.hosts]
+    spec = recovery_spec(slurm_cluster, tmp_path, "det-crash")
+    out = ddplaunch(["up", str(spec), "--detach", "--run-id", "det-crash"], tmp_path, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = tmp_path / "state" / "runs" / "det-crash" / "output.log"
+    try:
+        wait_for(lambda: log.exists() and "step=6 " in log.read_text(errors="replace"), timeout=240, interval=0.2)
+        sim_fault(slurm_cluster, nodes[2], crash=True)
+        attached = ddplaunch(["attach", "det-crash"], tmp_path, timeout=300)
+    finally:
+        sim_fault(slurm_cluster, nodes[2], clear=True)
+    text = attached.stdout + attached.stderr
+    assert attached.returncode == 0, text[-4000:]
+    assert re.search(rf"recovered from 1 host failure:\n  {nodes[2]} lost \(no heartbeat for \d+s and "
+                     rf".*\) → replaced by {nodes[0]}", text), text[-3000:]
+    record = _record(tmp_path, "det-crash")
+    assert record["state"] == "ok" and record["extra"]["recoveries"][0]["replaced"] == {nodes[2]: nodes[0]}
+    (got,) = SHA_RE.findall(text)
+    assert _undisturbed(tmp_path) == got  # the replicas end bitwise equal to an undisturbed run's
+    from ddplaunch.sim.slurm import wait_nodes_idle
+
+    wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)

@@ -1,29 +1,31 @@
-"""`up --detach` on Slurm without Slurm: the rendered batch script (its torchrun lines are the
-attached steps', no secret in it, hostile values intact) and the script itself run under fake
-`srun`/`scontrol` (stage order, files staged byte for byte, the failing stage's exit code), the job
-output read back as ddplaunch shows a run, and the shell backends' refusal.
+"""`up --detach` on Slurm without Slurm: the request (the allocation an attached run asks for,
+its script running the supervisor; the run handed over in sbatch's environment, never in the
+script, and read back whole), the script itself under fake Slurm commands and a fake python (the
+run's exit code, SIGTERM passed on, the time-limit warning, a missing python named), the job's
+output read back, and the refusals.
 """
 
-import hashlib
+import dataclasses
+import re
 import json
 import os
-import re
 import shlex
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm import SlurmBackend
-from ddplaunch.backends.slurm.detached import (MASTER, OutputReader, final_state, follow_output, job_active,
-                                               render_detached)
-from ddplaunch.backends.slurm.render import step_request
-from ddplaunch.errors import PlanError
-from ddplaunch.launch import UpOptions, dry_run, plan_stage, stages_of
-from ddplaunch.plan import ENTRY_SOURCES, HEALTHCHECK_SOURCES
+from ddplaunch.backends.slurm.detached import final_state, follow_output, job_active, render_detached
+from ddplaunch.backends.slurm.render import allocation_request
+from ddplaunch.errors import PlanError, SpecError
+from ddplaunch.handoff import SUPERVISE_ENV, decode_run, encode_run
+from ddplaunch.launch import UpOptions, dry_run
 from ddplaunch.results import StopEvent
 from ddplaunch.specfile import load_spec
 from tests.goldens import check_golden
@@ -58,131 +60,157 @@ def load(tmp_path, launch="inline", requeue=False):
     return load_spec(path)
 
 
-def request_of(spec, run_id="det-1"):
+def request_of(spec, run_id="det-1", opts=None, python="/opt/venv/bin/python"):
     backend = SlurmBackend(spec, RunContext(run_id, Path("/home/u/.ddplaunch/runs") / run_id, StopEvent()))
-    spec = spec.model_copy(update={"hosts": backend.hosts(allocate=False)})
-    plans = [plan_stage(spec, run_id, s, 23456, UpOptions()) for s in stages_of(spec, UpOptions())]
-    return render_detached(spec, plans, backend.alloc.output_path(), None), plans
-
-
-def srun_lines(script: str) -> list[list[str]]:
-    """Every stage's srun line of the script (started in the background), as the words bash sees."""
-    return [shlex.split(line.removesuffix(" &")) for line in script.splitlines()
-            if line.startswith("srun ") and "--job-name=ddplaunch-upload" not in line]
+    nodelist, nodes = backend.alloc.requested()
+    return render_detached(spec, run_id, "det.yaml", dataclasses.asdict(opts or UpOptions()),
+                           backend.alloc.output_path(), nodelist, nodes, os.environ, python=python)
 
 
 def test_dry_run_detached_golden(tmp_path):
-    text = dry_run(load(tmp_path, "separate", requeue=True), UpOptions(run_id="det-1", detach=True))
-    # the staged files' sizes and hashes change with them: the golden keeps their names only
-    check_golden("slurm_detached.txt", re.sub(r"(<base64 of \S+): \d+ bytes, sha256 [0-9a-f]{16}>", r"\1>", text))
+    text = dry_run(load(tmp_path, "separate", requeue=True), UpOptions(run_id="det-1", detach=True), "det.yaml")
+    text = text.replace(sys.executable, "<python>").replace(str(tmp_path), "<tmp>")
+    text = re.sub(r"<the run for its supervisor: \d+ bytes>", "<the run for its supervisor>", text)
+    check_golden("slurm_detached.txt", text)
     assert "s3cret-value" not in text and "hf_secret_value" not in text
-    assert "WANDB_API_KEY=<secret>" in text and "HF_TOKEN=<secret>" in text
+    assert "HF_TOKEN=<secret>" in text and "TEST_HF_TOKEN=<secret>" in text
 
 
-@pytest.mark.parametrize("launch", ["inline", "separate"])
-def test_each_stage_runs_the_attached_torchrun_line(tmp_path, launch):
-    spec = load(tmp_path, launch)
-    request, plans = request_of(spec)
-    lines = srun_lines(request.script)
-    assert len(lines) == len(plans) == (2 if launch == "separate" else 1)
-    for plan, words in zip(plans, lines):
-        attached = step_request(plan, "77", heartbeat=False)  # no launcher listens for a detached run's
-        assert f"--job-name=ddplaunch-{plan.stage}" in words
-        body = words.pop()
-        # the same torchrun invocation; only the master is the allocation's first node
-        assert body == attached.argv[-1].replace(f"--master-addr {shlex.quote(plan.master_addr)}",
-                                                 f"--master-addr {MASTER}")
-        assert f"--master-addr {MASTER}" in body and '--node-rank "$SLURM_NODEID"' in body
-        # srun: the attached options minus those naming the job from outside; a failing node ends the step
-        outside = [a for a in attached.argv[:-1] if not a.startswith(("--jobid=", "--nodelist="))]
-        assert words == [a.replace("--kill-on-bad-exit=0", "--kill-on-bad-exit=1") for a in outside]
-
-
-def test_no_secret_in_the_script_and_hostile_values_stay_byte_for_byte(tmp_path):
-    request, plans = request_of(load(tmp_path))
-    for text in (request.script, request.text(), " ".join(request.argv)):
-        assert "s3cret-value" not in text and "hf_secret_value" not in text
-    assert "pwned)" not in request.script  # NOTE is in the environment, not the script
-    env = request.process_env({"PATH": "/bin", "HOME": "/h", "SECRET_OF_THE_SHELL": "no"})
-    assert env["WANDB_API_KEY"] == "s3cret-value" and env["HF_TOKEN"] == "hf_secret_value"
-    assert env["NOTE"] == "it's $(touch /tmp/pwned)" and "SECRET_OF_THE_SHELL" not in env
-    assert "--export=ALL" in request.argv and "--export=NONE" not in request.argv
-    body = srun_lines(request.script)[-1][-1]
-    assert shlex.split(body.rsplit(" && ", 1)[1])[-len(HOSTILE_ARGS):] == HOSTILE_ARGS
+def test_the_job_is_the_attached_runs_allocation_running_the_supervisor(tmp_path):
+    spec = load(tmp_path, requeue=True)
+    request = request_of(spec)
+    held = allocation_request(spec, "det-1", "/srv/work/slurm-logs/det-1-%j.out", None, 2)
+    # the same allocation (nodes, --no-kill, requeue): only the environment is handed over
+    assert list(request.argv) == [o if o != "--export=NONE" else "--export=ALL" for o in held.argv]
+    assert "/opt/venv/bin/python -m ddplaunch supervise &" in request.script
+    assert "sleep 3600" not in request.script and "sleep 3600" in held.script
     assert subprocess.run(["bash", "-n"], input=request.script, text=True).returncode == 0
 
 
+def test_the_run_is_handed_over_whole_and_no_secret_is_in_the_script(tmp_path):
+    spec = load(tmp_path)
+    request = request_of(spec, opts=UpOptions(job_args=["--lr", "$(id)"], verbose=True, run_id="ignored"))
+    for text in (request.script, request.text(), " ".join(request.argv)):
+        assert "s3cret-value" not in text and "hf_secret_value" not in text
+    env = request.process_env({"PATH": "/bin", "HOME": "/h", "SECRET_OF_THE_SHELL": "no"})
+    assert set(env) == {"PATH", "HOME", SUPERVISE_ENV, "TEST_HF_TOKEN"}  # nothing else of the launcher's
+    assert env["TEST_HF_TOKEN"] == "hf_secret_value"  # from_env: read where the supervisor runs
+    got, path, opts = decode_run(env)
+    assert got.model_dump() == spec.model_dump() and got.base_dir == spec.base_dir and path == "det.yaml"
+    assert got.model_fields_set == spec.model_fields_set  # "hosts" set or not: the same allocation
+    assert got.env["WANDB_API_KEY"].value == "s3cret-value"  # inline secrets travel in the environment
+    assert got.job.args == HOSTILE_ARGS and got.env["NOTE"].value == "it's $(touch /tmp/pwned)"
+    assert UpOptions(**opts) == UpOptions(job_args=["--lr", "$(id)"], verbose=True, run_id="det-1")
+
+
+def test_a_from_env_variable_not_set_is_named_before_anything_is_submitted(tmp_path, monkeypatch):
+    spec = load(tmp_path)
+    monkeypatch.delenv("TEST_HF_TOKEN")
+    with pytest.raises(SpecError, match="env.HF_TOKEN: from_env TEST_HF_TOKEN is not set"):
+        request_of(spec)
+
+
+@pytest.mark.parametrize("value", [None, "not base64!", "e30=", "W10="])
+def test_supervise_without_a_run_handed_over_says_so(value):
+    env = {} if value is None else {SUPERVISE_ENV: value}
+    with pytest.raises(SpecError, match=SUPERVISE_ENV):
+        decode_run(env)
+
+
+def test_the_supervise_command_outside_a_detached_job_is_a_clear_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != SUPERVISE_ENV}
+    proc = subprocess.run([sys.executable, "-m", "ddplaunch", "supervise"], capture_output=True, text=True,
+                          env=dict(env, DDPLAUNCH_HOME=str(tmp_path)), cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"sets {SUPERVISE_ENV}; it is not set here" in proc.stderr
+
+
 def test_requeue_passes_the_warning_on_and_requeues(tmp_path):
-    request, _ = request_of(load(tmp_path, requeue=True))
+    request = request_of(load(tmp_path, requeue=True))
     assert "--requeue" in request.argv and "--signal=B:USR2@120" in request.argv
     assert "trap preempt USR2" in request.script and 'scontrol requeue "$SLURM_JOB_ID"' in request.script
-    assert "trap preempt" not in request_of(load(tmp_path))[0].script
+    assert "trap preempt" not in request_of(load(tmp_path)).script
 
 
-def fake_bin(tmp_path: Path, name: str, body: str) -> None:
+def fake_bin(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / "bin" / name
     path.parent.mkdir(exist_ok=True)
     path.write_text("#!/bin/bash\n" + body + "\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
 
 
-def run_script(tmp_path: Path, script: str, rcs: dict[str, int], stage_body: str = "") -> tuple[int, str, list[str]]:
-    """The batch script under fake Slurm commands: upload steps run their command (files land
-    under $HOME), stage steps log their stage and master, run `stage_body` and exit with rcs[stage]."""
-    fake_bin(tmp_path, "scontrol", '[ "$1" = hostnames ] || [ "$2" = hostnames ] && printf "n7\\nn8\\n" || '
-             'echo "scontrol $*" >> "$FAKE_LOG"')
-    fake_bin(tmp_path, "srun", '''for a in "$@"; do case "$a" in --job-name=ddplaunch-upload) exec bash -c "${@: -1}";; esac; done
-echo "$DDPLAUNCH_STAGE $DDPLAUNCH_MASTER_ADDR" >> "$FAKE_LOG"
-''' + stage_body + '''rc_var=RC_$DDPLAUNCH_STAGE
-exit "${!rc_var:-0}"''')
-    env = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "HOME": str(tmp_path / "home"),
-           "SLURM_JOB_NODELIST": "n[7-8]", "SLURM_JOB_ID": "41", "FAKE_LOG": str(tmp_path / "srun.log"),
-           **{f"RC_{k}": str(v) for k, v in rcs.items()}}
-    proc = subprocess.run(["bash", "-s"], input=script, text=True, capture_output=True, env=env, timeout=60)
-    log = (tmp_path / "srun.log").read_text().splitlines() if (tmp_path / "srun.log").exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, log
+#: The supervisor as the script sees it: logs its arguments and whether the run reached it, then
+#: exits with $RC (or, on SIGTERM, 143 once it has "stopped the hosts").
+FAKE_PYTHON = """echo "python $* run=${DDPLAUNCH_SUPERVISE:+yes}" >> "$FAKE_LOG"
+trap 'echo "supervisor: SIGTERM" >> "$FAKE_LOG"; exit 143' TERM
+[ -n "$SLOW" ] && { echo started > "$FAKE_LOG.started"; for _ in $(seq 300); do sleep 0.1; done; }
+exit "${RC:-0}"
+"""
 
 
-def test_the_script_stages_files_and_runs_stages_in_order(tmp_path):
-    request, _ = request_of(load(tmp_path, "separate"))
-    rc, out, log = run_script(tmp_path, request.script, {})
-    assert rc == 0, out
-    assert log == ["healthcheck n7", "job n7"]
-    run_dir = tmp_path / "home" / ".ddplaunch" / "runs" / "det-1"
-    for src in (*ENTRY_SOURCES, *HEALTHCHECK_SOURCES, ROOT / "jobs" / "toy_ddp.py"):
-        assert hashlib.sha256((run_dir / src.name).read_bytes()).digest() == hashlib.sha256(src.read_bytes()).digest()
-    assert out.splitlines()[0] == "DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7,n8"
-    assert out.splitlines()[-1] == "DDPLAUNCH_DETACHED_END rc=0"
+def start_script(tmp_path: Path, script: str, **env: str) -> subprocess.Popen:
+    """The batch script under fake Slurm commands, with the fake python of `request_of`."""
+    for name in ("scancel", "scontrol", "squeue"):
+        fake_bin(tmp_path, name, f'[ "$1" = -s ] || echo "{name} $*" >> "$FAKE_LOG"')
+    full = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n7",
+            "FAKE_LOG": str(tmp_path / "log"), SUPERVISE_ENV: "e30=", **env}
+    return subprocess.Popen(["bash", "-c", script], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
-def test_a_failed_health_check_stops_the_script_with_its_code(tmp_path):
-    request, _ = request_of(load(tmp_path, "separate"))
-    rc, out, log = run_script(tmp_path, request.script, {"healthcheck": 3})
-    assert (rc, log) == (3, ["healthcheck n7"]), out
-    assert "DDPLAUNCH_DETACHED_END rc=3 stage healthcheck failed" in out
-    (tmp_path / "again").mkdir()
-    rc, out, log = run_script(tmp_path / "again", request.script, {"job": 5})
-    assert (rc, log) == (5, ["healthcheck n7", "job n7"]), out
+def log_of(tmp_path: Path) -> list[str]:
+    path = tmp_path / "log"
+    return path.read_text().splitlines() if path.exists() else []
 
 
-def test_output_read_back_with_hosts_and_markers(tmp_path):
-    out = tmp_path / "job.out"
-    long = "y" * 1500
-    out.write_bytes(b"DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7,n8\nDDPLAUNCH_STAGE job begin\n"
-                    b"1: [n8:3] rank=3 updated_weight=0.6\n0: torchrun says hi\n"
-                    + f"0: {long[:1024]}\n1: DDPLAUNCH_HEALTHCHECK_JSON {{}}\n0: {long[1024:]}\n".encode()
-                    + b"srun: error: n8: task 1: Exited with exit code 3\nDDPLAUNCH_STAGE job end rc=3\n"
-                    b"DDPLAUNCH_DETACHED_END rc=3 stage job failed\n")
-    lines = OutputReader(out).read(final=True)
-    assert lines == ["[ddplaunch] job 41 on n7, n8; master n7", "[ddplaunch] stage job: begins",
-                     "[n8:3] rank=3 updated_weight=0.6", "[n7] torchrun says hi", f"[n7] {long}",
-                     "[srun] srun: error: n8: task 1: Exited with exit code 3", "[ddplaunch] stage job: ended, exit 3",
-                     "[ddplaunch] run ended: exit 3 (stage job failed)"]
-    assert final_state(str(out), None, {"JobState": "FAILED"}) == "failed"
-    assert final_state(str(out), "RUNNING", {}) is None
-    assert final_state(str(out), "CANCELLED", {"JobState": "CANCELLED"}) == "cancelled"
-    out.write_text("DDPLAUNCH_DETACHED_END rc=0\n")
-    assert final_state(str(out), None, {}) == "ok"
+@pytest.mark.parametrize("rc", [0, 1, 3])
+def test_the_script_runs_the_supervisor_and_exits_with_the_runs_code(tmp_path, rc):
+    python = fake_bin(tmp_path, "python", FAKE_PYTHON)
+    proc = start_script(tmp_path, request_of(load(tmp_path), python=str(python)).script, RC=str(rc))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == rc, out
+    assert log_of(tmp_path) == ["python -m ddplaunch supervise run=yes"]
+    assert out.startswith("DDPLAUNCH_ALLOCATION job=41 restarts=0 nodes=n7")
+
+
+def test_sigterm_to_the_script_reaches_the_supervisor_and_the_script_waits_for_it(tmp_path):
+    python = fake_bin(tmp_path, "python", FAKE_PYTHON)
+    proc = start_script(tmp_path, request_of(load(tmp_path), python=str(python)).script, SLOW="1")
+    wait_for_file(tmp_path / "log.started")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, out
+    assert log_of(tmp_path) == ["python -m ddplaunch supervise run=yes", "supervisor: SIGTERM"]
+
+
+def test_the_time_limit_warning_reaches_the_steps_then_the_job_requeues(tmp_path):
+    """USR2 to the batch shell (Slurm's --signal=B:USR2) while the supervisor runs: passed to the
+    steps (scancel --signal=USR2), and once no step is left the job requeues itself."""
+    python = fake_bin(tmp_path, "python", FAKE_PYTHON)
+    proc = start_script(tmp_path, request_of(load(tmp_path, requeue=True), python=str(python)).script, SLOW="1")
+    wait_for_file(tmp_path / "log.started")
+    proc.send_signal(signal.SIGUSR2)
+    wait_for_file(tmp_path / "log", lambda text: "scontrol requeue 41" in text)
+    proc.send_signal(signal.SIGTERM)  # what Slurm does to the requeued job's script
+    out, _ = proc.communicate(timeout=60)
+    assert log_of(tmp_path) == ["python -m ddplaunch supervise run=yes", "scancel --signal=USR2 41",
+                                "scontrol requeue 41", "supervisor: SIGTERM"], out
+    assert "DDPLAUNCH_PREEMPT job=41: checkpoint on every rank, then requeue" in out
+
+
+def test_a_python_missing_on_the_node_is_named(tmp_path):
+    proc = start_script(tmp_path, request_of(load(tmp_path), python="/nowhere/py thon").script)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and log_of(tmp_path) == [], out
+    assert "ddplaunch: /nowhere/py thon is not on" in out and "install ddplaunch there" in out, out
+
+
+def wait_for_file(path: Path, ready=lambda text: True, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and ready(path.read_text())):
+        assert time.monotonic() < deadline, f"{path} not written within {timeout}s"
+        time.sleep(0.05)
 
 
 def test_a_detached_run_without_a_scheduler_executes_what_an_attached_one_does(tmp_path):
@@ -199,38 +227,65 @@ def test_a_detached_run_without_a_scheduler_executes_what_an_attached_one_does(t
     assert dry_run(load_spec(spec), UpOptions(detach=True, run_id="d")) == shown[0].stdout
 
 
-def test_the_time_limit_warning_reaches_the_steps_then_the_job_requeues(tmp_path):
-    """USR2 to the batch shell (Slurm's --signal=B:USR2) during a stage: passed to the steps
-    (scancel --signal=USR2), and once the step has ended the job requeues itself; no later stage."""
-    request, _ = request_of(load(tmp_path, "separate", requeue=True))
-    fake_bin(tmp_path, "scancel", 'echo "scancel $*" >> "$FAKE_LOG"')
-    rc, out, log = run_script(tmp_path, request.script, {"healthcheck": 143},
-                              stage_body='kill -USR2 "$PPID"\n')
-    assert rc == 0, out
-    assert log == ["healthcheck n7", "scancel --signal=USR2 41", "scontrol requeue 41"], out
-    assert "DDPLAUNCH_PREEMPTED requeueing job 41" in out and "DDPLAUNCH_DETACHED_END" not in out
-
-
 def test_follow_reads_until_the_job_has_ended(tmp_path):
-    """`logs -f`: lines written while the job runs, and those written just before it ended."""
+    """`logs -f` without the run's directory: the supervisor's screen in the job's output, lines
+    written while the job runs and those written just before it ended."""
     out = tmp_path / "job.out"
-    out.write_text("DDPLAUNCH_DETACHED job=41 restarts=0 nodes=n7\n")
+    out.write_text("DDPLAUNCH_ALLOCATION job=41 restarts=0 nodes=n7\n")
     states = iter(["PENDING", "RUNNING", "COMPLETING", "COMPLETED"])
 
     def running() -> bool:
         state = next(states)
         with open(out, "a") as f:
-            f.write(f"0: [n7:0] while {state}\n")
+            f.write(f"[n7:0] while {state}\n")
         return job_active(state)
     lines = list(follow_output(out, running, follow=True, poll=0))
-    assert lines == ["[ddplaunch] job 41 on n7; master n7"] + \
+    assert lines == ["DDPLAUNCH_ALLOCATION job=41 restarts=0 nodes=n7"] + \
         [f"[n7:0] while {s}" for s in ("PENDING", "RUNNING", "COMPLETING", "COMPLETED")]
     assert list(follow_output(tmp_path / "none.out", lambda: False, follow=True)) == \
         [f"[ddplaunch] no job output at {tmp_path / 'none.out'} (not written yet, or not on a file system "
          "this machine sees)"]
 
 
+def test_the_final_state_is_the_jobs():
+    assert final_state("RUNNING", {}) is None and final_state("PENDING", {}) is None
+    assert final_state(None, {"JobState": "COMPLETED"}) == "ok"
+    assert final_state(None, {"JobState": "FAILED"}) == "failed"
+    assert final_state("CANCELLED", {"JobState": "CANCELLED"}) == "cancelled"
+    assert final_state(None, {}).startswith("ended (state unknown")
+
+
 def test_detach_inside_an_allocation_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     with pytest.raises(PlanError, match=r"--detach inside an allocation \(SLURM_JOB_ID=99\)"):
-        SlurmBackend(load(tmp_path), RunContext("r", tmp_path, StopEvent())).render_detached([])
+        SlurmBackend(load(tmp_path), RunContext("r", tmp_path, StopEvent())).render_detached("s.yaml", {})
+
+
+def test_supervise_runs_the_handed_over_run_in_the_foreground_and_takes_its_record_over(tmp_path):
+    """What the batch script runs, here on the local backend: the run handed over in the
+    environment runs in this process, its screen on stdout; the record `up --detach` wrote is
+    taken over (what it recorded stays), and a second try (a requeued job) keeps the first
+    try's event log beside its own."""
+    spec = tmp_path / "local.yaml"
+    spec.write_text(f"name: t\nworkdir: {ROOT}\nnproc_per_node: 2\nhealthcheck: {{enabled: false}}\n"
+                    "job: {script: jobs/toy_ddp.py}\n")
+    state = tmp_path / "state"
+    run = state / "runs" / "sup-1"
+    run.mkdir(parents=True)
+    (run / "record.json").write_text(json.dumps({
+        "run_id": "sup-1", "spec_path": str(spec), "backend": "local", "hosts": ["localhost"], "spec": {},
+        "plan_text": "what up --detach showed", "started_at": 1.0, "state": "submitted", "launcher_pid": 1,
+        "launcher_start": None, "launcher_host": "elsewhere", "stages": [], "extra": {"detached": "job 41"}}))
+    env = dict(os.environ, DDPLAUNCH_HOME=str(state),
+               **{SUPERVISE_ENV: encode_run(load_spec(spec), str(spec), dataclasses.asdict(UpOptions(run_id="sup-1")))})
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, "-m", "ddplaunch", "supervise"], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+        assert "rank=1 mean_grad=" in proc.stdout and "stage job: ok on all 1 node(s)" in proc.stdout, proc.stdout
+    record = json.loads((run / "record.json").read_text())
+    assert record["state"] == "ok" and record["plan_text"].startswith("what up --detach showed# run sup-1 stage job")
+    assert record["extra"]["detached"] == "job 41" and record["launcher_host"] != "elsewhere"
+    for events in (run / "events.jsonl", run / "events-try1.jsonl"):
+        kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
+        assert kinds[0] == "run-started" and kinds[-1] == "run-ended", kinds

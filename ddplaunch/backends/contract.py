@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
 
 from ddplaunch.errors import BackendError
 from ddplaunch.plan import LaunchPlan
@@ -109,10 +109,12 @@ class Launcher(Protocol[R]):
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """A backend whose scheduler can own a whole run, every stage in order, without the launcher."""
+    """A backend whose scheduler can own a whole run without the launcher: a job of its own that
+    runs the run's supervisor where the run's nodes are."""
 
-    def render_detached(self, plans: list[LaunchPlan]) -> Request:
-        """The request that hands every stage to the scheduler (pure: `up --dry-run --detach`)."""
+    def render_detached(self, spec_path: str, opts: dict[str, Any]) -> Request:
+        """The request that hands the run (the backend's spec and run id, `opts` the command
+        line's options as a dict) to the scheduler (pure: `up --dry-run --detach`)."""
 
     def submit(self, request: Request, record: RunRecord) -> str:
         """Submit a `render_detached` request (the job is recorded in the run's directory); where
@@ -127,6 +129,9 @@ class Scheduler(Protocol):
 
     def log_lines(self, record: RunRecord, follow: bool) -> Optional[Iterator[str]]:
         """A detached run's output lines from where its scheduler keeps them (None: the record's log)."""
+
+    def job_running(self, record: RunRecord) -> bool:
+        """Whether a detached run's job is queued or running (may still write to the run)."""
 
     def cancel(self, record: RunRecord) -> list[str]:
         """End the run's job."""

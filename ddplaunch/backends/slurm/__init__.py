@@ -3,15 +3,15 @@
 The allocation (allocation.py) is submitted by ddplaunch, or the one it runs inside. Every stage,
 pre-flight probe, stack dump and pair probe is a step on exactly the nodes of its plan, so the
 gate, the watchdog, exclusion and restart counts work as on SSH. The backend is also a
-`Scheduler`: `--detach` hands the whole run to one batch script instead (detached.py), which no
-launcher follows, so none of those run.
+`Scheduler`: `--detach` submits the allocation with the run's supervisor in its batch script
+(detached.py), which runs all of that inside the allocation, with no launcher at all.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, Request, RunContext
 from ddplaunch.backends.shell import pid_file, reaper_command, runtime_of, stage_bundle
@@ -197,11 +197,13 @@ class SlurmBackend:
 
     # ------------------------------------------------------------------ the Scheduler contract
 
-    def render_detached(self, plans: list[LaunchPlan]) -> DetachedRequest:
+    def render_detached(self, spec_path: str, opts: dict[str, Any]) -> DetachedRequest:
         if self.alloc.inside:
             raise PlanError(f"--detach inside an allocation (SLURM_JOB_ID={self.alloc.inside}): drop --detach to "
                             "run the stages as steps of this allocation, or submit from outside it")
-        return render_detached(self.spec, plans, self.alloc.output_path(), self.alloc.nodelist)
+        nodelist, nodes = self.alloc.requested()
+        return render_detached(self.spec, self.alloc.run.run_id, spec_path, opts, self.alloc.output_path(), nodelist,
+                               nodes, os.environ)
 
     def submit(self, request: Request, record: RunRecord) -> str:
         """Submit the detached job: sbatch with the script on stdin and only the job's environment."""
@@ -222,7 +224,11 @@ class SlurmBackend:
         job, client = self._recorded_job(record, detached=True)
         if job is None:
             return None
-        return final_state(job.output_path, client.job_state(job.job_id), client.job_info(job.job_id))
+        return final_state(client.job_state(job.job_id), client.job_info(job.job_id))
+
+    def job_running(self, record: RunRecord) -> bool:
+        job, client = self._recorded_job(record, detached=True)
+        return job is not None and job_active(client.job_state(job.job_id))
 
     def describe(self, record: RunRecord) -> list[str]:
         job, client = self._recorded_job(record)
@@ -230,7 +236,7 @@ class SlurmBackend:
             return []
         info = client.job_info(job.job_id)
         state = client.job_state(job.job_id) or info.get("JobState") or "ended (no longer known to slurmctld)"
-        whose = "detached: its batch script runs every stage" if record.extra.get("detached") else \
+        whose = "detached: the run's supervisor runs inside it" if record.extra.get("detached") else \
             "submitted by this run" if job.owned else "its allocation"
         line = f"  slurm job {job.job_id} ({whose}): {state}"
         if info.get("NodeList") not in (None, "", "(null)"):
@@ -238,9 +244,10 @@ class SlurmBackend:
         return [line] + ([f"  output: {job.output_path}"] if job.output_path else [])
 
     def log_lines(self, record: RunRecord, follow: bool) -> Optional[Iterator[str]]:
-        """A detached run's lines come from its job's output (the record has none)."""
+        """A detached run's lines: the record's log, which its supervisor writes, where this machine
+        sees it (a shared home; None), else the supervisor's screen in its job's output."""
         job, client = self._recorded_job(record, detached=True)
-        if job is None or not job.output_path:
+        if job is None or not job.output_path or record.log_path.exists():
             return None
         return follow_output(Path(job.output_path), lambda: job_active(client.job_state(job.job_id)), follow)
 

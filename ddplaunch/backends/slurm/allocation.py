@@ -107,7 +107,10 @@ class Allocation:
             raise PlanError(f"hosts {', '.join(missing)} are not in this allocation "
                             f"(SLURM_JOB_ID={self.inside}: {', '.join(names)})")
         self.job = self.job or SlurmJob(job_id=self.inside, owned=False, slurm_conf=self.client.conf)
-        if record:  # a dry run writes nothing
+        saved = SlurmJob.load(self.run.run_dir)
+        # a dry run writes nothing; a detached run's supervisor keeps what `up --detach` recorded
+        # (the job is the run's own: `down` cancels it whole)
+        if record and (saved is None or saved.job_id != self.inside):
             self.job.save(self.run.run_dir)
         return names
 

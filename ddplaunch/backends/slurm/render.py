@@ -80,13 +80,15 @@ def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: O
     return sorted(opts)
 
 
-def allocation_request(spec: ClusterSpec, run_id: str, output_path: str,
-                       nodelist: Optional[list[str]], nodes: Optional[int] = None) -> AllocationRequest:
+def allocation_request(spec: ClusterSpec, run_id: str, output_path: str, nodelist: Optional[list[str]],
+                       nodes: Optional[int] = None, supervise: Optional[str] = None) -> AllocationRequest:
+    """The allocation's sbatch: its script holds the nodes for a launcher elsewhere or, with
+    `supervise` (the shell word of a python with ddplaunch), runs the run's supervisor itself."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
                              keep_trailing_newline=True)
     script = env.get_template(ALLOCATION_TEMPLATE).render(
-        run_id=run_id, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds)
+        run_id=run_id, requeue=spec.slurm.requeue, signal_seconds=spec.slurm.signal_seconds, supervise=supervise)
     # The allocation outlives a node's failure (--no-kill): ddplaunch names the lost host itself and
     # ends or heals the run; Slurm's own kill would race it and cancel the healthy nodes' steps too.
     opts = set(sbatch_options(spec, run_id, output_path, nodelist, nodes)) | {"--no-kill"}
