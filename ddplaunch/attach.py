@@ -19,10 +19,10 @@ from typing import IO, Any, Callable, Optional, Protocol
 from ddplaunch import launch
 from ddplaunch.backends import scheduler_of
 from ddplaunch.console import make_console
-from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, RunNotFoundError
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
 from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow
 from ddplaunch.runloop import UpOptions
-from ddplaunch.runs import RunRecord
+from ddplaunch.runs import REMOTE_HOST, RunRecord
 from ddplaunch.runview import JOB_POLL, record_backend
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.supervisor import Supervised, submit
@@ -173,12 +173,46 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False
     Raises:
         PlanError: what `launch.begin` refuses. BackendError: the supervisor did not start.
     """
+    if spec.supervisor.host is not None:
+        if as_json:
+            raise PlanError("--json with supervisor.host: the summary is shown on the supervisor's host; "
+                            "`ddplaunch status RUN_ID` there, or run without supervisor.host")
+        record = launch.submit_elsewhere(spec, spec_path, opts)
+        return elsewhere(record, ["attach", record.run_id], stream or sys.stdout, stops_run=True)
     return follow_run(submit(spec, spec_path, opts), stream or sys.stdout, stops_run=True, as_json=as_json)
+
+
+def attach(record: RunRecord, stream: IO[str]) -> int:
+    """`ddplaunch attach RUN_ID`: follow the run to its end, wherever its supervisor runs; its
+    exit code (130 when left by Ctrl-C, which leaves the run going)."""
+    if record.extra.get(REMOTE_HOST):
+        return elsewhere(record, ["attach", record.run_id], stream)
+    return follow_run(supervised_of(record), stream, stops_run=False)
+
+
+def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bool = False) -> int:
+    """Show ddplaunch's `args` (`attach`, `top`) on the host a run's supervisor runs on, over SSH;
+    its exit code. Ctrl-C detaches, or with `stops_run` stops the run there."""
+    from ddplaunch import remote  # Fabric: only for such a run
+
+    host = remote.host_of(record)
+    assert host is not None
+    try:
+        return host.stream(args, stream, stops_run, record.run_id)
+    finally:
+        host.close()
 
 
 def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
     """`ddplaunch up --detach`: the scheduler takes the run where the backend has one (Slurm's
     batch job), else a supervisor on this machine; the line that says where, once it has."""
+    if spec.supervisor.host is not None:
+        record = launch.submit_elsewhere(spec, spec_path, opts)
+        rid, host = record.run_id, record.extra[REMOTE_HOST]
+        line = (f"run {rid}: supervised by pid {record.extra['supervisor_pid']} on {host}; ddplaunch attach {rid} "
+                f"follows it, ddplaunch down {rid} stops it")
+        print(line, file=stream or sys.stdout, flush=True)
+        return line
     where = launch.detach(spec, spec_path, opts, stream)
     if where is not None:
         return where

@@ -179,18 +179,32 @@ def logs(run_id: str | None, host: str | None, rank: int | None, follow: bool) -
 def attach_cmd(run_id: str | None) -> None:
     """Show a run from its first line and follow it to its end (default: the latest run here);
     exit with its exit code. Ctrl-C detaches; the run goes on."""
-    from ddplaunch.attach import follow_run, supervised_of
+    from ddplaunch.attach import attach
 
-    sys.exit(follow_run(supervised_of(_pick(run_id)), sys.stdout, stops_run=False))
+    sys.exit(attach(_pick(run_id), sys.stdout))
 
 
 @cli.command("supervise", hidden=True)
+@click.option("--stdin", "from_stdin", is_flag=True, help="The run on stdin (one line), not in the environment.")
+@click.option("--daemon", is_flag=True, help="Fork the supervisor and answer once it has taken the run.")
+@click.option("--nonce", default="", help="Marks the answer line.")
 @_handle_errors
-def supervise_cmd() -> None:
-    """The supervisor of a detached Slurm run, in the foreground: what its batch job runs."""
-    from ddplaunch.supervisor import supervise_here
+def supervise_cmd(from_stdin: bool, daemon: bool, nonce: str) -> None:
+    """A run's supervisor handed over by another process: in the foreground (the batch job of a
+    detached Slurm run), or as a daemon (`supervisor.host`: `up` on another machine hands it over
+    SSH)."""
+    import json
 
-    sys.exit(supervise_here(os.environ))
+    from ddplaunch import supervisor
+    from ddplaunch.handoff import SUPERVISE_ENV
+    from ddplaunch.remote import ANSWER
+
+    if from_stdin:
+        os.environ[SUPERVISE_ENV] = sys.stdin.readline().strip()
+    if not daemon:
+        sys.exit(supervisor.supervise_here(os.environ))
+    taken = supervisor.supervise_daemon(os.environ)
+    click.echo(f"{ANSWER}_{nonce} " + json.dumps({"run_id": taken.run_id, "pid": taken.pid, "start": taken.start}))
 
 
 @cli.command("report")
@@ -215,10 +229,14 @@ def report_cmd(run_id: str | None, html_out: str) -> None:
 def top_cmd(run_id: str | None, once: bool) -> None:
     """Every host and rank of a run (default: the latest run here), refreshed each second until it
     ends: state, step, step time, wait at the collectives, straggler score, recoveries."""
-    from ddplaunch.attach import supervised_of
+    from ddplaunch.attach import elsewhere, supervised_of
+    from ddplaunch.runs import REMOTE_HOST
     from ddplaunch.top import top
 
-    supervised = supervised_of(_pick(run_id))
+    record = _pick(run_id)
+    if record.extra.get(REMOTE_HOST):
+        sys.exit(elsewhere(record, ["top", record.run_id, *(["--once"] if once else [])], sys.stdout))
+    supervised = supervised_of(record)
     sys.exit(top(supervised.dir, supervised.alive, sys.stdout, once=once))
 
 

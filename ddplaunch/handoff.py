@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from ddplaunch.errors import SpecError
 from ddplaunch.spec import ClusterSpec
@@ -15,15 +16,29 @@ from ddplaunch.spec import ClusterSpec
 SUPERVISE_ENV = "DDPLAUNCH_SUPERVISE"
 
 
-def encode_run(spec: ClusterSpec, spec_path: str, opts: Mapping[str, Any]) -> str:
-    """The run as SUPERVISE_ENV's value (only what the spec set: defaults stay defaults)."""
+@dataclass(frozen=True)
+class HandedOver:
+    """A run as its supervisor receives it."""
+
+    spec: ClusterSpec
+    spec_path: str
+    #: the command line's options (`UpOptions` as a dict)
+    opts: dict[str, Any]
+    #: the launcher's `from_env` variables, for a supervisor whose environment is not the launcher's
+    environ: dict[str, str]
+
+
+def encode_run(spec: ClusterSpec, spec_path: str, opts: Mapping[str, Any],
+               environ: Optional[Mapping[str, str]] = None) -> str:
+    """The run as SUPERVISE_ENV's value (only what the spec set: defaults stay defaults);
+    `environ`: variables the supervisor sets in its own environment before it runs."""
     run = {"spec": spec.model_dump(mode="json", exclude_unset=True), "base_dir": spec.base_dir,
-           "spec_path": str(spec_path), "opts": dict(opts)}
+           "spec_path": str(spec_path), "opts": dict(opts), "environ": dict(environ or {})}
     return base64.b64encode(json.dumps(run, sort_keys=True).encode()).decode()
 
 
-def decode_run(environ: Mapping[str, str]) -> tuple[ClusterSpec, str, dict[str, Any]]:
-    """(spec, spec path, options as a dict) of the run in `environ`'s SUPERVISE_ENV.
+def decode_run(environ: Mapping[str, str]) -> HandedOver:
+    """The run in `environ`'s SUPERVISE_ENV.
 
     Raises:
         SpecError: the variable is missing or not what `encode_run` wrote.
@@ -34,8 +49,10 @@ def decode_run(environ: Mapping[str, str]) -> tuple[ClusterSpec, str, dict[str, 
     try:
         run: dict[str, Any] = json.loads(base64.b64decode(environ[SUPERVISE_ENV], validate=True))
         spec = ClusterSpec.model_validate(run["spec"]).model_copy(update={"base_dir": run["base_dir"]})
-        if not isinstance(run["opts"], dict):
-            raise TypeError("its options are not a mapping")
-        return spec, str(run["spec_path"]), run["opts"]
+        extra = run.get("environ", {})
+        if not isinstance(run["opts"], dict) or not isinstance(extra, dict) or \
+                not all(isinstance(v, str) for v in extra.values()):
+            raise TypeError("its options or environment are not mappings of the right kind")
+        return HandedOver(spec, str(run["spec_path"]), run["opts"], extra)
     except (KeyError, ValueError, TypeError) as err:
         raise SpecError(f"{SUPERVISE_ENV} is not a run `up --detach` wrote ({type(err).__name__}: {err})") from None

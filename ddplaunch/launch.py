@@ -124,6 +124,18 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
     return where
 
 
+def submit_elsewhere(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
+    """Hand the run to a supervisor on `supervisor.host` (remote.py); its record here.
+
+    Raises:
+        PlanError: bad --run-id or --exclude. BackendError: the host did not take the run.
+    """
+    from ddplaunch import remote  # Fabric: only when a run goes there
+
+    spec, run_id = _prepared(spec, opts, fresh=True)
+    return remote.submit(spec, spec_path, opts, run_id)
+
+
 @dataclass
 class Begun:
     """A run recorded and ready for its loop: the spec (without --exclude'd hosts), its record

@@ -24,6 +24,8 @@ from ddplaunch.errors import PlanError, RunNotFoundError
 #: Every run id, wherever it comes from (generated, --run-id, status/logs/down arguments).
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 ACTIVE_STATES = ("starting", "running", "submitted")
+#: The record's key naming the host its supervisor runs on (`supervisor.host`), when not this machine.
+REMOTE_HOST = "supervisor_host"
 
 
 def home() -> Path:
@@ -108,6 +110,8 @@ class RunRecord:
 
     def shown_state(self) -> str:
         """The state, with a launcher that died without writing a final state said plainly."""
+        if self.extra.get(REMOTE_HOST) and self.state == "submitted":
+            return f"supervised on {self.extra[REMOTE_HOST]} (ddplaunch status {self.run_id})"
         if self.state in ACTIVE_STATES and self.state != "submitted" and self.launcher_alive() is False:
             return f"launcher died (pid {self.launcher_pid} gone; last state {self.state})"
         return self.state

@@ -16,7 +16,7 @@ from ddplaunch.backends.contract import Launcher, RunContext
 from ddplaunch.console import WHO_RE
 from ddplaunch.errors import DdplaunchError
 from ddplaunch.results import StopEvent
-from ddplaunch.runs import ACTIVE_STATES, RunRecord, load_run, status_lines
+from ddplaunch.runs import ACTIVE_STATES, REMOTE_HOST, RunRecord, load_run, status_lines
 from ddplaunch.spec import ClusterSpec
 
 #: Seconds between two questions to the scheduler whether a detached run's job has ended.
@@ -48,8 +48,30 @@ def settle(record: RunRecord, backend: Launcher[Any]) -> RunRecord:
     return record
 
 
+def _elsewhere(record: RunRecord, args: list[str]) -> Optional[list[str]]:
+    """ddplaunch's `args` on the host the run's supervisor runs on, when that is not this machine
+    (None); its lines, or the reason the host did not answer."""
+    if not record.extra.get(REMOTE_HOST):
+        return None
+    from ddplaunch import remote  # Fabric: only for such a run
+
+    host = remote.host_of(record)
+    if host is None:
+        return None
+    try:
+        return list(host.lines(args))
+    except DdplaunchError as err:
+        return [f"{record.run_id}: its supervisor's host {host.label} did not answer: {err}"]
+    finally:
+        host.close()
+
+
 def status(record: RunRecord) -> list[str]:
-    """The record's state and outcomes, then the backend's live view (Slurm: the job)."""
+    """The record's state and outcomes, then the backend's live view (Slurm: the job); of a run
+    supervised on another host, what `status` says there."""
+    there = _elsewhere(record, ["status", record.run_id])
+    if there is not None:
+        return there
     backend = record_backend(record)
     scheduler = scheduler_of(backend)
     return status_lines(settle(record, backend)) + (scheduler.describe(record) if scheduler else [])
@@ -67,6 +89,9 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
             return False
         return rank is None or who.group(2) == str(rank)
 
+    if record.extra.get(REMOTE_HOST):
+        yield from _logs_there(record, host, follow, rank)
+        return
     backend = record_backend(record)
     scheduler = scheduler_of(backend)
     from_backend = scheduler.log_lines(record, follow) if scheduler else None
@@ -97,11 +122,27 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
             time.sleep(FOLLOW_POLL)
 
 
+def _logs_there(record: RunRecord, host: Optional[str], follow: bool, rank: Optional[int]) -> Iterator[str]:
+    from ddplaunch import remote  # Fabric: only for such a run
+
+    there = remote.host_of(record)
+    assert there is not None
+    args = ["logs", record.run_id, *(["--host", host] if host else []), *(["--rank", str(rank)] if rank is not None
+                                                                         else []), *(["-f"] if follow else [])]
+    try:
+        yield from there.lines(args)
+    finally:
+        there.close()
+
+
 def down(record: RunRecord) -> list[str]:
     """End the run: its supervisor first, when it still runs here (it stops every host in order
     and ends the record), then every process left of the run, on every host, by the run's tag. A
     frozen supervisor (SIGSTOP) is not waited for: the hosts are cleaned, then it is killed."""
-    lines = []
+    there = _elsewhere(record, ["down", record.run_id])
+    if there is not None and not any(" did not answer: " in line for line in there):
+        return there
+    lines = there or []  # its host is gone: what is left on the run's hosts is ended from here
     supervised = supervisor.of_record(record)
     frozen = supervised is not None and supervised.frozen()
     if supervised is not None and not frozen:

@@ -208,6 +208,12 @@ class SupervisorSpec(_Strict):
     #: SIGKILL after job.stop_grace): no rank outlives a dead, frozen or cut-off supervisor by more.
     #: Long enough for a laptop's network to come back; the supervisor suspects itself meanwhile.
     lease: float = Field(default=120.0, ge=5, le=86400)
+    #: a host that runs the run's supervisor instead of this machine (a head or login node), so the
+    #: run outlives this machine and its network; reached as the hosts are (ssh:, the ssh config).
+    #: Its `python` (default: this machine's, at the same path) must have ddplaunch, and the spec's files (job script,
+    #: hosts file, ssh key) must be at the same paths there (a shared home). `up` hands the run
+    #: over and follows it from there; `attach`, `status`, `logs`, `down` run there over SSH.
+    host: Optional[HostSpec] = None
 
 
 class StragglerSpec(_Strict):

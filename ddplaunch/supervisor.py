@@ -28,7 +28,7 @@ from typing import Any, MutableMapping, NoReturn, Optional
 
 from ddplaunch import launch
 from ddplaunch.errors import EXIT_FAILURE, BackendError, DdplaunchError
-from ddplaunch.handoff import SUPERVISE_ENV, decode_run
+from ddplaunch.handoff import SUPERVISE_ENV, HandedOver, decode_run
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import RunRecord, process_start_time, run_dir
 from ddplaunch.spec import ClusterSpec
@@ -216,8 +216,22 @@ def supervise_here(environ: MutableMapping[str, str]) -> int:
     output); the run's exit code. The run's record, when the launcher's file system is this one's
     (or a requeued job's first try wrote it), is taken over; the hand-over leaves the environment
     before any stage starts."""
-    spec, spec_path, opts = decode_run(environ)
+    run = handed_over(environ)
+    opts = UpOptions(**run.opts)
+    begun = launch.begin(run.spec, run.spec_path, opts, take_over=True)
+    return launch.run_begun(begun, opts, stream=sys.stdout).exit_code
+
+
+def supervise_daemon(environ: MutableMapping[str, str]) -> Supervised:
+    """`ddplaunch supervise --daemon`: the run handed over in `environ` taken by a supervisor
+    forked here (`submit`), once it has taken it."""
+    run = handed_over(environ)
+    return submit(run.spec, run.spec_path, UpOptions(**run.opts))
+
+
+def handed_over(environ: MutableMapping[str, str]) -> HandedOver:
+    """The run handed over in `environ`, taken out of it, its variables set in it."""
+    run = decode_run(environ)
     environ.pop(SUPERVISE_ENV, None)
-    up_opts = UpOptions(**opts)
-    begun = launch.begin(spec, spec_path, up_opts, take_over=True)
-    return launch.run_begun(begun, up_opts, stream=sys.stdout).exit_code
+    environ.update(run.environ)
+    return run

@@ -95,8 +95,10 @@ def test_the_run_is_handed_over_whole_and_no_secret_is_in_the_script(tmp_path):
     env = request.process_env({"PATH": "/bin", "HOME": "/h", "SECRET_OF_THE_SHELL": "no"})
     assert set(env) == {"PATH", "HOME", SUPERVISE_ENV, "TEST_HF_TOKEN"}  # nothing else of the launcher's
     assert env["TEST_HF_TOKEN"] == "hf_secret_value"  # from_env: read where the supervisor runs
-    got, path, opts = decode_run(env)
+    run = decode_run(env)
+    got, path, opts = run.spec, run.spec_path, run.opts
     assert got.model_dump() == spec.model_dump() and got.base_dir == spec.base_dir and path == "det.yaml"
+    assert run.environ == {}  # the job's environment has the from_env variables already
     assert got.model_fields_set == spec.model_fields_set  # "hosts" set or not: the same allocation
     assert got.env["WANDB_API_KEY"].value == "s3cret-value"  # inline secrets travel in the environment
     assert got.job.args == HOSTILE_ARGS and got.env["NOTE"].value == "it's $(touch /tmp/pwned)"
