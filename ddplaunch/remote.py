@@ -41,6 +41,15 @@ HANDOVER_TIMEOUT = 120.0
 #: Seconds a short command there (status, logs, down's own wait) may take.
 COMMAND_TIMEOUT = 300.0
 ANSWER = "DDPLAUNCH_SUPERVISED"
+#: Seconds without a byte from the supervisor's host before it is asked whether it still answers
+#: (a crashed host sends no reset: a read would wait for TCP's own timeout, many minutes).
+IDLE_S = 10.0
+#: Seconds the host has to answer that question (a new SSH channel opened) before it counts as gone.
+ANSWER_S = 15.0
+
+
+class Lost(BackendError):
+    """The supervisor's host stopped answering while ddplaunch's command there ran."""
 
 
 class SupervisorHost:
@@ -90,19 +99,40 @@ class SupervisorHost:
         finally:
             channel.close()
 
+    def _recv(self, channel: paramiko.Channel) -> bytes:
+        """The next bytes of `channel` (b"" at its end), asking the host whether it still answers
+        after every IDLE_S seconds of silence.
+
+        Raises:
+            Lost: it did not answer within ANSWER_S seconds, or the connection broke.
+        """
+        while True:
+            try:
+                return channel.recv(65536)
+            except socket.timeout:
+                try:
+                    channel.get_transport().open_session(timeout=ANSWER_S).close()
+                except (paramiko.SSHException, EOFError, OSError) as err:
+                    raise Lost(f"the supervisor's host {self.label} stopped answering ({err or 'no answer'})") \
+                        from None
+            except (paramiko.SSHException, EOFError, OSError) as err:
+                raise Lost(f"the connection to the supervisor's host {self.label} broke ({err})") from None
+
     def lines(self, args: list[str]) -> Iterator[str]:
         """ddplaunch's output there, line by line as it comes; raises BackendError with its last
-        line when it fails there."""
-        channel = self._channel(args, None)
+        line when it fails there (Lost when the host stops answering)."""
+        channel = self._channel(args, IDLE_S)
         rest, last = b"", ""
         try:
-            while data := channel.recv(65536):
+            while data := self._recv(channel):
                 *done, rest = (rest + data).split(b"\n")
                 for line in done:
                     last = line.decode("utf-8", "replace")
                     yield last
             if rest:
                 yield rest.decode("utf-8", "replace")
+            if not channel.status_event.wait(ANSWER_S):
+                raise Lost(f"the supervisor's host {self.label} gave no exit status for `ddplaunch {args[0]}`")
             code = channel.recv_exit_status()
         finally:
             channel.close()
@@ -113,7 +143,7 @@ class SupervisorHost:
         """Show ddplaunch's output there as it comes (a terminal there when this is one); its exit
         status. Ctrl-C detaches or, with `stops_run`, stops the run there first (`down`, once); a
         lost connection leaves the run going there."""
-        channel = self._channel(args, None, pty=out.isatty())
+        channel = self._channel(args, IDLE_S, pty=out.isatty())
         stopping: list[threading.Thread] = []
 
         def interrupt(signum: int, frame: Any) -> None:
@@ -127,21 +157,21 @@ class SupervisorHost:
         old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)} \
             if threading.current_thread() is threading.main_thread() else {}
         try:
-            while data := channel.recv(65536):
+            while data := self._recv(channel):
                 out.write(data.decode("utf-8", "replace"))
                 out.flush()
-            if channel.exit_status_ready():
+            if channel.status_event.wait(ANSWER_S):  # the exit status may come just after the output's end
                 return channel.recv_exit_status()
-            print(f"ddplaunch: lost the connection to the supervisor's host {self.label}; run {run_id} goes on "
-                  f"there (ddplaunch attach {run_id} follows it again)", file=sys.stderr, flush=True)
-            return EXIT_FAILURE
+            raise Lost(f"the connection to the supervisor's host {self.label} ended without the command's exit "
+                       "status")
         except KeyboardInterrupt:
             print(f"ddplaunch: detached from run {run_id}, which goes on on {self.label} (ddplaunch attach "
                   f"{run_id} follows it again; ddplaunch down {run_id} stops it)", file=sys.stderr, flush=True)
             return EXIT_INTERRUPTED
-        except (paramiko.SSHException, EOFError, OSError) as err:
-            print(f"ddplaunch: lost the connection to the supervisor's host {self.label} ({err}); run {run_id} "
-                  f"goes on there (ddplaunch attach {run_id} follows it again)", file=sys.stderr, flush=True)
+        except Lost as err:
+            print(f"ddplaunch: {err}; run {run_id} goes on there if it lives (ddplaunch attach {run_id} follows "
+                  f"it again; ddplaunch down {run_id} ends it, from here if the host is gone)", file=sys.stderr,
+                  flush=True)
             return EXIT_FAILURE
         finally:
             for sig, handler in old.items():
