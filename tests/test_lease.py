@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -58,3 +59,50 @@ def test_a_node_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
     took = time.monotonic() - t0
     assert took >= 3, took  # the lease, then the grace
     no_hang(took, 20, "SIGKILL after the grace")
+
+
+def test_a_fenced_host_is_asked_until_it_answers_then_left_alone(monkeypatch):
+    """The supervisor's side of fencing (backends/ssh/lease.py `Fence`): a lost host that does not
+    answer is asked again every RETRY_S; once it answered (its ranks ended) it is asked no more."""
+    from ddplaunch.backends.ssh.lease import Fence
+
+    monkeypatch.setattr(Fence, "RETRY_S", 0.01)
+    calls, done = [], threading.Event()
+
+    def reap() -> None:
+        calls.append(time.monotonic())
+        if len(calls) < 4:
+            raise OSError("no route to host")  # cut off: not answering yet
+        done.set()
+    fence = Fence(until_s=60)
+    fence.add("h1", reap)
+    assert done.wait(timeout=30)
+    time.sleep(0.2)  # 20 more retry intervals: none comes
+    fence.close()
+    assert len(calls) == 4
+
+
+def test_fencing_gives_up_after_the_hosts_own_lease_and_on_close(monkeypatch):
+    from ddplaunch.backends.ssh.lease import Fence
+
+    monkeypatch.setattr(Fence, "RETRY_S", 0.01)
+    calls: list[float] = []
+
+    def never() -> None:
+        calls.append(time.monotonic())
+        raise OSError("no route to host")
+    fence = Fence(until_s=0.3)  # by then the host's own lease has stopped its ranks
+    fence.add("h1", never)
+    time.sleep(1.0)
+    asked = len(calls)
+    assert asked >= 2 and calls[-1] - calls[0] < 0.3, (asked, calls[-1] - calls[0])
+    time.sleep(0.2)
+    assert len(calls) == asked  # gave up
+    fence = Fence(until_s=60)
+    fence.add("h2", never)
+    time.sleep(0.1)
+    fence.close()
+    time.sleep(0.1)
+    after = len(calls)
+    time.sleep(0.2)
+    assert len(calls) == after  # closed: asked no more
