@@ -27,6 +27,15 @@ def _lease(tmp_path: Path) -> Path:
     return tmp_path / ".ddplaunch" / "runs" / RUN / LEASE_FILE
 
 
+def _renew(tmp_path: Path, value: str) -> None:
+    """As the supervisor renews (backends/ssh `_renew`): a whole new file renamed into place. A
+    file rewritten in place can be read empty between its truncation and its write; a reader that
+    keeps the writer's rhythm then sees the same empty value every time."""
+    tmp = _lease(tmp_path).with_suffix(".tmp")
+    tmp.write_text(value)
+    os.replace(tmp, _lease(tmp_path))
+
+
 def test_a_lease_not_renewed_ends_the_node(tmp_path):
     node = _node(tmp_path, lease=2, grace=30, command="sleep 300")
     t0 = time.monotonic()
@@ -41,7 +50,7 @@ def test_a_renewed_lease_keeps_the_node_running_until_renewals_stop(tmp_path):
     node = _node(tmp_path, lease=3, grace=30, command="sleep 300")
     try:
         for i in range(18):  # 9 s of renewals, three leases long; one missed renewal is not an end
-            _lease(tmp_path).write_text(str(i))
+            _renew(tmp_path, str(i))
             time.sleep(0.5)  # the renewal interval of this test
             assert node.poll() is None, f"ended at renewal {i}"
         stopped = time.monotonic()

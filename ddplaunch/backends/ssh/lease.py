@@ -16,9 +16,11 @@ from typing import Callable, Optional
 from ddplaunch.backends.shell import lease_every
 
 class Renewals:
-    """A thread that calls `renew(value)` every `interval(lease)` seconds, from the first moment
-    until the block ends; `renew` renews every node (errors are its own: a lost host's renewal
-    fails, which is the point)."""
+    """A thread that calls `renew(value)` every `interval(lease)` seconds until the block ends,
+    the first time one interval after it began: a node's lease loop counts from its own start, so
+    a renewal at the start would only cost every host one more SSH session (a login shell each)
+    while torch is importing there. `renew` renews every node (errors are its own: a lost host's
+    renewal fails, which is the point)."""
 
     def __init__(self, lease: float, renew: Callable[[str], None]):
         self.every, self.renew = lease_every(lease), renew
@@ -35,9 +37,8 @@ class Renewals:
         self._done.set()
 
     def _run(self) -> None:
-        while not self._done.is_set():
+        while not self._done.wait(self.every):
             self.renew(str(time.monotonic_ns()))
-            self._done.wait(self.every)
 
 
 class Fence:
