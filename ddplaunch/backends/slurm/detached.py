@@ -89,7 +89,10 @@ def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: Mappin
     encoded = encode_run(spec, spec_path, opts)
     alloc = allocation_request(spec, run_id, output_path, nodelist, nodes, supervise=shlex.quote(python))
     opts_ = ["--export=ALL" if o == "--export=NONE" else o for o in alloc.argv]
-    shown = {"spec": spec.redacted(), "spec_path": spec_path, "opts": opts}
+    shown_spec = spec.model_dump(mode="json", exclude_unset=True)  # what is handed over, secrets shown as such
+    if "env" in shown_spec:
+        shown_spec["env"] = spec.redacted()["env"]
+    shown = {"spec": shown_spec, "spec_path": spec_path, "opts": opts}
     return DetachedRequest(run_id=run_id, argv=tuple(opts_), script=alloc.script,
                            env=tuple(sorted([(SUPERVISE_ENV, encoded), *((k, environ[k]) for k in wanted)])),
                            secret=frozenset(wanted), shown_run="\n".join(f"{k}: {json.dumps(v, sort_keys=True)}"
