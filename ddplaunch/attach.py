@@ -4,7 +4,9 @@ Both replay the run's event log from its first line and follow it live (events.p
 the screen showed, each host's state (a live table on a terminal), then the summary, and return
 the run's exit code. They differ only in what Ctrl-C means: in `up` it stops the run (SIGTERM to
 the supervisor, which stops every host in order; a second Ctrl-C leaves without waiting), in
-`attach` it only detaches. A closed terminal or a killed follower never touches the run.
+`attach` it only detaches. A closed terminal or a killed follower never touches the run. The
+supervisor is a process on this machine, the job of a detached Slurm run (alive while the job is
+queued or running), or on `supervisor.host`, where `attach` itself runs over SSH (remote.py).
 """
 
 from __future__ import annotations

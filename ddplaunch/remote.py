@@ -90,6 +90,8 @@ class SupervisorHost:
             chunks = []
             while data := channel.recv(65536):
                 chunks.append(data)
+            if not channel.status_event.wait(ANSWER_S):
+                raise Lost(f"the supervisor's host {self.label} gave no exit status for `ddplaunch {args[0]}`")
             return channel.recv_exit_status(), b"".join(chunks).decode("utf-8", "replace")
         except (socket.timeout, TimeoutError):
             raise BackendError(f"supervisor host {self.label}: `ddplaunch {args[0]}` did not answer within "
