@@ -28,6 +28,7 @@ import paramiko
 from ddplaunch import errors
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.routes import resolve_routes
+from ddplaunch.backends.ssh.session import run_to_end
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, BackendError, DdplaunchError
 from ddplaunch.handoff import encode_run
 from ddplaunch.runloop import UpOptions
@@ -84,15 +85,10 @@ class SupervisorHost:
         """Run ddplaunch there to its end; (exit status, its output)."""
         channel = self._channel(args, timeout)
         try:
-            if stdin:
-                channel.sendall(stdin.encode())
-            channel.shutdown_write()
-            chunks = []
-            while data := channel.recv(65536):
-                chunks.append(data)
-            if not channel.status_event.wait(ANSWER_S):
+            status, out = run_to_end(channel, stdin, status_wait=ANSWER_S)
+            if status is None:
                 raise Lost(f"the supervisor's host {self.label} gave no exit status for `ddplaunch {args[0]}`")
-            return channel.recv_exit_status(), b"".join(chunks).decode("utf-8", "replace")
+            return status, out
         except (socket.timeout, TimeoutError):
             raise BackendError(f"supervisor host {self.label}: `ddplaunch {args[0]}` did not answer within "
                                f"{timeout:.0f}s") from None

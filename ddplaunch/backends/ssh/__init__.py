@@ -26,7 +26,7 @@ from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, d
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
-from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, session_command
+from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, run_to_end, session_command
 from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.backends.watch import PROBE_S, follow, unstarted
 from ddplaunch.errors import BackendError
@@ -154,13 +154,9 @@ class SshBackend(ShellLauncher):
             channel.settimeout(timeout)
             channel.set_combine_stderr(True)
             channel.exec_command(command)
-            if stdin:
-                channel.sendall(stdin.encode())
-            channel.shutdown_write()
-            chunks = []
-            while data := channel.recv(65536):
-                chunks.append(data)
-            return channel.recv_exit_status(), b"".join(chunks).decode("utf-8", "replace")
+            status, out = run_to_end(channel, stdin)
+            assert status is not None  # waited for as long as it takes
+            return status, out
         except (socket.timeout, TimeoutError):
             raise BackendError(f"{host.label}: command did not finish within {timeout}s: {command[:80]}") from None
         except (paramiko.SSHException, EOFError, OSError) as err:

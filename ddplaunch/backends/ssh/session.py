@@ -82,6 +82,21 @@ def exit_status(ch: paramiko.Channel) -> Optional[int]:
     return None
 
 
+def run_to_end(ch: paramiko.Channel, stdin: str = "", status_wait: Optional[float] = None
+               ) -> tuple[Optional[int], str]:
+    """Send `stdin` to a started command, end its input and read its output to the end; (its exit
+    status, its output). The status is None when `status_wait` seconds after the output's end
+    brought none (without `status_wait`, it is waited for as long as it takes)."""
+    if stdin:
+        ch.sendall(stdin.encode())
+    ch.shutdown_write()
+    chunks = []
+    while data := ch.recv(65536):
+        chunks.append(data)
+    status = None if status_wait is not None and not ch.status_event.wait(status_wait) else ch.recv_exit_status()
+    return status, b"".join(chunks).decode("utf-8", "replace")
+
+
 def _pump(ch: paramiko.Channel, lines: StageLines, node_rank: int, host: str) -> None:
     """Forward whole lines from a node's channel until the channel ends."""
     pending = b""
