@@ -37,6 +37,13 @@ def encode_run(spec: ClusterSpec, spec_path: str, opts: Mapping[str, Any],
     return base64.b64encode(json.dumps(run, sort_keys=True).encode()).decode()
 
 
+def supervisor_opts(opts: Mapping[str, Any], run_id: str) -> dict[str, Any]:
+    """The command line's options (`UpOptions` as a dict) as the supervisor runs with them: this
+    run id, in its own foreground, and no --exclude (the spec handed over has those hosts taken
+    out already)."""
+    return {**opts, "run_id": run_id, "detach": False, "exclude": []}
+
+
 def decode_run(environ: Mapping[str, str]) -> HandedOver:
     """The run in `environ`'s SUPERVISE_ENV.
 

@@ -11,13 +11,13 @@ stop every host in order. The code here never asks which backend it drives.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
@@ -72,9 +72,8 @@ def dry_run(spec: ClusterSpec, opts: UpOptions, spec_path: str = "<spec>") -> st
 def _detached(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
               opts: UpOptions) -> tuple[Request, str]:
     """The request that hands the run to the scheduler, and its text with what the supervisor
-    then runs inside the job. The supervisor's options: the spec it gets has the --exclude'd hosts
-    taken out already."""
-    request = scheduler.render_detached(str(spec_path), {**dataclasses.asdict(opts), "exclude": []})
+    then runs inside the job."""
+    request = scheduler.render_detached(str(spec_path), dataclasses.asdict(opts))
     stages = "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
     return request, request.text() + "# inside the job, its supervisor runs each stage as a step of it:\n" + stages
 

@@ -30,7 +30,7 @@ from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.routes import resolve_routes
 from ddplaunch.backends.ssh.session import run_to_end
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, BackendError, DdplaunchError
-from ddplaunch.handoff import encode_run
+from ddplaunch.handoff import encode_run, supervisor_opts
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import REMOTE_HOST, RunRecord
 from ddplaunch.shellword import word
@@ -203,7 +203,7 @@ def submit(spec: ClusterSpec, spec_path: str, opts: UpOptions, run_id: str) -> R
     """
     spec.env_values(os.environ)  # every from_env variable is set, or the error names it now
     environ = {v.from_env: os.environ[v.from_env] for v in spec.env.values() if v.from_env is not None}
-    handed = {**dataclasses.asdict(opts), "run_id": run_id, "detach": False, "exclude": []}
+    handed = supervisor_opts(dataclasses.asdict(opts), run_id)
     nonce = secrets.token_hex(6)
     host = SupervisorHost(spec)
     try:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ddplaunch.backends.slurm.render import allocation_request
-from ddplaunch.handoff import SUPERVISE_ENV, encode_run
+from ddplaunch.handoff import SUPERVISE_ENV, encode_run, supervisor_opts
 from ddplaunch.shellword import Raw, word
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.specvalues import SECRET_SHOWN
@@ -85,7 +85,7 @@ def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: Mappin
     """
     spec.env_values(environ)  # every from_env variable is set, or the error names it now
     wanted = sorted({v.from_env for v in spec.env.values() if v.from_env is not None})
-    opts = {**opts, "run_id": run_id, "detach": False}
+    opts = supervisor_opts(opts, run_id)
     encoded = encode_run(spec, spec_path, opts)
     alloc = allocation_request(spec, run_id, output_path, nodelist, nodes, supervise=shlex.quote(python))
     opts_ = ["--export=ALL" if o == "--export=NONE" else o for o in alloc.argv]
