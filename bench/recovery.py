@@ -38,15 +38,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Environment both launchers give the job (--dist-timeout).
+JOB_ENV: dict[str, str] = {}
 sys.path.insert(0, str(ROOT))
 
 PREFIX, SUBNET = "drc", "10.213.60.0/24"
-VICTIM = 2  # host 3 (0-based): neither ddplaunch's master nor elastic's rendezvous host
+#: The crashed host (0-based): host 3, neither ddplaunch's master nor elastic's rendezvous host, or
+#: with --victim master host 1, ddplaunch's master (elastic's rendezvous host: not run then).
+VICTIMS = {"worker": 2, "master": 0}
 TRAIN = ["--epochs", "1", "--samples", "1152", "--batch-size", "8", "--ckpt-every", "4", "--log-every", "1",
          "--seed", "3", "--step-sleep", "0.3"]
 STEP_RE = re.compile(r"\bstep=(\d+)\b")
 RESUMED_RE = re.compile(r"resumed from \S+ at step (\d+)")
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
+#: A recovery's phases in ddplaunch's record (seconds after the crash): the host named, every
+#: survivor stopped, the relaunch started, the relaunched job's first step.
+PHASES = (("named_s", "detected_at"), ("stopped_s", "stopped_at"), ("relaunched_s", "relaunched_at"),
+          ("first_step_s", "first_step_at"))
 
 
 class Lines:
@@ -102,7 +110,7 @@ def spec_for(cluster, work: Path, name: str, spare: bool) -> Path:
     data = yaml.safe_load(cluster.spec_path.read_text())
     hosts = data["hosts"]
     data.update(hosts=hosts[:3], nproc_per_node=1, workdir=str(ROOT), healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(work / name / "ckpt")},
+                env={"DDPLAUNCH_CKPT_DIR": str(work / name / "ckpt"), **JOB_ENV},
                 job={"script": "jobs/train.py", "args": TRAIN})
     if spare:
         data["recovery"] = {"max_host_failures": 1, "spares": [hosts[3]]}
@@ -115,15 +123,17 @@ def spec_for(cluster, work: Path, name: str, spare: bool) -> Path:
 def elastic_argv(cluster, work: Path, name: str, port: int, tag: str) -> list[str]:
     addrs = [h.addr for h in cluster.hosts]
     ckpt = work / name / "ckpt"
-    remote = (f"cd {shlex.quote(str(ROOT))} && exec env DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
+    extra = "".join(f"{k}={shlex.quote(v)} " for k, v in JOB_ENV.items())
+    remote = (f"cd {shlex.quote(str(ROOT))} && exec env {extra}DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
               f"DDPLAUNCH_CKPT_DIR={ckpt} PYTHONUNBUFFERED=1 {sys.executable} -m torch.distributed.run "
               f"--nnodes 3:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {addrs[0]}:{port} "
               f"--rdzv-id {tag} --max-restarts 3 jobs/train.py {' '.join(TRAIN)}")
     return ["pdsh", "-R", "ssh", "-f", "4", "-w", ",".join(addrs), remote]
 
 
-def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> dict:
-    tag = f"bench-{kind}-{n}"
+def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, victim: str = "worker") -> dict:
+    tag = f"bench-{kind}-{victim}-{n}"
+    crashed = cluster.hosts[VICTIMS[victim]].name
     at = random.randint(8, 20)
     if kind == "ddplaunch":
         argv = [sys.executable, "-m", "ddplaunch", "up", str(spec_for(cluster, work, tag, spare=True)),
@@ -134,14 +144,14 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> 
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                             start_new_session=True)
     lines = Lines(proc)
-    row = {"kind": kind, "trial": n, "crash_at_step": at}
+    row = {"kind": kind, "victim": victim, "trial": n, "crash_at_step": at}
     try:
         hit = lines.wait(lambda line: (m := STEP_RE.search(line)) is not None and int(m.group(1)) >= at, 240)
         if hit is None:
             row["error"] = "never reached the crash step:\n" + lines.text()[-2000:]
             return row
         t_crash = time.time()
-        sim_fault(cluster, cluster.hosts[VICTIM].name, crash=True)
+        sim_fault(cluster, crashed, crash=True)
         resumed = lines.wait(lambda line: RESUMED_RE.search(line) is not None, give_up, after=t_crash)
         first = None
         if resumed is not None:
@@ -159,7 +169,9 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> 
             proc.wait(timeout=max(60.0, t_crash + give_up - time.time()))
             record = json.loads((Path(env["DDPLAUNCH_HOME"]) / "runs" / tag / "record.json").read_text())
             rec = (record.get("extra", {}).get("recoveries") or [{}])[0]
-            row["named_s"] = round(rec["detected_at"] - t_crash, 1) if rec else None
+            for phase, key in PHASES:
+                if rec.get(key) is not None:
+                    row[phase] = round(rec[key] - t_crash, 1)
             row["exit"] = proc.returncode
         else:
             proc.send_signal(signal.SIGINT)
@@ -168,7 +180,7 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict) -> 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         kill_tagged(tag)
-        sim_fault(cluster, cluster.hosts[VICTIM].name, clear=True)
+        sim_fault(cluster, crashed, clear=True)
     return row
 
 
@@ -179,22 +191,32 @@ def reference(cluster, work: Path, env: dict) -> str:
     return SHA_RE.findall(out)[-1]
 
 
-def table(rows: list[dict], ref: str, give_up: float) -> str:
-    out = ["| launcher | trials | crash → host named (s) | crash → resumed step (s) | steps redone | "
-           "final weights = uninterrupted |", "|---|---:|---:|---:|---:|---:|"]
-    for kind in ("ddplaunch", "elastic"):
-        mine = [r for r in rows if r["kind"] == kind]
-        resumed = [r["resumed_s"] for r in mine if "resumed_s" in r]
-        named = [r["named_s"] for r in mine if r.get("named_s") is not None]
+def _med(xs: list) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "-"
 
-        def med(xs: list) -> str:
-            return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})" if xs else "-"
+
+def table(rows: list[dict], ref: str, give_up: float) -> str:
+    out = ["| launcher | host crashed | trials | crash → host named (s) | crash → resumed step (s) | steps redone | "
+           "final weights = uninterrupted |", "|---|---|---:|---:|---:|---:|---:|"]
+    for kind, victim in sorted({(r["kind"], r["victim"]) for r in rows}):
+        mine = [r for r in rows if (r["kind"], r["victim"]) == (kind, victim)]
+        resumed = [r["resumed_s"] for r in mine if "resumed_s" in r]
         label = "ddplaunch, 3 hosts + 1 spare" if kind == "ddplaunch" else "torchrun --nnodes 3:4 (c10d), pdsh"
         # elastic runs are stopped once resumed (their world changed: nothing to compare): "-", not 0/N
         equal = f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)}" if kind == "ddplaunch" else "-"
-        out.append(f"| {label} | {len(mine)} | {med(named)} | {med(resumed)}"
-                   f"{'' if len(resumed) == len(mine) else f'; {len(mine) - len(resumed)} not resumed within {give_up:.0f}s'}"
-                   f" | {med([r['redone'] for r in mine if 'redone' in r])} | {equal} |")
+        missing = len(mine) - len(resumed)
+        out.append(f"| {label} | {victim} | {len(mine)} | {_med([r['named_s'] for r in mine if 'named_s' in r])} | "
+                   f"{_med(resumed)}{f'; {missing} not resumed within {give_up:.0f}s' if missing else ''}"
+                   f" | {_med([r['redone'] for r in mine if 'redone' in r])} | {equal} |")
+    phased = [r for r in rows if r["kind"] == "ddplaunch"]
+    if phased:
+        out += ["", "ddplaunch's phases (median seconds after the crash, from its record):", "",
+                "| host crashed | named | survivors stopped | relaunch started | first resumed step |",
+                "|---|---:|---:|---:|---:|"]
+        for victim in sorted({r["victim"] for r in phased}):
+            mine = [r for r in phased if r["victim"] == victim]
+            cells = [_med([r[k] for r in mine if k in r]) for k, _ in PHASES]
+            out.append(f"| {victim} | {' | '.join(cells)} |")
     return "\n".join(out)
 
 
@@ -202,9 +224,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--give-up", type=float, default=600.0)
+    ap.add_argument("--kinds", default="ddplaunch,elastic", help="launchers to run, interleaved")
+    ap.add_argument("--victims", default="worker,master",
+                    help="crash a worker's host, the master's (ddplaunch only: it is elastic's rendezvous host)")
+    ap.add_argument("--dist-timeout", type=int, default=None,
+                    help="the job's collective timeout in seconds (DDPLAUNCH_DIST_TIMEOUT; default the job's 300)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if shutil.which("pdsh") is None:
+    kinds, victims = args.kinds.split(","), args.victims.split(",")
+    if "elastic" in kinds and shutil.which("pdsh") is None:
         sys.exit("pdsh missing: apt-get install -y pdsh")
     global sim_fault
     from ddplaunch.sim import SimConfig, sim_down, sim_up
@@ -215,12 +243,15 @@ def main() -> None:
                PDSH_RCMD_TYPE="ssh", PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
                                                     "-o StrictHostKeyChecking=yes -o BatchMode=yes -o LogLevel=ERROR "
                                                     "-l root %h"))
+    if args.dist_timeout is not None:
+        JOB_ENV["DDPLAUNCH_DIST_TIMEOUT"] = str(args.dist_timeout)
+    runs = [(k, v) for v in victims for k in kinds if not (k == "elastic" and v == "master")]
     rows: list[dict] = []
     try:
         ref = reference(cluster, work, env)
         for n in range(args.trials):
-            for kind in (("ddplaunch", "elastic") if n % 2 == 0 else ("elastic", "ddplaunch")):
-                row = trial(kind, cluster, work, n, args.give_up, env)
+            for kind, victim in (runs if n % 2 == 0 else runs[::-1]):
+                row = trial(kind, cluster, work, n, args.give_up, env, victim)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:

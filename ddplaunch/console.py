@@ -29,7 +29,7 @@ from ddplaunch.events import EventLog, HostState, Shown
 #: More hosts than this are summarized as counts per state instead of one row each.
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
-FOLD_S = 1.0
+FOLD_S = 0.5
 #: `[host:rank] text` or `[host] text`: who printed a line, and what.
 WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
 

@@ -182,8 +182,8 @@ class RecoverySpec(_Strict):
     #: without a spare left, go on with the survivors while at least this many remain
     min_hosts: Optional[int] = Field(default=None, ge=1)
     #: seconds a node may say nothing (its shell's heartbeat comes every second) before its host
-    #: is probed, and lost if it does not answer
-    detect_timeout: float = Field(default=6.0, gt=0, le=600)
+    #: is probed, and lost if it does not answer (SSH: and a peer cannot reach it either)
+    detect_timeout: float = Field(default=2.0, gt=0, le=600)
     #: a host named a straggler is swapped for a spare at the job's next checkpoint (a planned
     #: recovery within max_host_failures); without a spare it is only named
     evict_stragglers: bool = False

@@ -52,8 +52,9 @@ class StageLines:
         self._agent_failing: set[int] = set()
         self._payloads: dict[str, list[tuple[int, str]]] = {}
         self.findings: list[str] = []
-        #: When the last line from any node arrived (the hang watchdog's clock), and from any rank.
-        self.last_line_at = time.time()
+        #: When the last line from any node arrived (the hang watchdog's clock), and from any rank;
+        #: when each node was last heard from: all on the monotonic clock (durations, not dates).
+        self.last_line_at = time.monotonic()
         self.last_rank_line_at: Optional[float] = None
         #: When each node was last heard from (any line, its heartbeat included).
         self.heard_at: dict[int, float] = {}
@@ -66,10 +67,10 @@ class StageLines:
     def emit(self, node_rank: int, host: str, line: str) -> None:
         """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get `[host] `)."""
         line = line.rstrip("\r\n")
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
         if line == HEARTBEAT:  # only says the host lives: not output, not the hang watchdog's
             with self._lock:
-                self.heard_at[node_rank] = now
+                self.heard_at[node_rank] = mono
             return
         for secret in self._secrets:
             line = line.replace(secret, SECRET_SHOWN)
@@ -77,13 +78,13 @@ class StageLines:
             line = f"[{host}] {line}"
         marker = PAYLOAD_RE.search(line)
         if marker and marker.group(1) in REPORTS:
-            self._report(node_rank, host, marker.group(1), marker.group(2), now)
+            self._report(node_rank, host, marker.group(1), marker.group(2), mono)
             if marker.group(1) != "TIMING":  # each rank's timing every second: too much for the log
                 self.console.line(line, False)
             return
         first = False
         with self._lock:
-            self.last_line_at = self.heard_at[node_rank] = now
+            self.last_line_at = self.heard_at[node_rank] = mono
             if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown
@@ -94,7 +95,7 @@ class StageLines:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
                 ranked = rank_of(line)
                 if ranked is not None:
-                    self.last_rank_line_at = now
+                    self.last_rank_line_at = mono
                     self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
                     first = self._progress(line, now)
                 shown = self._shown(node_rank, line)
@@ -102,11 +103,11 @@ class StageLines:
         if first and self._on_first_step is not None and self.progress is not None:
             self._on_first_step(self.progress)
 
-    def _report(self, node_rank: int, host: str, kind: str, payload: str, now: float) -> None:
+    def _report(self, node_rank: int, host: str, kind: str, payload: str, mono: float) -> None:
         """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
         rank's timing comes only while it steps); the payload goes to `on_report`."""
         with self._lock:
-            self.last_line_at = self.heard_at[node_rank] = now
+            self.last_line_at = self.heard_at[node_rank] = mono
         if self._on_report is None:
             return
         try:
@@ -164,7 +165,7 @@ class StageLines:
         """Seconds since the node was last heard from; None before its first heartbeat or line."""
         with self._lock:
             heard = self.heard_at.get(node_rank)
-        return None if heard is None else time.time() - heard
+        return None if heard is None else time.monotonic() - heard
 
     def note(self, text: str) -> None:
         self.console.note(text)

@@ -193,7 +193,7 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._watch, name="ddplaunch-hang-watchdog", daemon=True)
 
     def __enter__(self) -> "HangWatchdog":
-        self._started = time.time()
+        self._started = time.monotonic()
         self._thread.start()
         return self
 
@@ -206,7 +206,7 @@ class HangWatchdog:
             if self.stop.is_set():
                 return
             ranks_spoke = (self.lines.last_rank_line_at or 0) >= self._started
-            idle = time.time() - max(self._started, self.lines.last_line_at)
+            idle = time.monotonic() - max(self._started, self.lines.last_line_at)
             # Until a rank has said anything, the ranks are still starting (importing torch on a
             # loaded host can take longer than the hang timeout): they get the rendezvous timeout
             # on top before silence counts as a hang.
@@ -234,7 +234,7 @@ class HangWatchdog:
         culprits = frozen_hosts(raw) or self._cut_off()
         lines += [f"{host}: {why}" for host, why in culprits.items()]
         self.diagnosis = lines
-        self.fired_after = time.time() - self._started
+        self.fired_after = time.monotonic() - self._started
         for line in lines:
             self.lines.note(line)
         self.stop.stop(f"hang: no output from any rank for {idle:.0f}s", lost=culprits)

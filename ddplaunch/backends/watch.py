@@ -45,9 +45,13 @@ SETTLE_SLACK = 5.0
 LOST_STOP_GRACE = 5.0
 POLL_S = 0.1
 #: Seconds a node may say nothing (a heartbeat every second) before its host is probed.
-DETECT_S = 6.0
-#: How long the probe of a silent node's host waits for an answer.
-PROBE_S = 2.0
+DETECT_S = 2.0
+#: How long the probe of a silent node's host waits for an answer (a host's kernel answers a TCP
+#: connection in well under a millisecond on a cluster's network, however busy the host is).
+PROBE_S = 1.0
+#: A node silent this long (1.5 heartbeats; less when `detect` is shorter) counts as hushed when
+#: the watcher asks whether its own network is the one at fault.
+HUSHED_S = 1.5
 #: Silent hosts probed at the same time.
 MAX_PROBES = 64
 #: How long the watcher suspects its own network, not the hosts, when most hosts went silent at
@@ -55,7 +59,7 @@ MAX_PROBES = 64
 #: laptop's Wi-Fi or VPN coming back). After that the silent hosts are lost as any other.
 SELF_SUSPECT_S = 120.0
 #: Seconds between probes while the watcher suspects itself.
-RETRY_S = 2.0
+RETRY_S = 1.0
 #: Errors of a connection attempt that this machine raises itself (a firewall rule, no route, the
 #: network down): they say nothing of the host. EHOSTUNREACH is not one: a dead host on the same
 #: network gives it too.
@@ -224,7 +228,7 @@ class _Watch:
             self.take(stage.poll(), stage)
             self.take(self._silent(stage))
             if self.first_bad is not None and failed_at is None:
-                failed_at = time.time()
+                failed_at = time.monotonic()
                 end = self.first_bad
                 what = (f"lost ({end.how})" if end.lost else f"exited with {end.code}" if end.code is not None
                         else f"ended without an exit status ({end.how})" if end.how else "ended without an exit status")
@@ -237,7 +241,7 @@ class _Watch:
                 self._at_fault(stop.lost)
                 self.lines.note(f"{cause}: stopping every node")
                 return cause
-            if failed_at is not None and (time.time() - failed_at >= grace or self.first_bad is not None
+            if failed_at is not None and (time.monotonic() - failed_at >= grace or self.first_bad is not None
                                           and self.first_bad.lost):
                 assert self.first_bad is not None
                 return f"{self.host(self.first_bad.node)} (node {self.first_bad.node}) failed"
@@ -256,11 +260,11 @@ class _Watch:
         silent hosts are probed at once: 32 dead hosts cost one probe's timeout, not 32) — unless
         the watcher suspects itself (`_self_suspect`)."""
         out: list[NodeEnd] = []
-        now, mono = time.time(), time.monotonic()
-        silences = {n: self.lines.silent_for(n) for n in range(len(self.result.outcomes)) if n not in self.ended}
+        mono = time.monotonic()
+        silences = self._silences()
         quiet = {n: s for n, s in silences.items() if s is not None and s >= self.detect
-                 and now - self._answered.get(n, 0.0) >= self.detect}
-        if self._suspect_since is not None and not any(s is not None and s >= self.detect / 2
+                 and (n not in self._answered or mono - self._answered[n] >= self.detect)}
+        if self._suspect_since is not None and not any(s is not None and s >= self.hushed
                                                        for s in silences.values()):
             self.lines.note(f"every host is heard from again after {mono - self._suspect_since:.0f}s: none was lost")
             self._suspect_since = None
@@ -270,10 +274,13 @@ class _Watch:
             answers = dict(zip(quiet, pool.map(stage.confirm_lost, quiet)))
         for node in quiet:
             if answers[node] is None:
-                self._answered[node] = now
+                self._answered[node] = mono
         unanswered = {n: why for n, why in answers.items() if why is not None}
-        if self._self_suspect(silences, unanswered, mono):
+        # the others' silence as it is now, after the probes: a dropped network of this machine's
+        # has silenced them too by then; a crash of one host has not
+        if self._self_suspect(self._silences(), unanswered, time.monotonic()):
             return out
+        now = time.time()
         for node, why in unanswered.items():
             silent = quiet[node]
             stage.lost(node)
@@ -281,12 +288,19 @@ class _Watch:
             out.append(NodeEnd(node, None, how=f"no heartbeat for {silent:.0f}s and {why}", lost=True, confirmed=True))
         return out
 
+    def _silences(self) -> dict[int, Optional[float]]:
+        return {n: self.lines.silent_for(n) for n in range(len(self.result.outcomes)) if n not in self.ended}
+
+    @property
+    def hushed(self) -> float:
+        return min(HUSHED_S, 0.75 * self.detect)
+
     def _self_suspect(self, silences: dict[int, Optional[float]], unanswered: dict[int, str], mono: float) -> bool:
         """Whether the silence is more likely this machine's than the hosts': a probe failed with
-        this machine's own error, or most running nodes (at least 2) went quiet together (silent
-        half of `detect` or more). Then no host is lost for up to SELF_SUSPECT_S seconds; the
+        this machine's own error (or no peer could be asked either), or most running nodes (at
+        least 2) are hushed together. Then no host is lost for up to SELF_SUSPECT_S seconds; the
         silent hosts are probed every RETRY_S seconds until they answer."""
-        hushed = [n for n, s in silences.items() if s is not None and s >= self.detect / 2]
+        hushed = [n for n, s in silences.items() if s is not None and s >= self.hushed]
         suspect = bool(unanswered) and (any(getattr(why, "local", False) for why in unanswered.values())
                                         or len(hushed) >= 2 and 2 * len(hushed) > len(silences))
         if not suspect:

@@ -28,7 +28,7 @@ from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, run_to_end, session_command
 from ddplaunch.backends.ssh.sync import sync
-from ddplaunch.backends.watch import PROBE_S, follow, unstarted
+from ddplaunch.backends.watch import NoAnswer, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.hostcmd import marked, parse_answer, port_probe
 from ddplaunch.plan import NodeCommand, in_run_dir, master_addr, tool_python
@@ -42,6 +42,9 @@ from ddplaunch.stagelines import StageLines
 MAX_PARALLEL = 64
 #: How long a node's session may take to say it listens, then to take the run's files.
 OPEN_TIMEOUT = 30.0
+#: Peers asked at once whether they reach a silent host, and how long each waits for its sshd.
+PEERS = 2
+PEER_PROBE_S = 0.5
 T = TypeVar("T")
 
 
@@ -209,31 +212,45 @@ class SshBackend(ShellLauncher):
 
     def _unanswered(self, hosts: list[HostSpec], node: int) -> Optional[str]:
         """Why node's host does not answer (None: it does): this machine's probe and, at the same
-        time, one other host's of the stage (a peer asks the host's sshd). A host its peer reaches
-        is not lost: this machine's path to it broke, and its ranks still reach each other."""
+        time, up to two other hosts' of the stage (a peer asks the host's sshd). A host a peer
+        reaches is not lost: this machine's path to it broke, and its ranks still reach each other.
+        When no peer answers this machine either, the failure is this machine's own (`local`)."""
         target = hosts[node]
-        peers = [h for i, h in enumerate(hosts) if i != node][:1]
-        pool = ThreadPoolExecutor(max_workers=2)
+        peers = [h for i, h in enumerate(hosts) if i != node][:PEERS]
+        pool = ThreadPoolExecutor(max_workers=1 + len(peers))
         try:
             mine = pool.submit(self.connector.unanswered, target.label)
             theirs = [pool.submit(self._peer_reaches, peer, target) for peer in peers]
             why = mine.result()
-            return None if why is None or any(f.result() for f in theirs) else why
+            if why is None:
+                return None
+            said = [f.result() for f in theirs]
+            if any(said):
+                return None
+            if False not in said and any(s is None for s in said) and self._askable(target):
+                return NoAnswer(f"{why}, and neither could {', '.join(p.label for p in peers)} be asked", local=True)
+            return why
         finally:
             pool.shutdown(wait=False)
 
-    def _peer_reaches(self, peer: HostSpec, target: HostSpec) -> bool:
-        """Whether `peer` can open a TCP connection to `target`'s sshd (False when it cannot say:
-        a target behind a jump host or a ProxyCommand, or a peer that does not answer itself)."""
+    def _askable(self, target: HostSpec) -> bool:
+        """Whether a peer can try `target`'s sshd itself (not behind a jump host or a ProxyCommand)."""
         route = self.routes[target.label]
-        if route.jump is not None or route.proxy_command is not None:
-            return False
-        probe = (f"import socket; socket.create_connection(({route.hostname!r}, {route.port}), {PROBE_S}).close(); "
+        return route.jump is None and route.proxy_command is None
+
+    def _peer_reaches(self, peer: HostSpec, target: HostSpec) -> Optional[bool]:
+        """Whether `peer` can open a TCP connection to `target`'s sshd; None when it cannot say (a
+        target behind a jump host or a ProxyCommand, or a peer that does not answer itself)."""
+        if not self._askable(target):
+            return None
+        route = self.routes[target.label]
+        probe = (f"import socket; socket.create_connection(({route.hostname!r}, {route.port}), {PEER_PROBE_S}).close(); "
                  "print('DDPLAUNCH_PEER_REACHES')")
         try:
-            code, out = self._exec(peer, f"{word(tool_python(self.spec, peer))} -c {word(probe)}", timeout=PROBE_S + 5)
+            code, out = self._exec(peer, f"{word(tool_python(self.spec, peer))} -c {word(probe)}",
+                                   timeout=PEER_PROBE_S + 3)
         except BackendError:
-            return False
+            return None
         return code == 0 and "DDPLAUNCH_PEER_REACHES" in out
 
     def lease(self) -> Optional[tuple[int, int]]:
