@@ -230,6 +230,7 @@ def main() -> None:
     ap.add_argument("--dist-timeout", type=int, default=None,
                     help="the job's collective timeout in seconds (DDPLAUNCH_DIST_TIMEOUT; default the job's 300)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", action="store_true", help="keep the runs' records and logs (printed: where)")
     args = ap.parse_args()
     kinds, victims = args.kinds.split(","), args.victims.split(",")
     if "elastic" in kinds and shutil.which("pdsh") is None:
@@ -256,7 +257,10 @@ def main() -> None:
                 rows.append(row)
     finally:
         sim_down(cluster.state_dir)
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"records and logs kept in {work}/state/runs")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(table(rows, ref, args.give_up))
     if args.json:
         args.json.write_text(json.dumps({"reference_sha": ref, "rows": rows}, indent=2))

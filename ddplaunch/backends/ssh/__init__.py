@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import socket
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, TypeVar
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Optional, TypeVar
 
 import paramiko
 from fabric import Connection
@@ -214,20 +214,27 @@ class SshBackend(ShellLauncher):
         """Why node's host does not answer (None: it does): this machine's probe and, at the same
         time, up to two other hosts' of the stage (a peer asks the host's sshd). A host a peer
         reaches is not lost: this machine's path to it broke, and its ranks still reach each other.
-        When no peer answers this machine either, the failure is this machine's own (`local`)."""
+        Peers that answer and cannot reach the host either decide once every peer has answered
+        (this machine's own probe may wait longer: a launcher far from the cluster); when no peer
+        answers this machine, the failure is this machine's own (`local`)."""
         target = hosts[node]
         peers = [h for i, h in enumerate(hosts) if i != node][:PEERS]
         pool = ThreadPoolExecutor(max_workers=1 + len(peers))
         try:
             mine = pool.submit(self.connector.unanswered, target.label)
-            theirs = [pool.submit(self._peer_reaches, peer, target) for peer in peers]
+            theirs = {pool.submit(self._peer_reaches, peer, target): peer for peer in peers}
+            pending: set[Future[Any]] = {mine, *theirs}
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                if mine in done and mine.result() is None or any(f.result() for f in done if f in theirs):
+                    return None
+                told = [peer for f, peer in theirs.items() if f.done() and f.result() is False]
+                if told and all(f.done() for f in theirs):  # no peer left to say otherwise
+                    return mine.result() if mine.done() else NoAnswer(
+                        f"{target.label}'s sshd answers neither this machine nor {told[0].label} "
+                        f"(within {PEER_PROBE_S:g}s)")
             why = mine.result()
-            if why is None:
-                return None
-            said = [f.result() for f in theirs]
-            if any(said):
-                return None
-            if False not in said and any(s is None for s in said) and self._askable(target):
+            if peers and self._askable(target):
                 return NoAnswer(f"{why}, and neither could {', '.join(p.label for p in peers)} be asked", local=True)
             return why
         finally:
@@ -248,7 +255,7 @@ class SshBackend(ShellLauncher):
                  "print('DDPLAUNCH_PEER_REACHES')")
         try:
             code, out = self._exec(peer, f"{word(tool_python(self.spec, peer))} -c {word(probe)}",
-                                   timeout=PEER_PROBE_S + 3)
+                                   timeout=PEER_PROBE_S + 1.5)
         except BackendError:
             return None
         return code == 0 and "DDPLAUNCH_PEER_REACHES" in out
