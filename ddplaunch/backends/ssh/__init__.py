@@ -230,9 +230,9 @@ class SshBackend(ShellLauncher):
                     return None
                 told = [peer for f, peer in theirs.items() if f.done() and f.result() is False]
                 if told and all(f.done() for f in theirs):  # no peer left to say otherwise
-                    return mine.result() if mine.done() else NoAnswer(
-                        f"{target.label}'s sshd answers neither this machine nor {told[0].label} "
-                        f"(within {PEER_PROBE_S:g}s)")
+                    route = self.routes[target.label]
+                    return NoAnswer(f"{route.hostname}:{route.port} answers neither this machine nor "
+                                    f"{', '.join(p.label for p in told)}")
             why = mine.result()
             if peers and self._askable(target):
                 return NoAnswer(f"{why}, and neither could {', '.join(p.label for p in peers)} be asked", local=True)
