@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Environment both launchers give the job (--dist-timeout).
-JOB_ENV: dict[str, str] = {}
 sys.path.insert(0, str(ROOT))
 
 PREFIX, SUBNET = "drc", "10.213.60.0/24"
@@ -110,7 +108,7 @@ def spec_for(cluster, work: Path, name: str, spare: bool) -> Path:
     data = yaml.safe_load(cluster.spec_path.read_text())
     hosts = data["hosts"]
     data.update(hosts=hosts[:3], nproc_per_node=1, workdir=str(ROOT), healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(work / name / "ckpt"), **JOB_ENV},
+                env={"DDPLAUNCH_CKPT_DIR": str(work / name / "ckpt")},
                 job={"script": "jobs/train.py", "args": TRAIN})
     if spare:
         data["recovery"] = {"max_host_failures": 1, "spares": [hosts[3]]}
@@ -123,8 +121,7 @@ def spec_for(cluster, work: Path, name: str, spare: bool) -> Path:
 def elastic_argv(cluster, work: Path, name: str, port: int, tag: str) -> list[str]:
     addrs = [h.addr for h in cluster.hosts]
     ckpt = work / name / "ckpt"
-    extra = "".join(f"{k}={shlex.quote(v)} " for k, v in JOB_ENV.items())
-    remote = (f"cd {shlex.quote(str(ROOT))} && exec env {extra}DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
+    remote = (f"cd {shlex.quote(str(ROOT))} && exec env DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
               f"DDPLAUNCH_CKPT_DIR={ckpt} PYTHONUNBUFFERED=1 {sys.executable} -m torch.distributed.run "
               f"--nnodes 3:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {addrs[0]}:{port} "
               f"--rdzv-id {tag} --max-restarts 3 jobs/train.py {' '.join(TRAIN)}")
@@ -187,8 +184,11 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
 def reference(cluster, work: Path, env: dict) -> str:
     spec = spec_for(cluster, work, "bench-ref", spare=False)
     out = subprocess.run([sys.executable, "-m", "ddplaunch", "up", str(spec), "--run-id", "bench-ref"],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600).stdout
-    return SHA_RE.findall(out)[-1]
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    found = SHA_RE.findall(out.stdout)
+    if not found:
+        sys.exit(f"the reference run printed no final weights:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return found[-1]
 
 
 def _med(xs: list) -> str:
@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--victims", default="worker,master",
                     help="crash a worker's host, the master's (ddplaunch only: it is elastic's rendezvous host)")
     ap.add_argument("--dist-timeout", type=int, default=None,
-                    help="the job's collective timeout in seconds (DDPLAUNCH_DIST_TIMEOUT; default the job's 300)")
+                    help="the job's collective timeout in seconds (jobs/train.py --dist-timeout; default 300)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the runs' records and logs (printed: where)")
     args = ap.parse_args()
@@ -245,7 +245,7 @@ def main() -> None:
                                                     "-o StrictHostKeyChecking=yes -o BatchMode=yes -o LogLevel=ERROR "
                                                     "-l root %h"))
     if args.dist_timeout is not None:
-        JOB_ENV["DDPLAUNCH_DIST_TIMEOUT"] = str(args.dist_timeout)
+        TRAIN.extend(["--dist-timeout", str(args.dist_timeout)])
     runs = [(k, v) for v in victims for k in kinds if not (k == "elastic" and v == "master")]
     rows: list[dict] = []
     try:

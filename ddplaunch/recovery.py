@@ -52,7 +52,7 @@ class Recovery:
     from_scratch: bool = False
 
     def describe(self) -> str:
-        """`dlr1 lost (no heartbeat for 6s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
+        """`dlr1 lost (no heartbeat for 2s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
         parts = []
         for host in self.lost:
             spare = self.replaced.get(host)

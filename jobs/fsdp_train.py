@@ -505,18 +505,20 @@ def preemption_agreed(device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def init_distributed(backend: str, timeout: timedelta) -> None:
+def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> None:
     """init_process_group from the torchrun env, safe across torchrun restarts (see train.py:
-    a restarted worker must not read its dead predecessor's keys in the agent's store)."""
+    a restarted worker must not read its dead predecessor's keys in the agent's store); on CUDA
+    bound to the rank's device."""
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    bound = {"device_id": device} if device.type == "cuda" else {}
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"ddplaunch/restart{restart}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timeout)
+                            timeout=timeout, **bound)
 
 
 # --------------------------------------------------------------------------- main
@@ -532,7 +534,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")))
-    init_distributed(backend, timeout)
+    init_distributed(backend, timeout, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if args.global_batch % world:

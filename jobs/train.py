@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--dist-timeout", type=float, default=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")),
+                   help="seconds a collective may wait for a peer (init_process_group's timeout)")
     p.add_argument("--burn-ms", type=float, default=0.0,
                    help="CPU milliseconds to spend per step (a heavier model's compute: slowed by a slow CPU)")
     p.add_argument("--corrupt-rank", type=int, default=None, help="perturb this rank's weights")
@@ -327,22 +329,24 @@ def preemption_agreed() -> bool:
     return bool(flag.item())
 
 
-def init_distributed(backend: str, timeout: timedelta) -> None:
-    """init_process_group from the torchrun env, safe across torchrun restarts.
+def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> None:
+    """init_process_group from the torchrun env, safe across torchrun restarts; on CUDA the group
+    is bound to the rank's device (NCCL's barrier otherwise warns that it guesses the device).
 
     torchrun keeps one agent TCPStore for the whole job, and keys are not namespaced
     per restart: a restarted worker can read its dead predecessor's entries and fail
     ("Connection refused" from gloo) or hang. A per-restart key prefix avoids that.
     """
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    bound = {"device_id": device} if device.type == "cuda" else {}
     if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
         return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"ddplaunch/restart{restart}", store),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                            timeout=timeout)
+                            timeout=timeout, **bound)
 
 
 def main(argv=None) -> int:
@@ -355,8 +359,8 @@ def main(argv=None) -> int:
     if backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")))
-    init_distributed(backend, timeout)
+    timeout = timedelta(seconds=args.dist_timeout)
+    init_distributed(backend, timeout, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:

@@ -232,3 +232,24 @@ def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_pri
     assert steps[0] == 1 and steps[-1] == 3, said  # the first step at once, the last at exit
     other = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "1"}, timeout=120)
     assert other.returncode == 0 and "DDPLAUNCH_PROGRESS" not in other.stdout  # rank 0 speaks for the job
+
+
+def test_a_script_that_ends_with_os_exit_still_says_its_last_steps_and_timing(tmp_path):
+    """jobs/train.py ends with os._exit (to skip the interpreter's teardown): rank 0's last
+    progress line and every step's timing are said before it exits."""
+    job = script(tmp_path, """\
+        import os
+        import torch
+        m = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(5):
+            opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()
+        os._exit(7)
+        """)
+    out = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "0"}, timeout=120)
+    assert out.returncode == 7, out.stderr
+    steps = [json.loads(m)["steps"] for m in re.findall(r"^DDPLAUNCH_PROGRESS_JSON (\{.*\})$", out.stdout, re.M)]
+    assert steps[-1] == 5, out.stdout
+    timed = [s[0] for m in re.findall(r"^DDPLAUNCH_TIMING_JSON (\{.*\})$", out.stdout, re.M)
+             for s in json.loads(m)["steps"]]
+    assert timed == [2, 3, 4, 5], out.stdout  # the first step has no start: it is not timed

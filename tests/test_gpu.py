@@ -100,3 +100,28 @@ def test_fsdp_on_nccl_checkpoints_and_resumes(tmp_path):
     assert set(range(5, 9)) <= set(resumed), resumed
     for step in range(5, 9):
         assert resumed[step] == pytest.approx(straight[step], rel=1e-4), (step, resumed, straight)
+
+
+def test_a_ddp_job_on_nccl_reports_every_ranks_step_timing(env, tmp_path):
+    """jobs/train.py on NCCL through `up`: the ranks' step timing (the DDP comm hook on CUDA)
+    reaches the event log — a step time and a wait within it for every rank — and the job's group
+    is bound to its GPU (NCCL's barrier does not warn that it guesses the device)."""
+    spec = tmp_path / "ddp.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        name: gpu-ddp
+        workdir: {ROOT}
+        nproc_per_node: {GPUS}
+        dist_backend: nccl
+        job:
+          script: jobs/train.py
+          args: [--epochs, "1", --samples, "2048", --batch-size, "16", --log-every, "50", --ckpt-dir, {tmp_path / "ckpt"}]
+    """))
+    proc = ddplaunch(["up", str(spec), "--run-id", "gpu-ddp"], env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "using the device under current context" not in out, out
+    events = [json.loads(line) for line in (tmp_path / "state" / "runs" / "gpu-ddp" / "events.jsonl").open()]
+    steps = [e for e in events if e["kind"] == "rank-steps"]
+    assert sorted({e["rank"] for e in steps}) == list(range(GPUS)), steps[:5]
+    assert all(0 < e["step_s"] < 5 and 0 <= e["wait_s"] <= e["step_s"] for e in steps), steps[:5]
+    assert any(e["wait_s"] > 0 for e in steps), steps[:5]  # the GPU's time in the collective (CUDA events)

@@ -28,9 +28,10 @@ from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
-#: Hang guards from the crash: the host is named from its heartbeat (detect_timeout 6 s + a 2 s
-#: probe: 7-8 s measured, also at load 14) and training runs again (17-26 s) well before the job's
-#: collective timeout (300 s) would have said anything. How fast is bench/recovery.py's figure.
+#: Hang guards from the crash: the host is named from its heartbeat (detect_timeout 2 s + a 1 s
+#: probe: ~3 s measured; 7-8 s with the 6 s of before, also at load 14) and training runs again
+#: (~10 s) well before the job's collective timeout (300 s) would have said anything. How fast is
+#: bench/recovery.py's figure.
 DETECT_S, RESUME_S = 30.0, 90.0
 
 

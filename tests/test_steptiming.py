@@ -75,3 +75,34 @@ def test_the_rank_that_computes_longer_waits_least_and_is_named(tmp_path, kind):
     # the fast rank waits for the slow one's extra compute at the collectives; the slow one hardly waits
     assert median[0] > SLOW_S / 2 > median[1], median
     assert [(s.host, s.ranks) for s in named] == [("host1", [1])], named
+
+
+class _Event:
+    """A CUDA event as steptiming reads it: done or not, and its time on the GPU (ms)."""
+
+    def __init__(self, at_ms: float, done: bool = True):
+        self.at_ms, self.done = at_ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, later: "_Event") -> float:
+        return later.at_ms - self.at_ms
+
+
+def test_on_cuda_a_steps_wait_is_the_gpus_and_is_sent_once_its_events_completed(monkeypatch):
+    """NCCL's collectives return to the host at once: the wait is read from CUDA events (ready ->
+    the last collective done), and a step whose events the GPU has not reached yet waits, in order."""
+    from ddplaunch.hostside import steptiming
+
+    timing = steptiming.StepTiming()
+    late = _Event(40.0, done=False)
+    timing._pending = [[1, 0.1, 0.002, (_Event(0.0), [_Event(25.0), _Event(30.0)])],
+                       [2, 0.1, 0.0, (_Event(100.0), [late])], [3, 0.1, 0.0]]
+    sent: list[str] = []
+    monkeypatch.setattr(steptiming.os, "write", lambda fd, data: sent.append(data.decode()) or len(data))
+    timing.flush()
+    late.done, late.at_ms = True, 190.0
+    timing.flush()
+    steps = [json.loads(line.split(" ", 1)[1])["steps"] for line in sent]
+    assert steps == [[[1, 0.1, 0.032]], [[2, 0.1, 0.09], [3, 0.1, 0.0]]]

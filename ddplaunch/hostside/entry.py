@@ -337,7 +337,22 @@ def watch_progress() -> Progress:
         sys.meta_path.insert(0, _AfterImport(progress.patch))
     except Exception:  # noqa: BLE001 - progress is a help, never a failure of the job
         pass
+    os._exit = _said_first(progress, os._exit)
     return progress
+
+
+def _said_first(progress: Progress, real_exit):
+    """`os._exit` that first says the last steps and timing: a script that ends with it (to skip
+    the interpreter's teardown, as jobs/train.py does) ends before entry.py's own last word."""
+    def _exit(code):
+        try:
+            progress.flush()
+            if progress.timing is not None:
+                progress.timing.flush()
+        except BaseException:  # noqa: B902 - the exit is what was asked for
+            pass
+        real_exit(code)
+    return _exit
 
 
 def main(argv: list) -> None:

@@ -9,7 +9,9 @@ largest. Waits are measured
 - for `DistributedDataParallel`: by a comm hook installed on every DDP the script builds
   (the default all-reduce, or the hook the script registers, called inside ours): from the
   moment the step's last gradient bucket is ready on this rank to the moment the last bucket's
-  collective completes;
+  collective completes. On CUDA (NCCL) both moments are the GPU's, CUDA events on the streams
+  (NCCL's collectives return to Python at once: the host sees no wait; the GPU waits for the
+  peers); the events are read once they completed, so a step's line may leave a second later;
 - for FSDP2 and every other `torch.distributed` collective (the functions are wrapped): the
   time a blocking call spends inside it, and for an async call the time spent blocked in its
   `Work.wait()` (FSDP2 all-gathers and reduce-scatters through these functions; on CPU/Gloo its
@@ -48,7 +50,8 @@ class StepTiming:
         self._arrived = None      # when this step's last gradient bucket was ready (DDP)
         self._completed = None    # when the last bucket's collective completed
         self._waited = 0.0        # seconds inside plain collectives this step
-        self._pending = []
+        self._events = None       # CUDA: (this step's last bucket ready, [its collectives done])
+        self._pending = []        # [step, step_s, wait_s] to send, or with CUDA events still to read
         self._sender = None
         self._patched = set()
         self._inside = threading.local()  # in a timed collective (its own Work.wait is not counted twice)
@@ -61,20 +64,29 @@ class StepTiming:
         with self._lock:
             if self._last_end is not None:
                 wait = self._waited
-                if self._arrived is not None and self._completed is not None:
-                    wait += max(0.0, self._completed - self._arrived)
                 step_s = now - self._last_end
-                self._pending.append([step, round(step_s, 6), round(min(wait, step_s), 6)])
+                if self._events is not None and self._events[1]:
+                    self._pending.append([step, round(step_s, 6), wait, self._events])
+                else:
+                    if self._arrived is not None and self._completed is not None:
+                        wait += max(0.0, self._completed - self._arrived)
+                    self._pending.append([step, round(step_s, 6), round(min(wait, step_s), 6)])
             self._last_end = now
-            self._arrived = self._completed = None
+            self._arrived = self._completed = self._events = None
             self._waited = 0.0
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name="ddplaunch-step-timing", daemon=True)
             self._sender.start()
 
-    def _bucket_ready(self):
+    def _bucket_ready(self, event=None):
         with self._lock:
             self._arrived = time.monotonic()
+            self._events = (event, []) if event is not None else None
+
+    def _bucket_done_on_gpu(self, event):
+        with self._lock:
+            if self._events is not None:
+                self._events[1].append(event)
 
     def _bucket_done(self):
         with self._lock:
@@ -94,7 +106,12 @@ class StepTiming:
 
     def flush(self):
         with self._lock:
-            batch, self._pending = self._pending, []
+            ready = 0
+            for entry in self._pending:
+                if len(entry) == 4 and not _read_events(entry):
+                    break  # the GPU has not got this far yet: this and later steps wait (in order)
+                ready += 1
+            batch, self._pending = self._pending[:ready], self._pending[ready:]
         for i in range(0, len(batch), PER_LINE):
             line = "DDPLAUNCH_TIMING_JSON " + json.dumps({"rank": self.rank, "steps": batch[i:i + PER_LINE]}) + "\n"
             try:
@@ -179,16 +196,54 @@ class StepTiming:
         timing = self
 
         def ddplaunch_timed_hook(state, bucket):
-            timing._bucket_ready()
+            ready = _gpu_event(bucket.buffer())
+            timing._bucket_ready(ready)
             if inner["hook"] is not None:
                 fut = inner["hook"](inner["state"], bucket)
             else:
                 fut = _scaled_sum(getattr(ddp, "process_group", None), bucket)
 
+            def done(_):
+                # on CUDA the callback runs on a stream that waits for the collective's kernels:
+                # an event recorded there completes when the collective has on the GPU
+                event = _gpu_event(bucket.buffer()) if ready is not None else None
+                if event is not None:
+                    timing._bucket_done_on_gpu(event)
+                else:
+                    timing._bucket_done()
             # a callback, not `then`: DDP gets the collective's own future (its errors unwrapped)
-            fut.add_done_callback(lambda _: timing._bucket_done())
+            fut.add_done_callback(done)
             return fut
         return ddplaunch_timed_hook
+
+
+def _gpu_event(tensor):
+    """A CUDA event recorded now on the current stream when `tensor` is on a GPU, else None
+    (timing is a help: any failure means no event, never a failure of the job)."""
+    try:
+        if not tensor.is_cuda:
+            return None
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _read_events(entry):
+    """Turn a pending [step, step_s, wait_s, (ready, [done...])] into [step, step_s, wait_s] once
+    its events completed (False: not yet); the GPU's wait is from the bucket ready to its last
+    collective done, within the step."""
+    step, step_s, wait, (ready, done) = entry
+    try:
+        if not all(e.query() for e in (ready, *done)):
+            return False
+        wait += max(0.0, max(ready.elapsed_time(e) for e in done) / 1000.0)
+    except Exception:  # noqa: BLE001 - unreadable events: the host's own view (no wait) stands
+        pass
+    entry[:] = [step, step_s, round(min(wait, step_s), 6)]
+    return True
 
 
 def _scaled_sum(group, bucket):
