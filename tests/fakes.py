@@ -248,6 +248,9 @@ class FakeStage:
     def lost(self, node: int) -> None:
         self.done.add(node)
 
+    def at_fault(self, node: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -141,6 +141,9 @@ class _LocalStage:
     def lost(self, node: int) -> None:
         pass
 
+    def at_fault(self, node: int) -> None:
+        pass
+
     def close(self) -> None:
         self.proc.wait()
         self.reader.join(timeout=5)

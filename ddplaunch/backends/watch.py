@@ -117,6 +117,10 @@ class RunningStage(Protocol):
     def lost(self, node: int) -> None:
         """The node's host is gone: stop waiting for it and talking to it (no stop, no reaping)."""
 
+    def at_fault(self, node: int) -> None:
+        """The node's host answers but its ranks are at fault (frozen): stopping the stage does
+        not wait for them (they never act on SIGTERM); `close` still ends them."""
+
     def close(self) -> None:
         """Release the stage's sessions and end whatever of the run is left on its hosts."""
 
@@ -130,6 +134,7 @@ class LossAware:
         self._unanswered = unanswered
         self._seen: set[int] = set()
         self._lost: set[int] = set()
+        self._at_fault: set[int] = set()
 
     def confirm_lost(self, node: int) -> Optional[str]:
         return self._unanswered(node)
@@ -137,6 +142,9 @@ class LossAware:
     def lost(self, node: int) -> None:
         self._seen.add(node)
         self._lost.add(node)
+
+    def at_fault(self, node: int) -> None:
+        self._at_fault.add(node)
 
 
 def unanswered(addr: str, port: int, timeout: float = PROBE_S) -> Optional[str]:
@@ -238,7 +246,7 @@ class _Watch:
             if stop.is_set():
                 self.result.interrupted = stop.by_user
                 cause = stop.cause or "interrupted by the user"
-                self._at_fault(stop.lost)
+                self._at_fault(stage, stop.lost)
                 self.lines.note(f"{cause}: stopping every node")
                 return cause
             if failed_at is not None and (time.monotonic() - failed_at >= grace or self.first_bad is not None
@@ -248,12 +256,14 @@ class _Watch:
             time.sleep(POLL_S)
         return None
 
-    def _at_fault(self, hosts: dict[str, str]) -> None:
+    def _at_fault(self, stage: RunningStage, hosts: dict[str, str]) -> None:
         """Nodes on hosts the stop names at fault (frozen ranks) end as lost, not stopped: their
         hosts answer, so they are reaped with the others (which kills even a stopped process),
         and not waited for (a frozen torchrun never acts on SIGTERM)."""
-        self.take([NodeEnd(o.node_rank, None, how=hosts[o.host], lost=True, confirmed=True)
-                   for o in self.result.outcomes if o.host in hosts and o.node_rank not in self.ended])
+        at_fault = [o.node_rank for o in self.result.outcomes if o.host in hosts and o.node_rank not in self.ended]
+        for node in at_fault:
+            stage.at_fault(node)
+        self.take([NodeEnd(node, None, how=hosts[self.host(node)], lost=True, confirmed=True) for node in at_fault])
 
     def _silent(self, stage: RunningStage) -> list[NodeEnd]:
         """Nodes silent for `detect` seconds whose host does not answer the backend's probe (the

@@ -18,10 +18,15 @@ import time
 from typing import Callable, Optional
 
 from ddplaunch.backends.slurm.client import SlurmClient
+from ddplaunch.errors import BackendError
 from ddplaunch.backends.watch import LOST_STOP_GRACE, SHUTDOWN_GRACE, LossAware, NodeEnd
 from ddplaunch.stagelines import StageLines
 
 SRUN_PIECE = 1024
+#: With a node lost, how long srun is given after the step's tasks were signalled before it is
+#: killed (it waits for the lost node's tasks, which never end): the others' torchrun get this
+#: long to stop their workers; the reaper ends whatever is left.
+LOST_SRUN_S = 2.0
 _LABEL_RE = re.compile(r"^\s*(\d+): ?(.*)$")
 _LAUNCH_FAILED_RE = re.compile(r"^srun: error: Task launch for \S+ failed on node (\S+): (.*)$")
 _TASK_END_RE = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (Exited with exit code (\d+)|Killed|Terminated|.*)$")
@@ -136,19 +141,36 @@ class SrunStep:
     def poll(self) -> Optional[int]:
         return self.proc.poll()
 
-    def stop(self, grace: float = SHUTDOWN_GRACE) -> None:
-        """SIGTERM every task of the step (torchrun stops its workers), then end srun."""
+    def stop(self, grace: float = SHUTDOWN_GRACE, lost: bool = False) -> None:
+        """SIGTERM every task of the step (torchrun stops its workers), then end srun. With a node
+        `lost`, scancel is not waited for (slurmctld answers it only once the lost node's slurmd
+        has not, MessageTimeout later: ~12 s on the sim, while the others' tasks are signalled at
+        once) and srun, which would wait for the lost node's tasks forever, is killed after
+        `grace`: what is left on the others is ended by the run's reaper."""
         step = self.client.step_id(self.job, self.name)
         if step:
-            self.client.run(["scancel", "--signal=TERM", step])
+            cancel = ["scancel", "--signal=TERM", step]
+            if lost:
+                threading.Thread(target=self._quietly, args=(cancel,), daemon=True).start()
+            else:
+                self.client.run(cancel)
         try:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
+            if lost:
+                self.proc.kill()
+                return
             self.proc.terminate()  # srun cancels the step
             try:
                 self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+    def _quietly(self, argv: list[str]) -> None:
+        try:
+            self.client.run(argv)
+        except BackendError:
+            pass  # a lost node's step: what scancel could not end, the reaper does
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -193,7 +215,9 @@ class SrunStage(LossAware):
     def stop(self, nodes: list[int]) -> None:
         # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost, srun
         # would wait for that node's end, which never comes (and the survivors are killed soon)
-        self.step.stop(grace=LOST_STOP_GRACE if self._lost else self.stop_grace)
+        # a node lost or frozen: srun would wait for its tasks, which never end
+        gone = bool(self._lost or self._at_fault)
+        self.step.stop(grace=min(LOST_STOP_GRACE, LOST_SRUN_S) if gone else self.stop_grace, lost=gone)
 
     def settle(self, nodes: set[int], timeout: float) -> list[NodeEnd]:
         self.step.wait(timeout=timeout)
@@ -206,8 +230,8 @@ class SrunStage(LossAware):
         if self.step.poll() is None:
             self.step.proc.kill()
         self.rc = self.step.wait(timeout=60)
-        if self._lost:  # srun was ended before the others' tasks reported: leave nothing behind
-            self._reap(self._lost)
+        if self._lost or self._at_fault:  # srun was ended before the tasks reported: leave nothing
+            self._reap(self._lost)           # behind (the frozen ranks too: their host answers)
 
 
 def _task_ids(text: str) -> list[int]:
