@@ -170,6 +170,7 @@ class SshStage(LossAware):
     def close(self) -> None:
         for node, (reader, ch) in enumerate(zip(self.readers, self.channels)):
             if node not in self._lost:  # a lost host's channel ends with its connection
-                reader.join(timeout=5)
+                if node not in self._at_fault:  # a frozen node's never ends by itself: the reaper ends it
+                    reader.join(timeout=5)
                 ch.close()
         self._reap(self._lost)
