@@ -18,8 +18,8 @@ import time
 from typing import Callable, Optional
 
 from ddplaunch.backends.slurm.client import SlurmClient
-from ddplaunch.errors import BackendError
 from ddplaunch.backends.watch import LOST_STOP_GRACE, SHUTDOWN_GRACE, LossAware, NodeEnd
+from ddplaunch.errors import BackendError
 from ddplaunch.stagelines import StageLines
 
 SRUN_PIECE = 1024
@@ -213,9 +213,8 @@ class SrunStage(LossAware):
         return out
 
     def stop(self, nodes: list[int]) -> None:
-        # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost, srun
-        # would wait for that node's end, which never comes (and the survivors are killed soon)
-        # a node lost or frozen: srun would wait for its tasks, which never end
+        # a step stops as a whole: SIGTERM to every task, then srun ends; with a node lost or
+        # frozen, srun would wait for that node's tasks, which never end (the reaper ends the rest)
         gone = bool(self._lost or self._at_fault)
         self.step.stop(grace=min(LOST_STOP_GRACE, LOST_SRUN_S) if gone else self.stop_grace, lost=gone)
 
