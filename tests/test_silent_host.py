@@ -7,7 +7,7 @@ The probes themselves are real TCP connections in tests/test_recovery.py; here t
 from __future__ import annotations
 
 import dataclasses
-import time
+import threading
 
 from pathlib import Path
 from typing import Optional
@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]
 
 
-def _backend(peers: dict[str, Optional[bool]], mine: Optional[str], hosts=HOSTS, mine_s: float = 0.0) -> SshBackend:
+def _backend(peers: dict[str, Optional[bool]], mine: Optional[str], hosts=HOSTS,
+             release: Optional[threading.Event] = None) -> SshBackend:
     spec = load_spec_data({"backend": "ssh", "hosts": hosts, "workdir": "/srv",
                            "job": {"script": "jobs/train.py"}}, base_dir=ROOT)
     backend = SshBackend(spec)
+    backend.gave_up = False  # type: ignore[attr-defined]
     def my_probe(label: str) -> Optional[str]:
-        time.sleep(mine_s)  # a launcher far from the cluster: its probe takes this long to give up
+        if release is not None:  # a launcher far from the cluster: its probe gives up only when released
+            release.wait(60)
+            backend.gave_up = True  # type: ignore[attr-defined]
         return None if mine is None else NoAnswer(mine)
     backend.connector.unanswered = my_probe  # type: ignore[method-assign]
     asked: list[str] = []
@@ -77,9 +81,13 @@ def test_without_a_peer_that_can_try_the_host_this_machines_probe_decides(hosts)
 
 
 def test_a_peer_that_cannot_reach_the_host_decides_before_this_machines_probe_gives_up():
-    backend = _backend({"10.0.0.1": False, "10.0.0.3": None}, mine="10.0.0.2:22 gave no answer within 1s", mine_s=3.0)
-    t0 = time.monotonic()
-    why = backend._unanswered(list(backend.spec.hosts), 1)
-    assert time.monotonic() - t0 < 2.0  # not this machine's 3 s
+    release = threading.Event()
+    backend = _backend({"10.0.0.1": False, "10.0.0.3": None}, mine="10.0.0.2:22 gave no answer within 1s",
+                       release=release)
+    try:
+        why = backend._unanswered(list(backend.spec.hosts), 1)
+        assert backend.gave_up is False  # decided while this machine's probe still waited
+    finally:
+        release.set()
     assert why == "10.0.0.2:22 answers neither this machine nor 10.0.0.1"
     assert not getattr(why, "local", False)
