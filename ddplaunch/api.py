@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
-from ddplaunch import launch, supervisor
+from ddplaunch import launch, runview, supervisor
+from ddplaunch.attach import event_lines, hand_over
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.events import Event, RunEnded, follow, read_events
+from ddplaunch.events import Event, RunEnded, from_line
 from ddplaunch.report import RunReport
 from ddplaunch.runloop import UpOptions
-from ddplaunch.runs import check_run_id, load_run, new_run_id, run_dir
+from ddplaunch.runs import REMOTE_HOST, RunRecord, check_run_id, load_run, new_run_id
+from ddplaunch.runstatus import RunStatus
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.specfile import load_spec as _load_file
 from ddplaunch.specfile import load_spec_data
@@ -71,61 +73,73 @@ def up(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, dry_run: boo
 
 
 class Run:
-    """A run a supervisor runs (`submit`, or `Run(run_id)` for any recorded run of this machine)."""
+    """A supervised run: from `submit`, or `Run(run_id)` for any run recorded on this machine —
+    supervised here, by its scheduler's job (Slurm's `up --detach`) or on `supervisor.host`. What
+    it says is read from the run's event log (over SSH from the supervisor's host, for the last)."""
 
     def __init__(self, run_id: str):
         self.run_id = check_run_id(run_id)
 
     @property
     def state(self) -> str:
-        """The record's state: running, ok, failed, interrupted (or the launcher's death said)."""
-        return load_run(self.run_id).shown_state()
+        """running, then ok, failed or interrupted (or the supervisor's death said); `submitted`
+        while a scheduler has not started the run's job."""
+        record = load_run(self.run_id)
+        view = RunStatus.of(self._events(record))
+        if view.started is None:
+            return record.shown_state()
+        if record.extra.get(REMOTE_HOST):
+            return view.state(None)
+        return view.state(*runview.liveness(record, view))
 
     def events(self) -> list[Event]:
         """Every event logged so far (ddplaunch/events.py: typed, oldest first)."""
-        return read_events(run_dir(self.run_id))
+        return self._events(load_run(self.run_id))
+
+    @staticmethod
+    def _events(record: RunRecord) -> list[Event]:
+        return [e for e in map(from_line, event_lines(record)) if e is not None]
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Block until the run ends; its exit code (0, 1, 130).
 
         Raises:
             TimeoutError: not ended within `timeout` seconds. BackendError: its supervisor died
-            without ending it (`ddplaunch down RUN_ID` ends what is left).
+            without ending it (`ddplaunch down RUN_ID` ends what is left), or its host stopped
+            answering.
         """
-        supervised = self._supervised()
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def going() -> bool:
-            return supervised.alive() and (deadline is None or time.monotonic() < deadline)
-        for event in follow(supervised.dir, going):
+        began = time.monotonic()
+        for event in map(from_line, event_lines(load_run(self.run_id), live=True, timeout=timeout)):
             if isinstance(event, RunEnded):
                 return event.exit_code
-        if supervised.alive():
+        if timeout is not None and time.monotonic() - began >= timeout:
             raise TimeoutError(f"run {self.run_id} still runs after {timeout}s")
         raise BackendError(f"the supervisor of run {self.run_id} died without ending it; "
                            f"`ddplaunch down {self.run_id}` ends what is left")
 
     def stop(self, grace: float = 30.0) -> bool:
-        """Stop the run (every host in order, as Ctrl-C); True once its supervisor has ended it."""
-        return supervisor.stop(self._supervised(), grace)
-
-    def _supervised(self) -> supervisor.Supervised:
-        return supervisor.Supervised.of(load_run(self.run_id))
+        """Stop the run (every host in order, as Ctrl-C); True once its supervisor has ended it
+        (a scheduler's job or a supervisor on another host: once `down` there has answered)."""
+        record = load_run(self.run_id)
+        if record.extra.get(REMOTE_HOST) or record.extra.get("detached"):
+            return not any(" did not answer: " in line for line in runview.down(record))
+        return supervisor.stop(supervisor.Supervised.of(record), grace)
 
 
 def submit(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, **options: Any) -> Run:
-    """`ddplaunch up --detach` from Python: a supervisor process (a daemon on this machine) takes
-    the run, and this returns once it has; the run goes on whatever becomes of this process.
+    """`ddplaunch up --detach` from Python: the run's supervisor takes it — the scheduler's job on
+    Slurm, a daemon on `supervisor.host` when the spec names one, else a daemon on this machine —
+    and this returns once it has; the run goes on whatever becomes of this process.
 
-    The supervisor is forked from this process: call it while no other thread of yours holds a
-    lock (the usual case). Options as `up`'s.
+    A supervisor on this machine is forked from this process: call it while no other thread of
+    yours holds a lock (the usual case). Options as `up`'s.
 
     Raises:
         SpecError, PlanError: bad input (nothing is recorded). BackendError: the supervisor did not start.
     """
     opts = _options(job_args, options, healthcheck_only=False)
-    loaded = load_spec(spec)
-    return Run(supervisor.submit(loaded, _spec_path(spec), opts).run_id)
+    run_id, _ = hand_over(load_spec(spec), _spec_path(spec), opts)
+    return Run(run_id)
 
 
 def check(spec: SpecLike, *, dry_run: bool = False, stream: Optional[IO[str]] = None,

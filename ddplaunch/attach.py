@@ -16,13 +16,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Optional, Protocol
+from typing import IO, Any, Callable, Iterator, Optional, Protocol
 
 from ddplaunch import launch
 from ddplaunch.backends import scheduler_of
 from ddplaunch.console import make_console
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
-from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow
+from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow, read_events, to_line
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import REMOTE_HOST, RunRecord
 from ddplaunch.runview import JOB_POLL, record_backend
@@ -205,22 +205,56 @@ def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bo
         host.close()
 
 
-def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
-    """`ddplaunch up --detach`: the scheduler takes the run where the backend has one (Slurm's
-    batch job), else a supervisor on this machine; the line that says where, once it has."""
+def event_lines(record: RunRecord, live: bool = False, timeout: Optional[float] = None) -> Iterator[str]:
+    """The run's event log as JSON lines (events.py), oldest first; with `live`, each new one as it
+    comes until the run ends, its supervisor is gone or `timeout` seconds have passed. Of a run
+    supervised on another host, what `ddplaunch events` says there (over SSH)."""
+    if record.extra.get(REMOTE_HOST):
+        from ddplaunch import remote  # Fabric: only for such a run
+
+        host = remote.host_of(record)
+        assert host is not None
+        try:
+            yield from host.lines(["events", record.run_id, *(["--follow"] if live else []),
+                                   *(["--timeout", str(timeout)] if timeout is not None else [])])
+        finally:
+            host.close()
+        return
+    if not live:
+        yield from map(to_line, read_events(record.dir))
+        return
+    supervised = supervised_of(record)
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def going() -> bool:
+        return supervised.alive() and (deadline is None or time.monotonic() < deadline)
+    yield from map(to_line, follow(supervised.dir, going))
+
+
+def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> tuple[str, str]:
+    """Hand the run to its supervisor and return once it has taken it: the scheduler's job where
+    the backend has one (Slurm's batch job), the daemon on `supervisor.host`, else a daemon on this
+    machine. The run id, and the line that says where it runs and how to follow it.
+
+    Raises:
+        PlanError: what `launch.begin` refuses. BackendError: the supervisor did not take the run.
+    """
     if spec.supervisor.host is not None:
         record = launch.submit_elsewhere(spec, spec_path, opts)
         rid, host = record.run_id, record.extra[REMOTE_HOST]
-        line = (f"run {rid}: supervised by pid {record.extra['supervisor_pid']} on {host}; ddplaunch attach {rid} "
-                f"follows it, ddplaunch down {rid} stops it")
-        print(line, file=stream or sys.stdout, flush=True)
-        return line
-    where = launch.detach(spec, spec_path, opts, stream)
-    if where is not None:
-        return where
+        return rid, (f"run {rid}: supervised by pid {record.extra['supervisor_pid']} on {host}; ddplaunch attach "
+                     f"{rid} follows it, ddplaunch down {rid} stops it")
+    scheduled = launch.detach(spec, spec_path, opts)
+    if scheduled is not None:
+        return scheduled.run_id, f"run {scheduled.run_id}: {scheduled.extra['detached']}"
     supervised = submit(spec, spec_path, opts)
     rid = supervised.run_id
-    line = (f"run {rid}: supervised by pid {supervised.pid} on this machine; ddplaunch attach {rid} follows it, "
-            f"ddplaunch down {rid} stops it")
+    return rid, (f"run {rid}: supervised by pid {supervised.pid} on this machine; ddplaunch attach {rid} follows "
+                 f"it, ddplaunch down {rid} stops it")
+
+
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
+    """`ddplaunch up --detach`: `hand_over`, then the line that says where the run went."""
+    _, line = hand_over(spec, spec_path, opts)
     print(line, file=stream or sys.stdout, flush=True)
     return line

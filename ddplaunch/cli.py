@@ -184,6 +184,21 @@ def attach_cmd(run_id: str | None) -> None:
     sys.exit(attach(_pick(run_id), sys.stdout))
 
 
+@cli.command("events")
+@click.argument("run_id", required=False)
+@click.option("-f", "--follow", is_flag=True, help="Then each new event, until the run ends.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None,
+              help="With --follow: stop following after this many seconds.")
+@_handle_errors
+def events_cmd(run_id: str | None, follow: bool, timeout: float | None) -> None:
+    """A run's typed event log as JSON lines, oldest first (default: the latest run here): stages,
+    every host's state, recoveries, each rank's steps, stragglers, the end."""
+    from ddplaunch.attach import event_lines
+
+    for line in event_lines(_pick(run_id), live=follow, timeout=timeout):
+        click.echo(line)
+
+
 @cli.command("supervise", hidden=True)
 @click.option("--stdin", "from_stdin", is_flag=True, help="The run on stdin (one line), not in the environment.")
 @click.option("--daemon", is_flag=True, help="Fork the supervisor and answer once it has taken the run.")

@@ -80,6 +80,8 @@ class StageEnded(_Event):
     ok: bool
     states: dict[str, NodeState]
     host_failure: bool = False
+    #: each node's torchrun exit code, where it ended with one (older logs: none)
+    exit_codes: dict[str, Optional[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:  # read back from the log: the values as the enum again
         self.states = {host: NodeState(state) for host, state in self.states.items()}

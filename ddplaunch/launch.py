@@ -88,11 +88,11 @@ def before_stages(spec: ClusterSpec) -> str:
         backend.close()
 
 
-def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> Optional[str]:
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Optional[RunRecord]:
     """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run
-    (its supervisor runs in the scheduler's job), record it, return once the scheduler has it;
-    None when the backend has none (a supervisor on this machine takes the run then:
-    supervisor.py).
+    (its supervisor runs in the scheduler's job), record it, return the record once the scheduler
+    has it (`extra["detached"]` says where); None when the backend has none (a supervisor on this
+    machine takes the run then: supervisor.py).
 
     Raises:
         PlanError: bad --run-id or --exclude. BackendError: the scheduler refused the job (the
@@ -118,9 +118,7 @@ def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[
         raise
     record.extra["detached"] = where
     record.save()
-    out = stream or sys.stdout
-    out.write(f"run {run_id}: {where}\n")
-    return where
+    return record
 
 
 def submit_elsewhere(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:

@@ -265,7 +265,7 @@ class RunLoop:
         self.record.stages.append(result.to_dict())
         self.record.save()
         self._event(StageEnded(result.stage, result.ok, {o.host: o.state for o in result.outcomes},
-                               result.host_failure))
+                               result.host_failure, {o.host: o.exit_code for o in result.outcomes}))
         return result
 
     def _oom_kills(self, spec: ClusterSpec, plan: LaunchPlan, result: StageResult) -> list[str]:

@@ -15,8 +15,10 @@ from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, RunContext
 from ddplaunch.console import WHO_RE
 from ddplaunch.errors import DdplaunchError
+from ddplaunch.events import read_events
 from ddplaunch.results import StopEvent
 from ddplaunch.runs import ACTIVE_STATES, REMOTE_HOST, RunRecord, load_run, status_lines
+from ddplaunch.runstatus import RunStatus
 from ddplaunch.spec import ClusterSpec
 
 #: Seconds between two questions to the scheduler whether a detached run's job has ended.
@@ -67,14 +69,31 @@ def _elsewhere(record: RunRecord, args: list[str]) -> Optional[list[str]]:
 
 
 def status(record: RunRecord) -> list[str]:
-    """The record's state and outcomes, then the backend's live view (Slurm: the job); of a run
-    supervised on another host, what `status` says there."""
+    """What the run's event log says (runstatus.py; the record, for a run that has none yet), then
+    the backend's live view (Slurm: the job); of a run supervised on another host, what `status`
+    says there."""
     there = _elsewhere(record, ["status", record.run_id])
     if there is not None:
         return there
     backend = record_backend(record)
     scheduler = scheduler_of(backend)
-    return status_lines(settle(record, backend)) + (scheduler.describe(record) if scheduler else [])
+    job = scheduler.describe(record) if scheduler else []
+    view = RunStatus.of(read_events(record.dir))
+    if view.started is None:  # not started yet (a queued job), or an older ddplaunch's run: its record
+        return status_lines(settle(record, backend)) + job
+    return view.lines(*liveness(record, view, backend)) + job
+
+
+def liveness(record: RunRecord, view: RunStatus,
+             backend: Optional[Launcher[Any]] = None) -> tuple[Optional[bool], Optional[str]]:
+    """What the event log cannot say of itself: whether its writer (the supervisor) still runs
+    (None: not known here), and the final state a scheduler gave a detached run whose log has no
+    end (its job was ended whole; the record's backend is asked, `backend` when given)."""
+    final = None
+    if view.ended is None and record.extra.get("detached"):
+        settled = settle(record, backend or record_backend(record))
+        final = settled.state if settled.state not in ACTIVE_STATES else None
+    return record.launcher_alive(), final
 
 
 def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,

@@ -92,6 +92,29 @@ def ddplaunch(args: list[str], tmp_path: Path, timeout: float = 240) -> subproce
                           timeout=timeout, cwd=ROOT, env=launcher_env(tmp_path))
 
 
+#: `ddplaunch.submit(spec, run_id)`, then the `Run` handle's view of it to its end, as one JSON line.
+SUBMIT_AND_WAIT = """
+import json, sys, ddplaunch
+run = ddplaunch.submit(sys.argv[1], run_id=sys.argv[2])
+first = run.state
+code = run.wait(timeout=float(sys.argv[3]))
+events = run.events()
+print(json.dumps({"first": first, "exit": code, "state": run.state, "kinds": [e.KIND for e in events],
+                  "shown": [getattr(e, "text", "") for e in events]}))
+"""
+
+
+def submit_and_wait(spec: Path, run_id: str, tmp_path: Path, timeout: float = 240) -> dict:
+    """The Python API (`submit`, `Run.state/wait/events`) in a new interpreter, with the tests'
+    launcher environment: what the handle said (first state, exit code, final state, the events'
+    kinds and the lines shown)."""
+    started.note(["--run-id", run_id], tmp_path)
+    out = subprocess.run([sys.executable, "-c", SUBMIT_AND_WAIT, str(spec), run_id, str(timeout)],
+                         capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT, env=launcher_env(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def _as_from_a_terminal() -> None:
     """SIGHUP at its default in the child, as a terminal starts it: the test runner may itself run
     under `nohup` (SIGHUP ignored, which every child would inherit)."""

@@ -22,7 +22,7 @@ import yaml
 
 from ddplaunch.sim.faults import sim_fault
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
-from tests.ssh_util import ROOT, ddplaunch, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, run_processes, submit_and_wait, wait_for
 from tests.test_recovery import SHA_RE, _train
 from tests.test_recovery_slurm import _spec as recovery_spec
 from tests.test_slurm import in_queue, job_of, slurm_env, slurm_spec
@@ -132,6 +132,19 @@ def test_down_cancels_a_detached_run_and_the_secret_stays_in_the_environment(slu
     status = ddplaunch(["status", "det-down"], tmp_path)
     # the supervisor, told to stop by the cancel, stopped every step and ended the record itself
     assert status.stdout.startswith(("det-down: interrupted (slurm", "det-down: cancelled (slurm")), status.stdout
+
+
+def test_the_python_api_submits_to_slurm_and_waits_for_the_run(slurm_cluster, tmp_path):
+    """`ddplaunch.submit` on Slurm hands the run to a batch job as `up --detach` does; the `Run`
+    handle follows the event log its supervisor writes there, to the run's end."""
+    got = submit_and_wait(slurm_spec(slurm_cluster, tmp_path), "det-api", tmp_path)
+    assert got["first"] in ("submitted", "running", "ok") and got["exit"] == 0 and got["state"] == "ok", got
+    assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended", got["kinds"]
+    text = "\n".join(got["shown"])
+    assert "HEALTHCHECK OK world=4" in text and "stage job: ok on all 2 node(s)" in text, text[-3000:]
+    job = job_of(tmp_path, "det-api")
+    assert _record(tmp_path, "det-api")["extra"]["detached"].startswith(f"submitted Slurm job {job}")
+    _gone_within(slurm_cluster, job, 10)  # the allocation ends with the run
 
 
 def _undisturbed(tmp_path: Path) -> str:

@@ -91,6 +91,10 @@ def test_detach_returns_once_taken_and_down_stops_the_run_through_its_supervisor
                           f"follows it, ddplaunch down {run_id} stops it\n")
     events = tmp_path / "state" / "runs" / run_id
     wait_for(lambda: any(isinstance(e, Shown) and "step=2 " in e.text for e in read_events(events)), timeout=120)
+    wait_for(lambda: any(isinstance(e, RankSteps) for e in read_events(events)), timeout=60)
+    status = ddplaunch(["status", run_id], tmp_path).stdout.splitlines()  # read from the event log
+    assert status[0].startswith(f"{run_id}: running (local; hosts localhost; supervisor pid {pid} on "), status
+    assert re.fullmatch(r"  now: stage job, step [1-9]\d* \(newest of any rank, reported \d+s ago\)", status[1]), status
     down = ddplaunch(["down", run_id], tmp_path, timeout=120)
     assert down.returncode == 0 and down.stdout.startswith(f"supervisor (pid {pid}): stopped the run\n"), down.stdout
     assert _record(tmp_path, run_id)["state"] == "interrupted"
@@ -146,6 +150,8 @@ def test_a_supervisor_that_dies_is_said_by_attach(tmp_path):
     assert attach.returncode == 1
     assert f"the supervisor of run {run_id} (pid {pid}) ended without ending the run; `ddplaunch down {run_id}`" \
         in err, err
+    status = ddplaunch(["status", run_id], tmp_path)
+    assert status.stdout.startswith(f"{run_id}: supervisor died without ending the run (pid {pid} gone)"), status.stdout
     down = ddplaunch(["down", run_id], tmp_path, timeout=120)
     assert down.returncode == 0 and "supervisor" not in down.stdout, down.stdout
     assert wait_for(lambda: not run_processes(run_id), timeout=30) is True

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from ddplaunch.sim.faults import sim_fault
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import (ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, submit_and_wait,
+                            wait_for)
 from tests.test_supervisor import SHA_RE, _spec as local_spec
 from tests.timing import no_hang
 
@@ -90,6 +91,18 @@ def test_the_run_lives_on_the_supervisor_host_and_outlives_a_killed_up(sim_clust
     assert ranks and set(ranks) == {"0"} and "step=1 " in logs.stdout, logs.stdout[-2000:] + logs.stderr
     runs = ddplaunch(["runs"], tmp_path)
     assert f"supervised on {head.name}" in runs.stdout, runs.stdout
+    assert wait_for(lambda: not run_processes(run_id), timeout=60) is True
+
+
+def test_the_python_api_hands_the_run_there_and_follows_it(sim_cluster, tmp_path, reference, run_id):
+    """`ddplaunch.submit` with supervisor.host: the run goes to that host as `up --detach` sends it;
+    the `Run` handle reads its event log there (state, events, wait) over SSH."""
+    got = submit_and_wait(_spec(sim_cluster, tmp_path, "api"), run_id, tmp_path, timeout=300)
+    assert got["first"] in ("running", "ok") and got["exit"] == 0 and got["state"] == "ok", got
+    assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended" and "rank-steps" in got["kinds"]
+    assert SHA_RE.findall("\n".join(got["shown"])) == [reference]  # bitwise equal to an undisturbed run
+    record = _local_record(tmp_path, run_id)
+    assert record["extra"]["supervisor_host"] == sim_cluster.hosts[3].name, record
     assert wait_for(lambda: not run_processes(run_id), timeout=60) is True
 
 
