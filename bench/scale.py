@@ -48,8 +48,9 @@ sys.path.insert(0, str(ROOT))
 
 PREFIX, SUBNET = "dsc", "10.213.50.0/24"
 LAUNCHERS = ["ddplaunch", "hand", "deepspeed"]   # the three compared; the default of --launchers
-#: optional rows: `ddplaunch up --skip-healthcheck`, and `ddplaunch up` with `preflight.enabled: false`
-EXTRA = ["ddplaunch-skiphc", "ddplaunch-nopf"]
+#: optional rows: `ddplaunch up --skip-healthcheck`, `ddplaunch up` with `preflight.enabled: false`,
+#: and `ddplaunch up` of an earlier commit (`--baseline REV`, run from a git worktree of it)
+EXTRA = ["ddplaunch-skiphc", "ddplaunch-nopf", "ddplaunch-base"]
 ALL_NAMES = LAUNCHERS + EXTRA
 RDZV_TIMEOUT = 120     # every launcher's rendezvous limit; it bounds a failure, it does not pace a run
 RUN_TIMEOUT = 420
@@ -63,6 +64,13 @@ def mem_used_mib() -> float:
         k, v = line.split(":", 1)
         info[k] = int(v.split()[0])
     return (info["MemTotal"] - info["MemAvailable"]) / 1024
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds every process of the machine has used since boot (/proc/stat: all but idle and
+    iowait): the sim's hosts share this machine, so a launch's delta is what it cost them all."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -106,11 +114,11 @@ def own_leftovers(marker: str) -> list[int]:
 
 
 def launch(argv: list[str], env: dict, want: int, marker: str, timeout: float = RUN_TIMEOUT,
-           result_line: str = "updated_weight=") -> dict:
+           result_line: str = "updated_weight=", cwd: Path = ROOT) -> dict:
     """Run a launcher; time until `want` lines holding `result_line` arrived, and until it exits."""
-    mem0, load0 = mem_used_mib(), os.getloadavg()[0]
+    mem0, load0, cpu0 = mem_used_mib(), os.getloadavg()[0], machine_cpu_s()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True)
     out: list[str] = []
     stamps: list[tuple[float, str]] = []
@@ -165,6 +173,7 @@ def launch(argv: list[str], env: dict, want: int, marker: str, timeout: float = 
     ok = status == 0 and state["results"] >= want and not timed_out
     return {"ok": ok, "rc": status, "timed_out": timed_out, "t_results": state["t_results"], "t_exit": t_exit,
             "results": state["results"], "cpu_s": usage.ru_utime + usage.ru_stime,
+            "machine_cpu_s": machine_cpu_s() - cpu0,
             "peak_rss_mib": state["peak_rss"], "peak_used_mib": state["peak_used"], "used_before_mib": mem0, "load1": load0,
             "leftovers_killed": len(left), "tail": ("".join([ln for ln in out if "Error" in ln or "error:" in ln][:8]) + "".join(out[-25:])) if not ok else "",
             "last_line": out[-1].strip() if out else "", "stamps": stamps}
@@ -369,6 +378,8 @@ def main() -> None:
     ap.add_argument("--probe-hosts", type=int, default=128)
     ap.add_argument("--probe-repeats", type=int, default=3)
     ap.add_argument("--launchers", default=",".join(LAUNCHERS), help=f"comma list of {ALL_NAMES}")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also `ddplaunch up` of git commit REV (a worktree of it, run with this python)")
     ap.add_argument("--with-skip", action="store_true",
                     help="also `ddplaunch up --skip-healthcheck` (splits ddplaunch's time: health check vs rest)")
     ap.add_argument("--rdzv-hosts", default="",
@@ -396,6 +407,8 @@ def main() -> None:
     chosen = [x for x in args.launchers.split(",") if x]
     if args.with_skip:
         chosen.append("ddplaunch-skiphc")
+    if args.baseline:
+        chosen.append("ddplaunch-base")
     unknown = set(chosen) - set(ALL_NAMES)
     if unknown:
         sys.exit(f"unknown launcher(s) {sorted(unknown)}: choose from {ALL_NAMES}")
@@ -406,6 +419,11 @@ def main() -> None:
     cluster = sim_up(SimConfig(n_hosts=n_sim, prefix=PREFIX, subnet=SUBNET, state_dir=state, nproc_per_node=1,
                                workdir=ROOT))
     base_env = dict(os.environ, DDPLAUNCH_HOME=str(work / "home"), PYTHONUNBUFFERED="1")
+    baseline = work / "baseline"
+    if args.baseline:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
+                       check=True, capture_output=True)
+    env_base = dict(base_env, PYTHONPATH=str(baseline), DDPLAUNCH_HOME=str(work / "home-base"))
     env_pdsh = pdsh_env(cluster, base_env)
     (work / "ds_env").write_text(f"GLOO_SOCKET_IFNAME={cluster.ifname}\n")
     env_ds = dict(env_pdsh, DS_ENV_FILE=str(work / "ds_env"))
@@ -429,7 +447,9 @@ def main() -> None:
                 order = runnable if rep % 2 == 0 else list(reversed(runnable))
                 for name in order:
                     port = free_port()
-                    if name.startswith("ddplaunch"):
+                    if name == "ddplaunch-base":
+                        r = launch(argv_ddplaunch(spec, port), env_base, n, marker=str(spec), cwd=baseline)
+                    elif name.startswith("ddplaunch"):
                         r = launch(argv_ddplaunch(spec_nopf if name == "ddplaunch-nopf" else spec, port,
                                                   name == "ddplaunch-skiphc"), base_env, n, marker=str(spec))
                     elif name == "hand":
@@ -479,6 +499,9 @@ def main() -> None:
                     time.sleep(1)
     finally:
         sim_down(state, prefix=PREFIX, purge=True)
+        if args.baseline:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
+                           capture_output=True)
     total = time.perf_counter() - t_start
 
     # -------- tables
@@ -498,16 +521,21 @@ def main() -> None:
             cell = (f"{statistics.median(ts):.1f} ({min(ts):.1f}-{max(ts):.1f})" if ts
                     else f"failed ({len(r[name])}/{len(r[name])})" if r[name] else "-")
             cells.append(cell + (f", {bad} failed" if bad and ts else ""))
-        d, h, s, nopf = (med([x for x in r[k] if x["ok"]], "t_results") if k in r else float("nan")
-                         for k in ("ddplaunch", "hand", "deepspeed", "ddplaunch-nopf"))
+        d, h, s, nopf, base = (med([x for x in r[k] if x["ok"]], "t_results") if k in r else float("nan")
+                               for k in ("ddplaunch", "hand", "deepspeed", "ddplaunch-nopf", "ddplaunch-base"))
         ratio = lambda a, b: "-" if a != a or b != b else f"**{a / b:.2f}**"  # noqa: E731 (nan: no run)
-        cells += [ratio(d, h), ratio(d, s)] + ([ratio(nopf, h)] if "ddplaunch-nopf" in names else [])
+        cells += [ratio(d, h), ratio(d, s)] + ([ratio(nopf, h)] if "ddplaunch-nopf" in names else []) \
+            + ([ratio(base, h), ratio(d, base)] if "ddplaunch-base" in names else [])
         rows.append(cells)
     heads = {"ddplaunch": "ddplaunch up", "hand": "hand (pdsh + torchrun)", "deepspeed": "deepspeed (pdsh)",
-             "ddplaunch-skiphc": "ddplaunch up --skip-healthcheck", "ddplaunch-nopf": "ddplaunch up, pre-flight off"}
+             "ddplaunch-skiphc": "ddplaunch up --skip-healthcheck", "ddplaunch-nopf": "ddplaunch up, pre-flight off",
+             "ddplaunch-base": f"ddplaunch up at {args.baseline}"}
     print(fmt_table(["hosts"] + [heads[x] for x in names] + ["ddplaunch / hand", "ddplaunch / deepspeed"]
-                    + (["pre-flight off / hand"] if "ddplaunch-nopf" in names else []), rows))
+                    + (["pre-flight off / hand"] if "ddplaunch-nopf" in names else [])
+                    + ([f"{args.baseline} / hand", f"ddplaunch / {args.baseline}"] if "ddplaunch-base" in names
+                       else []), rows))
     print("\n### Launcher cost (median): CPU seconds of the launcher and its local children, per host; "
+          "the whole machine's CPU seconds during the launch (every sim host's processes too); "
           "peak RSS of the launcher's process tree; peak machine memory in use (`free` used)\n")
     rows = []
     for n in sorted(results):
@@ -516,9 +544,10 @@ def main() -> None:
             if not rs:
                 continue
             rows.append([str(n), name, f"{med(rs, 'cpu_s'):.2f}", f"{med(rs, 'cpu_s') / n * 1000:.0f}",
+                         f"{med(rs, 'machine_cpu_s'):.1f}" if all("machine_cpu_s" in x for x in rs) else "-",
                          f"{med(rs, 'peak_rss_mib'):.0f}", f"{max(x['peak_used_mib'] for x in rs) / 1024:.1f}",
                          f"{max(x['peak_used_mib'] - x['used_before_mib'] for x in rs) / 1024:.1f}"])
-    print(fmt_table(["hosts", "launcher", "CPU s", "CPU ms / host", "launcher tree RSS MiB",
+    print(fmt_table(["hosts", "launcher", "CPU s", "CPU ms / host", "machine CPU s", "launcher tree RSS MiB",
                      "peak used GiB", "peak used - before GiB"], rows))
     if any(probe.values()):
         print(f"\n### Pre-flight probe on {args.probe_hosts} hosts (median of {args.probe_repeats}; min-max)\n")

@@ -4,14 +4,15 @@ When the job hangs and no host's ranks are frozen, the hosts may still answer th
 channel (sshd, slurmd) while one host's training network drops everything: every rank then waits
 in a collective until the job's own timeout. `broken_links` runs hostside/links.py on every host
 at once (each listens on one port and connects to every peer) and names the hosts that reach no
-peer and that no peer reaches while the other hosts reach each other. Anything less clear names
+peer and that no peer reaches while the other hosts reach each other; the run's spares take part
+as witnesses (so a run of two hosts can tell which one is cut off). Anything less clear names
 nobody: the hang stays the job's failure.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.hostcmd import host_program, parse_answer
@@ -59,7 +60,22 @@ def judge(addrs: dict[str, str], answers: dict[str, Optional[dict[str, Any]]], p
             for h in cut}
 
 
-def broken_links(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec], run_id: str) -> dict[str, str]:
-    """The hosts (label -> why) whose training link is broken, by a link test run now."""
+def judge_run(run: list[str], addrs: dict[str, str], answers: dict[str, Optional[dict[str, Any]]],
+              port: int) -> dict[str, str]:
+    """`judge` over the run's hosts and the witnesses (spares) that answered: a witness that gave
+    no answer is left out (it may have died while it waited), and only the run's hosts are named.
+    Two hosts alone cannot tell which of them is cut off; with a spare as the third, they can."""
+    heard = {h: a for h, a in answers.items() if a is not None or h in run}
+    named = judge({h: addrs[h] for h in heard}, heard, port)
+    return {h: why for h, why in named.items() if h in run}
+
+
+def broken_links(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec], run_id: str,
+                 witnesses: Sequence[HostSpec] = ()) -> dict[str, str]:
+    """The hosts (label -> why) whose training link is broken, by a link test run now on `hosts`
+    and on `witnesses` (the run's spares, which test their links too but are never named)."""
     port = derive_port(f"{run_id}-links")
-    return judge({h.label: rendezvous_addr(h) for h in hosts}, link_answers(backend, spec, hosts, port), port)
+    run = [h.label for h in hosts]
+    tested = [*hosts, *(w for w in witnesses if w.label not in run)]
+    return judge_run(run, {h.label: rendezvous_addr(h) for h in tested}, link_answers(backend, spec, tested, port),
+                     port)

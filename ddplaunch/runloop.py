@@ -244,7 +244,7 @@ class RunLoop:
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
         if plan.stage == "job" and hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
-                                    hang_timeout)
+                                    hang_timeout, witnesses=self.budget.spares)
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
         spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console) \

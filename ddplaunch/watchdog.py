@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.console import rank_ranges
@@ -184,9 +184,12 @@ class HangWatchdog:
     """
 
     def __init__(self, backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, lines: StageLines,
-                 stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5):
+                 stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5,
+                 witnesses: Sequence[HostSpec] = ()):
         self.backend, self.spec, self.plan, self.lines, self.stop = backend, spec, plan, lines, stop
         self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
+        #: spares that take part in the link test (never named)
+        self.witnesses = list(witnesses)
         self.diagnosis: list[str] = []
         self.fired_after: Optional[float] = None
         self._done = threading.Event()
@@ -243,7 +246,7 @@ class HangWatchdog:
         """Hosts whose training link the link test finds broken (none when it cannot tell)."""
         hosts = [n.host for n in self.plan.nodes if n.host is not None]
         try:
-            return broken_links(self.backend, self.spec, hosts, self.plan.run_id)
+            return broken_links(self.backend, self.spec, hosts, self.plan.run_id, self.witnesses)
         except Exception as err:  # noqa: BLE001 - the hang is still reported
             self.lines.note(f"link test failed: {type(err).__name__}: {err}")
             return {}

@@ -100,14 +100,14 @@ first = run.state
 code = run.wait(timeout=float(sys.argv[3]))
 events = run.events()
 print(json.dumps({"first": first, "exit": code, "state": run.state, "kinds": [e.KIND for e in events],
-                  "shown": [getattr(e, "text", "") for e in events]}))
+                  "shown": [e.text for e in events if e.KIND == "shown"], "summary": events[-1].summary}))
 """
 
 
 def submit_and_wait(spec: Path, run_id: str, tmp_path: Path, timeout: float = 240) -> dict:
     """The Python API (`submit`, `Run.state/wait/events`) in a new interpreter, with the tests'
     launcher environment: what the handle said (first state, exit code, final state, the events'
-    kinds and the lines shown)."""
+    kinds, the lines shown and the summary)."""
     started.note(["--run-id", run_id], tmp_path)
     out = subprocess.run([sys.executable, "-c", SUBMIT_AND_WAIT, str(spec), run_id, str(timeout)],
                          capture_output=True, text=True, timeout=timeout + 60, cwd=ROOT, env=launcher_env(tmp_path))

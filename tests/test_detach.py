@@ -23,8 +23,8 @@ import yaml
 from ddplaunch.sim.faults import sim_fault
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
 from tests.ssh_util import ROOT, ddplaunch, run_processes, submit_and_wait, wait_for
-from tests.test_recovery import SHA_RE, _train
-from tests.test_recovery_slurm import _spec as recovery_spec
+from tests.test_recovery import SHA_RE
+from tests.test_recovery_slurm import _spec as recovery_spec, undisturbed_sha
 from tests.test_slurm import in_queue, job_of, slurm_env, slurm_spec
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -141,22 +141,10 @@ def test_the_python_api_submits_to_slurm_and_waits_for_the_run(slurm_cluster, tm
     assert got["first"] in ("submitted", "running", "ok") and got["exit"] == 0 and got["state"] == "ok", got
     assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended", got["kinds"]
     text = "\n".join(got["shown"])
-    assert "HEALTHCHECK OK world=4" in text and "stage job: ok on all 2 node(s)" in text, text[-3000:]
+    assert "HEALTHCHECK OK world=4" in text and "stage job: ok on all 2 node(s)" in got["summary"], got
     job = job_of(tmp_path, "det-api")
     assert _record(tmp_path, "det-api")["extra"]["detached"].startswith(f"submitted Slurm job {job}")
     _gone_within(slurm_cluster, job, 10)  # the allocation ends with the run
-
-
-def _undisturbed(tmp_path: Path) -> str:
-    """The final weights of the same training (world size 2), undisturbed, on this machine."""
-    data = {"name": "det-ref", "backend": "local", "workdir": str(ROOT), **_train(tmp_path, "det-ref")}
-    data["nproc_per_node"] = 2
-    spec = tmp_path / "det-ref" / "c.yaml"
-    spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    ref = ddplaunch(["up", str(spec), "--run-id", "det-ref"], tmp_path, timeout=300)
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr
-    (sha,) = SHA_RE.findall(ref.stdout)
-    return sha
 
 
 def test_a_node_crashed_mid_training_is_replaced_with_no_launcher_at_all(slurm_cluster, tmp_path):
@@ -181,7 +169,7 @@ def test_a_node_crashed_mid_training_is_replaced_with_no_launcher_at_all(slurm_c
     record = _record(tmp_path, "det-crash")
     assert record["state"] == "ok" and record["extra"]["recoveries"][0]["replaced"] == {nodes[2]: nodes[0]}
     (got,) = SHA_RE.findall(text)
-    assert _undisturbed(tmp_path) == got  # the replicas end bitwise equal to an undisturbed run's
+    assert undisturbed_sha(tmp_path) == got  # the replicas end bitwise equal to an undisturbed run's
     from ddplaunch.sim.slurm import wait_nodes_idle
 
     wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)

@@ -1,10 +1,12 @@
 """The link test's verdict (linktest.judge): a host is named only when it reaches no peer and no
-peer reaches it while the others reach each other; anything less clear names nobody. The real
+peer reaches it while the others reach each other; anything less clear names nobody. The run's
+spares are witnesses (judge_run): they let two hosts tell which one is cut, are never named
+themselves, and one that gave no answer is left out. The real
 link test runs in tests/test_recovery.py (a host whose training traffic is cut)."""
 
 from __future__ import annotations
 
-from ddplaunch.linktest import judge
+from ddplaunch.linktest import judge, judge_run
 
 ADDRS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"}
 
@@ -46,3 +48,22 @@ def test_a_host_without_an_answer_makes_the_test_inconclusive():
     answers = _answers(_full("acd"))
     answers["c"] = None
     assert judge(ADDRS, answers, 1) == {}
+
+
+def test_a_spare_as_witness_tells_which_of_two_hosts_is_cut():
+    # the run: a and b; the spare c reaches a and a reaches c, nobody reaches b
+    verdict = judge_run(["a", "b"], {k: ADDRS[k] for k in "abc"}, _answers(_full("ac"), "abc"), 1)
+    assert list(verdict) == ["b"] and "no TCP connection to or from a, c on port 1" in verdict["b"]
+
+
+def test_a_cut_witness_is_never_named_and_a_silent_one_is_left_out():
+    three = {k: ADDRS[k] for k in "abcd"}
+    # the spare d cut off: the run's hosts reach each other, nobody is named
+    assert judge_run(["a", "b", "c"], three, _answers(_full("abc")), 1) == {}
+    # the spare d gave no answer (dead while it waited): b is still named from a and c
+    answers = _answers(_full("ac"))
+    answers["d"] = None
+    assert list(judge_run(["a", "b", "c"], three, answers, 1)) == ["b"]
+    # but a run host without an answer keeps the test inconclusive
+    answers["c"] = None
+    assert judge_run(["a", "b", "c"], three, answers, 1) == {}

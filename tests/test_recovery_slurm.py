@@ -1,6 +1,7 @@
-"""Recovery on the Slurm sim: a node lost (crashed) or frozen mid-training is replaced by the
-spare node the allocation holds (a count of spares: one node more, its first), every other node
-keeping its node rank. The SSH side of the same is tests/test_recovery.py."""
+"""Recovery on the Slurm sim: a node lost (crashed), frozen or cut off the training network
+mid-training is replaced by the spare node the allocation holds (a count of spares: one node more,
+its first), every other node keeping its node rank; the job's final weights are bitwise those of
+an undisturbed run. The SSH side of the same is tests/test_recovery.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ssh_util import ROOT, wait_for
-from tests.test_recovery import _crash_during, _disturbed, _freeze, _timely, _train
+from ddplaunch.sim.faults import sim_fault
+from tests.ssh_util import ROOT, ddplaunch, wait_for
+from tests.test_recovery import SHA_RE, _crash_during, _disturbed, _freeze, _timely, _train
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -32,7 +34,24 @@ def _spec(cluster, tmp_path: Path, name: str, **job) -> Path:
     return spec
 
 
-def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path):
+def undisturbed_sha(tmp_path: Path) -> str:
+    """The final weights of the same training (world size 2), undisturbed, on this machine."""
+    data = {"name": "det-ref", "backend": "local", "workdir": str(ROOT), **_train(tmp_path, "det-ref")}
+    data["nproc_per_node"] = 2
+    spec = tmp_path / "det-ref" / "c.yaml"
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    ref = ddplaunch(["up", str(spec), "--run-id", "det-ref"], tmp_path, timeout=300)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr
+    (sha,) = SHA_RE.findall(ref.stdout)
+    return sha
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    return undisturbed_sha(tmp_path_factory.mktemp("ref"))
+
+
+def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_cluster, tmp_path, reference):
     """A count of spares: the allocation holds one node more, its first; the crashed node 1 is
     replaced by it at node rank 1, node 0 stays node 0."""
     spec = _spec(slurm_cluster, tmp_path, "slurm")
@@ -49,13 +68,14 @@ def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_c
         after = out.split("recovery 1 of")[1]
         assert f"stage job: master {nodes[1]}:" in after, after[:2000]
         assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
+        assert SHA_RE.findall(out) == [reference]  # bitwise equal to an undisturbed run
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
 
         wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
 
 
-def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_cluster, tmp_path):
+def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_cluster, tmp_path, reference):
     """On the Slurm sim: every process of the job on node 1 stopped (SIGSTOP; slurmd answers):
     the hang watchdog reads the ranks' process states through an srun step, that node counts as
     lost, the allocation's spare takes its node rank and the job ends ok."""
@@ -71,6 +91,7 @@ def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_c
         assert re.search(rf"recovered from 1 host failure:\n  {nodes[2]} lost \(its ranks are frozen .*\) → "
                          rf"replaced by {nodes[0]}", out), out[-3000:]
         assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=60) is True
+        assert SHA_RE.findall(out) == [reference]
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
@@ -78,3 +99,29 @@ def test_slurm_node_whose_ranks_froze_is_named_and_replaced_by_the_spare(slurm_c
         from ddplaunch.sim.slurm import wait_nodes_idle
 
         wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
+
+
+def test_slurm_node_whose_training_link_broke_is_named_and_replaced_by_the_spare(slurm_cluster, tmp_path, reference):
+    """On the Slurm sim: node 1's traffic to and from the other nodes dropped but for sshd's and
+    slurmd's (`sim fault --cut-training`): it answers and heartbeats, its rank runs, both ranks wait
+    in a collective. The hang watchdog's link test (srun steps, the spare node a witness) finds that
+    node cut off, the spare takes its node rank, node 0 keeps its own, the job ends bitwise equal."""
+    spec = _spec(slurm_cluster, tmp_path, "slurm-cut", hang_timeout=10)
+    nodes = [h.name for h in slurm_cluster.hosts]
+    try:
+        out, code = _disturbed(spec, tmp_path, "rec-slurm-cut", "step=6 ",
+                               lambda: sim_fault(slurm_cluster, nodes[2], cut_training=True))
+    finally:
+        sim_fault(slurm_cluster, nodes[2], clear=True)
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
+    assert code == 0, out[-4000:]
+    # two nodes alone cannot tell which one is cut: the spare node, a witness, can
+    assert re.search(rf"\[ddplaunch\] {nodes[2]}: its training link is broken: no TCP connection to or from "
+                     rf"{nodes[1]}, {nodes[0]} on port \d+", out), out[-4000:]
+    assert re.search(rf"recovered from 1 host failure:\n  {nodes[2]} lost \(its training link is broken.*\) → "
+                     rf"replaced by {nodes[0]}", out), out[-3000:]
+    after = out.split("recovery 1 of")[1]
+    assert f"[{nodes[1]}:0] train: world_size=2" in after, after[:3000]  # node 0 kept its rank and the master
+    assert SHA_RE.findall(out) == [reference]
