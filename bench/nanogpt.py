@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 import pickle
 import re
 import shutil
@@ -183,7 +184,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ddplaunch-bench-nanogpt-"))
     code = workdir(args.nanogpt, [p for p in args.text if Path(p).is_file()], work)
     cluster = sim_up(SimConfig(n_hosts=4, prefix=PREFIX, subnet=SUBNET, nproc_per_node=1, workdir=code))
-    env = {**__import__("os").environ, "DDPLAUNCH_HOME": str(work / "state"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "DDPLAUNCH_HOME": str(work / "state"), "PYTHONUNBUFFERED": "1"}
     rows = []
     try:
         for case in ("undisturbed", "resume_args", "no resume_args"):

@@ -243,8 +243,9 @@ def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp
     finally:
         sim_fault(sim_cluster, hosts[1], clear=True)
     assert code == 0, out[-4000:]
+    # the spare (host 3) took part in the link test as a witness
     assert re.search(rf"\[ddplaunch\] {hosts[1]}: its training link is broken: no TCP connection to or from "
-                     rf"{hosts[0]}, {hosts[2]} on port \d+", out), out[-4000:]
+                     rf"{hosts[0]}, {hosts[2]}, {hosts[3]} on port \d+", out), out[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(its training link is broken.*\) → "
                      rf"replaced by {hosts[3]}", out), out[-3000:]
     (got,) = SHA_RE.findall(out)
