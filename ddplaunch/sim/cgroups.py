@@ -9,6 +9,8 @@ down` removes what is left of a prefix's cgroups.
 
 from __future__ import annotations
 
+import errno
+
 from pathlib import Path
 
 from ddplaunch.sim.proc import SimError
@@ -73,12 +75,23 @@ def remove_all(prefix: str) -> None:
             pass  # a process still in it: `sim down` goes on, as it does with other leftovers
 
 
+#: Passes of moving a group's processes out before its removal gives up: a process the host forks
+#: while one pass moves the others is born inside the group (the kernel then refuses rmdir, EBUSY).
+REMOVE_PASSES = 50
+
+
 def _remove(group: Path, base: Path) -> None:
-    _move(_members(group), base)
-    try:
-        group.rmdir()
-    except OSError as err:
-        raise SimError(f"cgroup {group} could not be removed: {err}") from None
+    err: OSError = OSError("not tried")
+    for _ in range(REMOVE_PASSES):
+        _move(_members(group), base)
+        try:
+            group.rmdir()
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise SimError(f"cgroup {group} could not be removed: {e}") from None
+            err = e
+    raise SimError(f"cgroup {group} could not be removed: {err} (its processes kept forking into it)")
 
 
 def _members(group: Path) -> list[int]:
