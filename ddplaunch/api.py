@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
 from ddplaunch import launch, runview, supervisor
-from ddplaunch.attach import event_lines, hand_over
+from ddplaunch.attach import hand_over, run_events
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.events import Event, RunEnded, from_line
+from ddplaunch.events import Event, RunEnded
 from ddplaunch.report import RunReport
 from ddplaunch.runloop import UpOptions
-from ddplaunch.runs import REMOTE_HOST, RunRecord, check_run_id, load_run, new_run_id
+from ddplaunch.runs import REMOTE_HOST, check_run_id, load_run, new_run_id
 from ddplaunch.runstatus import RunStatus
 from ddplaunch.spec import ClusterSpec
 from ddplaunch.specfile import load_spec as _load_file
@@ -85,7 +85,7 @@ class Run:
         """running, then ok, failed or interrupted (or the supervisor's death said); `submitted`
         while a scheduler has not started the run's job."""
         record = load_run(self.run_id)
-        view = RunStatus.of(self._events(record))
+        view = RunStatus.of(run_events(record))
         if view.started is None:
             return record.shown_state()
         if record.extra.get(REMOTE_HOST):
@@ -94,11 +94,7 @@ class Run:
 
     def events(self) -> list[Event]:
         """Every event logged so far (ddplaunch/events.py: typed, oldest first)."""
-        return self._events(load_run(self.run_id))
-
-    @staticmethod
-    def _events(record: RunRecord) -> list[Event]:
-        return [e for e in map(from_line, event_lines(record)) if e is not None]
+        return list(run_events(load_run(self.run_id)))
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Block until the run ends; its exit code (0, 1, 130).
@@ -109,7 +105,7 @@ class Run:
             answering.
         """
         began = time.monotonic()
-        for event in map(from_line, event_lines(load_run(self.run_id), live=True, timeout=timeout)):
+        for event in run_events(load_run(self.run_id), live=True, timeout=timeout):
             if isinstance(event, RunEnded):
                 return event.exit_code
         if timeout is not None and time.monotonic() - began >= timeout:

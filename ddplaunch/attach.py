@@ -22,7 +22,8 @@ from ddplaunch import launch
 from ddplaunch.backends import scheduler_of
 from ddplaunch.console import make_console
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
-from ddplaunch.events import EVENTS_FILE, HostState, RunEnded, RunStarted, Shown, follow, read_events, to_line
+from ddplaunch.events import (EVENTS_FILE, Event, HostState, RunEnded, RunStarted, Shown, follow, from_line,
+                              read_events)
 from ddplaunch.runloop import UpOptions
 from ddplaunch.runs import REMOTE_HOST, RunRecord
 from ddplaunch.runview import JOB_POLL, record_backend
@@ -205,30 +206,31 @@ def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bo
         host.close()
 
 
-def event_lines(record: RunRecord, live: bool = False, timeout: Optional[float] = None) -> Iterator[str]:
-    """The run's event log as JSON lines (events.py), oldest first; with `live`, each new one as it
-    comes until the run ends, its supervisor is gone or `timeout` seconds have passed. Of a run
-    supervised on another host, what `ddplaunch events` says there (over SSH)."""
+def run_events(record: RunRecord, live: bool = False, timeout: Optional[float] = None) -> Iterator[Event]:
+    """The run's events (events.py), oldest first; with `live`, each new one as it comes until the
+    run ends, its supervisor is gone or `timeout` seconds have passed. Of a run supervised on
+    another host, what `ddplaunch events` prints there (over SSH), read back."""
     if record.extra.get(REMOTE_HOST):
         from ddplaunch import remote  # Fabric: only for such a run
 
         host = remote.host_of(record)
         assert host is not None
         try:
-            yield from host.lines(["events", record.run_id, *(["--follow"] if live else []),
-                                   *(["--timeout", str(timeout)] if timeout is not None else [])])
+            lines = host.lines(["events", record.run_id, *(["--follow"] if live else []),
+                                *(["--timeout", str(timeout)] if timeout is not None else [])])
+            yield from (e for e in map(from_line, lines) if e is not None)
         finally:
             host.close()
         return
     if not live:
-        yield from map(to_line, read_events(record.dir))
+        yield from read_events(record.dir)
         return
     supervised = supervised_of(record)
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def going() -> bool:
         return supervised.alive() and (deadline is None or time.monotonic() < deadline)
-    yield from map(to_line, follow(supervised.dir, going))
+    yield from follow(supervised.dir, going)
 
 
 def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> tuple[str, str]:

@@ -193,10 +193,11 @@ def attach_cmd(run_id: str | None) -> None:
 def events_cmd(run_id: str | None, follow: bool, timeout: float | None) -> None:
     """A run's typed event log as JSON lines, oldest first (default: the latest run here): stages,
     every host's state, recoveries, each rank's steps, stragglers, the end."""
-    from ddplaunch.attach import event_lines
+    from ddplaunch.attach import run_events
+    from ddplaunch.events import to_line
 
-    for line in event_lines(_pick(run_id), live=follow, timeout=timeout):
-        click.echo(line)
+    for event in run_events(_pick(run_id), live=follow, timeout=timeout):
+        click.echo(to_line(event))
 
 
 @cli.command("supervise", hidden=True)
