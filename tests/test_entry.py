@@ -64,6 +64,31 @@ def test_exit_status_and_output_match_plain_python(tmp_path, case):
     assert without_rankexit(entry.stdout) == plain.stdout
 
 
+def test_a_printed_line_reaches_its_file_whole(tmp_path):
+    """print() writes its text and its newline separately; under PYTHONUNBUFFERED each was a system
+    call of its own, and torchrun's tailer could copy a line without its end (the next line's
+    prefix glued to it on screen). The script looks at its own stdout's pipe between the two."""
+    job = script(tmp_path, """\
+        import os, sys
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        saved = os.dup(1)
+        os.dup2(w, 1)
+        sys.stdout.write("LAYOUT " + "x" * 700)  # what print() does first ...
+        try:
+            early = os.read(r, 4096)
+        except BlockingIOError:
+            early = b""
+        sys.stdout.write("\\n")  # ... and then
+        whole = os.read(r, 4096)
+        os.dup2(saved, 1)
+        print(len(early), len(whole))
+    """)
+    entry = run_python(ENTRY, "--no-healthcheck", "--", job)
+    assert entry.returncode == 0, entry.stderr
+    assert without_rankexit(entry.stdout) == "0 708\n"
+
+
 def test_uncaught_exception_prints_the_scripts_traceback(tmp_path):
     job = script(tmp_path, "def f():\n    raise ValueError('boom')\nf()\n")
     entry = run_python(ENTRY, "--no-healthcheck", "--", job)

@@ -355,7 +355,23 @@ def _said_first(progress: Progress, real_exit):
     return _exit
 
 
+def whole_lines() -> None:
+    """The script's stdout and stderr reach their files a line at a time, as on a terminal.
+
+    Under ``PYTHONUNBUFFERED=1`` (set so that torchrun's --tee copies lines without delay),
+    ``print(text)`` writes ``text`` and its newline in two system calls; torchrun's tailer reads
+    the log file at any moment and can copy the line without its end: the next line's prefix was
+    then glued to it on screen. Line buffering writes each line whole (a line is cut only beyond
+    the buffer's 8 KiB, or where the script itself flushes half a line)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True, write_through=False)
+        except (AttributeError, ValueError):  # replaced by something else, or closed
+            pass
+
+
 def main(argv: list) -> None:
+    whole_lines()
     say_restart()
     try:
         opts, healthcheck, finalize, script_argv = split_argv(argv)
