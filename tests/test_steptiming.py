@@ -22,8 +22,10 @@ ENTRY = ROOT / "ddplaunch" / "hostside" / "entry.py"
 TIMING_RE = re.compile(r"^DDPLAUNCH_TIMING_JSON (\{.*\})$", re.M)
 #: Enough steps for the watch to judge: its warm-up, then IN_A_ROW windows.
 STEPS = WARMUP + WINDOW * (IN_A_ROW + 1)
-#: The slow rank's extra compute per step (the other's is a few ms).
-SLOW_S = 0.03
+#: The slow rank's extra compute per step (the other's is a few ms). Its own wait is noise — the
+#: peer descheduled on 2 busy cores: 17 ms once, in a CI run beside other load — so the extra is
+#: well above it: the test judges by half of it.
+SLOW_S = 0.06
 
 JOB = """\
 import os, time
