@@ -7,7 +7,12 @@ the straggler, which arrives last and waits least. A rank's compute share is its
 its wait. `StragglerWatch` compares, over the last `window` steps every rank has reported, each
 host's compute share (the median of its ranks' medians) with the median of the other hosts'
 ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
-the spread of its peers' — above it in three windows in a row. Pure: fed with payloads, it
+the spread of its peers' — above it in three windows in a row. Against its own level: how a
+rank's share compares with its peers' when nothing is wrong differs a little by rank (its place in
+the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
+ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
+level, and a host slower than that by the bar is slow (one slow from the start is named too: no
+more than `threshold / 3` of its slowness can become its level). Pure: fed with payloads, it
 returns verdicts; the run loop shows and records them.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+from collections import deque
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -30,6 +36,8 @@ WARMUP = 20
 #: A host must also be slower than this many times the spread of its peers (their median absolute
 #: deviation): on a noisy machine (CPUs shared) the bar rises with the noise.
 NOISE_FACTOR = 3.0
+#: How many of a host's recent windows (those it was not slow in) make its level (see above).
+LEVEL_WINDOWS = 50
 
 
 @dataclass
@@ -73,6 +81,7 @@ class StragglerWatch:
         self.host_of: dict[int, str] = {}
         self.named: dict[str, Straggler] = {}
         self._slow_in: dict[str, int] = {}   # host -> the last window end it was slow in
+        self._level: dict[str, deque[float]] = {}  # host -> its ratios to its peers when not slow
         self._judged = WARMUP
 
     def feed(self, host: str, payload: dict[str, Any]) -> Optional[Straggler]:
@@ -111,23 +120,35 @@ class StragglerWatch:
                 return None  # a rank's report is missing: judge nothing rather than guess
             per_rank[rank] = (statistics.median(t - w for t, w in got), statistics.median(w for _, w in got))
         hosts = sorted(set(self.host_of[r] for r in per_rank))
+        found = None
         for host in hosts:
             ranks = sorted(r for r in per_rank if self.host_of[r] == host)
             peers = [r for r in per_rank if self.host_of[r] != host]
             mine = statistics.median(per_rank[r][0] for r in ranks)
             theirs = statistics.median(per_rank[r][0] for r in peers)
+            if theirs <= 0:
+                self._slow_in.pop(host, None)
+                continue
             spread = statistics.median(abs(per_rank[r][0] - theirs) for r in peers)
-            bar = max(self.threshold, NOISE_FACTOR * spread / theirs) if theirs > 0 else None
-            if bar is None or mine < (1 + bar) * theirs:
+            bar = max(self.threshold, NOISE_FACTOR * spread / theirs)
+            if mine < (1 + bar) * theirs * self._own_level(host):
+                self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine / theirs)
                 self._slow_in.pop(host, None)
                 continue
             since = self._slow_in.setdefault(host, first)
-            if first - since < (IN_A_ROW - 1) * self.window or host in self.named:
-                continue  # not slow long enough yet, or named already
+            if first - since < (IN_A_ROW - 1) * self.window or host in self.named or found:
+                continue  # not slow long enough yet, or named already (one host named a window)
             found = Straggler(host=host, ranks=ranks, slowdown=mine / theirs - 1, since_step=since,
                               named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
                               peers_wait_s=statistics.median(per_rank[r][1] for r in peers),
                               ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
             self.named[host] = found
-            return found
-        return None
+        return found
+
+    def _own_level(self, host: str) -> float:
+        """`host`'s share against its peers' when it was not slow, within threshold/3 of even."""
+        level = self._level.get(host)
+        if not level:
+            return 1.0
+        most = 1 + self.threshold / 3
+        return min(max(statistics.median(level), 1 / most), most)

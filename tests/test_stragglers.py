@@ -65,6 +65,29 @@ def test_a_slowdown_shorter_than_three_windows_names_nobody():
     assert _feed(watch, range(short.stop, 300), healthy) == []
 
 
+def test_a_host_is_judged_against_its_own_level_when_training_started():
+    """Where a rank sits in the collective makes its measured share differ a little (+5 % for
+    Gloo's rank 0 here): a host 5 % over its peers from the start that drifts to 19 % (CPUs
+    shared: 12 s of it named a host of a healthy 10-minute run) is 13 % over its own level, not a
+    straggler; slowed by a quarter, it is, and its slowdown is reported against its peers."""
+    healthy = {r: 0.100 for r in HOSTS}
+    start = WARMUP + 10 * WINDOW
+    watch = StragglerWatch(6)
+    assert _feed(watch, range(1, start + 1), healthy | {0: 0.105, 1: 0.105}) == []
+    assert _feed(watch, range(start + 1, start + 5 * WINDOW + 1), healthy | {0: 0.119, 1: 0.119}) == []
+    named = _feed(watch, range(start + 5 * WINDOW + 1, start + 10 * WINDOW + 1), healthy | {0: 0.131, 1: 0.131})
+    assert [(found.host, round(found.slowdown, 2)) for found, _ in named] == [("h1", 0.31)]
+
+
+def test_a_host_slow_from_the_start_is_named():
+    """Only threshold/3 of a host's slowness can be taken as its own level: 30 % slow from the first
+    step on is a straggler."""
+    watch = StragglerWatch(6)
+    named = _feed(watch, range(1, 200), {r: 0.100 for r in HOSTS} | {4: 0.130, 5: 0.130})
+    assert [(found.host, round(found.slowdown, 2), step) for found, step in named] == \
+        [("h3", 0.3, WARMUP + IN_A_ROW * WINDOW)]
+
+
 def test_on_a_noisy_machine_the_bar_rises_with_the_peers_spread():
     """Peers computing 70-130 ms (a spread of 30 %): a host 20 % over their median is noise there."""
     watch = StragglerWatch(4)

@@ -38,10 +38,18 @@ JOBS = {"ddp": {"script": "jobs/train.py",
                            "--log-every", "10", "--burn-ms", "40", "--seed", "3"]}}
 
 
+def _job(kind: str, ranks: int) -> dict:
+    """JOBS[kind] for `ranks` ranks (FSDP2's global batch divided evenly among them: 4 each)."""
+    job = copy.deepcopy(JOBS[kind])
+    if kind == "fsdp2":
+        job["args"][job["args"].index("--global-batch") + 1] = str(4 * ranks)
+    return job
+
+
 def _spec(cluster, tmp_path: Path, kind: str = "ddp") -> Path:
     data = yaml.safe_load(cluster.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=JOBS[kind])
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=_job(kind, len(cluster.hosts)))
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -52,16 +60,17 @@ def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_clus
     _slowed_host_is_named(sim_cluster, _spec(sim_cluster, tmp_path, kind), tmp_path, f"strag-slow-{kind}")
 
 
-def test_a_slurm_node_slowed_mid_training_is_named(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("kind", sorted(JOBS))
+def test_a_slurm_node_slowed_mid_training_is_named(slurm_cluster, tmp_path, kind):
     """The same on the Slurm sim: the job's srun step on 3 nodes, one node's CPU limited."""
     data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=JOBS["ddp"])
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=_job(kind, len(slurm_cluster.hosts)))
     data["slurm"].update(nodes=len(slurm_cluster.hosts), output_dir=str(tmp_path / "slurm-out"))
     spec = tmp_path / "slurm.yaml"
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
     try:
-        _slowed_host_is_named(slurm_cluster, spec, tmp_path, "strag-slurm")
+        _slowed_host_is_named(slurm_cluster, spec, tmp_path, f"strag-slurm-{kind}")
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
 
@@ -119,17 +128,20 @@ def test_an_evicted_straggler_is_swapped_for_the_spare_at_the_next_checkpoint(si
     _evicted(sim_cluster, data, tmp_path, "strag-evict", slow=hosts[1], rank=1, spare=hosts[3])
 
 
-def test_an_evicted_slurm_straggler_is_swapped_for_the_spare_node_at_the_next_checkpoint(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("kind", sorted(JOBS))
+def test_an_evicted_slurm_straggler_is_swapped_for_the_spare_node_at_the_next_checkpoint(slurm_cluster, tmp_path,
+                                                                                        kind):
     """The same on the Slurm sim: 2 nodes and a count of 1 spare (the allocation's first node);
-    node 1 slowed, evicted at the next checkpoint, the spare node takes its node rank."""
+    node 1 slowed, evicted at the next checkpoint, the spare node takes its node rank. FSDP2 too:
+    its checkpoint is a DCP save, which rank 0 holds after just as after a torch.save."""
     nodes = [h.name for h in slurm_cluster.hosts]
     data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=JOBS["ddp"],
+                env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "ckpt")}, job=_job(kind, 2),
                 recovery={"max_host_failures": 1, "spares": 1, "evict_stragglers": True})
     data["slurm"].update(nodes=2, output_dir=str(tmp_path / "slurm-out"))
     try:
-        _evicted(slurm_cluster, data, tmp_path, "strag-evict-slurm", slow=nodes[2], rank=1, spare=nodes[0])
+        _evicted(slurm_cluster, data, tmp_path, f"strag-evict-slurm-{kind}", slow=nodes[2], rank=1, spare=nodes[0])
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
 
@@ -137,12 +149,16 @@ def test_an_evicted_slurm_straggler_is_swapped_for_the_spare_node_at_the_next_ch
 
 
 def _evicted(cluster, data: dict, tmp_path: Path, run_id: str, slow: str, rank: int, spare: str) -> None:
-    """Run `data` (the DDP job, a checkpoint every 25 steps), slow `slow` once step 40 was printed:
-    it is named, evicted at the next checkpoint and replaced by `spare`; training resumes at that
-    checkpoint's step and steps faster than while slowed."""
+    """Run `data` (a job of JOBS, a checkpoint every 25 steps, ~250 steps), slow `slow` once step 40
+    was printed: it is named, evicted at the next checkpoint and replaced by `spare`; training
+    resumes at that checkpoint's step and steps faster than while slowed."""
     data = copy.deepcopy(data)
-    data["job"]["args"][data["job"]["args"].index("--ckpt-every") + 1] = "25"
-    data["job"]["args"][data["job"]["args"].index("--samples") + 1] = "6000"
+    args = data["job"]["args"]
+    args[args.index("--ckpt-every") + 1] = "25"
+    if "--steps" in args:  # FSDP2's job counts steps
+        args[args.index("--steps") + 1] = "250"
+    else:  # the DDP job: one epoch of 6000 samples
+        args[args.index("--samples") + 1] = "6000"
     spec = tmp_path / "evict.yaml"
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
     proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)

@@ -364,9 +364,11 @@ def whole_lines() -> None:
     then glued to it on screen. Line buffering writes each line whole (a line is cut only beyond
     the buffer's 8 KiB, or where the script itself flushes half a line)."""
     for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # None: replaced by something else
         try:
-            stream.reconfigure(line_buffering=True, write_through=False)
-        except (AttributeError, ValueError):  # replaced by something else, or closed
+            if reconfigure is not None:
+                reconfigure(line_buffering=True, write_through=False)
+        except ValueError:  # closed
             pass
 
 
