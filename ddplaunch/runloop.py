@@ -206,9 +206,8 @@ class RunLoop:
 
     def _resumed(self, result: StageResult) -> None:
         """The launch after a recovery: when its job completed its first step, from which step."""
-        recovery = self.budget.done[-1]
-        if recovery.resumed_after_s is None:
-            recovery.resumed(result.progress)
+        if result.progress is not None:  # said already, unless it ended before its start was known
+            self._first_step(result.progress)
         self._save_recoveries()
 
     def _save_recoveries(self) -> None:

@@ -61,6 +61,8 @@ class StageLines:
         self.progress: Optional[Progress] = None
         self._resumed_from: Optional[int] = None
         self._loaded: list[str] = []
+        self._start_said = False  # on_first_step called (see _start_known)
+        self._loads_before_first = 0
 
     # ------------------------------------------------------------------ from the backends
 
@@ -82,14 +84,14 @@ class StageLines:
             if marker.group(1) != "TIMING":  # each rank's timing every second: too much for the log
                 self.console.line(line, False)
             return
-        first = False
+        started = False
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
             if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown
                 self._payloads.setdefault(marker.group(1), []).append((node_rank, marker.group(2)))
-                first = self._reported(marker.group(1), marker.group(2), now)
+                self._reported(marker.group(1), marker.group(2), now)
                 shown = False
             else:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
@@ -97,11 +99,26 @@ class StageLines:
                 if ranked is not None:
                     self.last_rank_line_at = mono
                     self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
-                    first = self._progress(line, now)
+                    self._progress(line, now)
                 shown = self._shown(node_rank, line)
+            started = self._start_known()
         self.console.line(line, shown)
-        if first and self._on_first_step is not None and self.progress is not None:
+        if started and self._on_first_step is not None and self.progress is not None:
             self._on_first_step(self.progress)
+
+    def _start_known(self) -> bool:
+        """True once, when how the job started is known: its first step came after a checkpoint
+        load, or with its word of resuming, or a later step came. Not at the first step alone:
+        some jobs step once before they load (an FSDP2 job builds its optimizer's state for DCP to
+        load into with a step), then say where they resumed."""
+        progress = self.progress
+        if self._start_said or progress is None:
+            return False
+        if not (self._loads_before_first or self._resumed_from is not None or progress.last_step > progress.first_step):
+            return False
+        progress.resumed_from = self._resumed_from
+        self._start_said = True
+        return True
 
     def _report(self, node_rank: int, host: str, kind: str, payload: str, mono: float) -> None:
         """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
@@ -117,49 +134,47 @@ class StageLines:
         if isinstance(data, dict):
             self._on_report(kind, host, data)
 
-    def _reported(self, kind: str, payload: str, now: float) -> bool:
-        """Rank 0's own report of its optimizer steps or a checkpoint load; True for its first step."""
+    def _reported(self, kind: str, payload: str, now: float) -> None:
+        """Rank 0's own report of its optimizer steps or a checkpoint load."""
         if kind not in ("PROGRESS", "LOADED"):
-            return False
+            return
         try:
             data = json.loads(payload)
         except ValueError:
-            return False
+            return
         if kind == "LOADED":  # before the first step, or after it: the progress shares the list
             self._loaded.append(str(data.get("path", "?"))[:300])
-            return False
+            return
         steps = data.get("steps")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            return False
-        first = self._step(now, steps if self.progress is None or self.progress.optimizer_steps is not None
-                           else self.progress.last_step)
+            return
+        self._step(now, steps if self.progress is None or self.progress.optimizer_steps is not None
+                   else self.progress.last_step)
         assert self.progress is not None
         self.progress.optimizer_steps = steps
-        return first
 
-    def _step(self, now: float, step: int) -> bool:
-        """A completed step at `now`; True when it is the launch's first."""
-        first = self.progress is None
+    def _step(self, now: float, step: int) -> None:
+        """A completed step at `now`."""
         if self.progress is None:
             self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
                                      loaded=self._loaded)
+            self._loads_before_first = len(self._loaded)
         else:
             self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)
         self.progress.resumed_from = self._resumed_from
-        return first
 
-    def _progress(self, line: str, now: float) -> bool:
-        """Note the job's progress from a rank's line; True for its first completed step."""
+    def _progress(self, line: str, now: float) -> None:
+        """Note the job's progress from a rank's line."""
         resumed = RESUMED_RE.search(line)
         if resumed:
             self._resumed_from = int(resumed.group(1))
         step = STEP_RE.search(line)
         if step is None:
-            return False
+            return
         if self.progress is not None and self.progress.optimizer_steps is not None:
             self.progress.resumed_from = self._resumed_from
-            return False  # the optimizer's own count is the clock; the line is a hint
-        return self._step(now, int(step.group(1)))
+            return  # the optimizer's own count is the clock; the line is a hint
+        self._step(now, int(step.group(1)))
 
     def silent_for(self, node_rank: int) -> Optional[float]:
         """Seconds since the node was last heard from; None before its first heartbeat or line."""

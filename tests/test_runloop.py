@@ -530,6 +530,27 @@ def test_the_summary_says_what_the_relaunched_job_loaded_and_how_far_it_had_come
     assert "--init_from=resume" not in first and again[-1] == "--init_from=resume"
 
 
+def test_a_relaunched_job_that_steps_once_before_it_loads_its_checkpoint_resumed(tmp_path):
+    """An FSDP2 job builds its optimizer's state with a step before DCP loads into it: its first
+    step comes before its load and its word of resuming; it resumed (the Slurm FSDP2 eviction test
+    was told "restarted from scratch" before)."""
+    crash = StageScript(nodes={"f1": NodeScript(after=0.05, lines=('[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, '
+                                                                    '"steps": 125}',)),
+                               "f2": NodeScript(silent=True, after=0.3), "f3": NodeScript(hangs=True)})
+    script = FakeScript(stages=[crash, _relaunch(
+        '[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": 1}',
+        '[f1:0] DDPLAUNCH_LOADED_JSON {"rank": 0, "path": "SafeFileSystemReader", '
+        '"via": "torch.distributed.checkpoint.load"}',
+        '[f1:0] resumed from /ck/step_125 at step 125 (written by 3 ranks with fsdp, now 3 with fsdp)',
+        '[f1:0] DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": 6}')])
+    report, out, _ = run(tmp_path, script, recovery=RECOVER)
+    assert report.exit_code == 0, out
+    (only,) = report.recoveries
+    assert not only.from_scratch and only.loaded == ["SafeFileSystemReader"] and only.resumed_from == 125, only
+    assert "[ddplaunch] training resumed at step 125 (it loaded SafeFileSystemReader)" in out, out
+    assert "restarted from scratch" not in out
+
+
 def test_a_relaunched_job_that_loads_nothing_is_said_to_have_restarted_from_scratch(tmp_path):
     """Rank 0 said 14 optimizer steps before f2 was lost; the relaunch trained (40 steps) but
     loaded nothing and said nothing of resuming: it started again from scratch, and the summary
