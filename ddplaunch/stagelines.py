@@ -62,7 +62,7 @@ class StageLines:
         self._resumed_from: Optional[int] = None
         self._loaded: list[str] = []
         self._start_said = False  # on_first_step called (see _start_known)
-        self._loads_before_first = 0
+        self._loads_before_first = 0  # checkpoints loaded before the first step
 
     # ------------------------------------------------------------------ from the backends
 

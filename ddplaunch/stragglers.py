@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import statistics
 import threading
-from collections import deque
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
