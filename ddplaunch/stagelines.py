@@ -116,7 +116,6 @@ class StageLines:
             return False
         if not (self._loads_before_first or self._resumed_from is not None or progress.last_step > progress.first_step):
             return False
-        progress.resumed_from = self._resumed_from
         self._start_said = True
         return True
 
@@ -157,23 +156,21 @@ class StageLines:
         """A completed step at `now`."""
         if self.progress is None:
             self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
-                                     loaded=self._loaded)
+                                     resumed_from=self._resumed_from, loaded=self._loaded)
             self._loads_before_first = len(self._loaded)
         else:
             self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)
-        self.progress.resumed_from = self._resumed_from
 
     def _progress(self, line: str, now: float) -> None:
         """Note the job's progress from a rank's line."""
         resumed = RESUMED_RE.search(line)
         if resumed:
             self._resumed_from = int(resumed.group(1))
+            if self.progress is not None:  # said after a step (a job may step once before it loads)
+                self.progress.resumed_from = self._resumed_from
         step = STEP_RE.search(line)
-        if step is None:
-            return
-        if self.progress is not None and self.progress.optimizer_steps is not None:
-            self.progress.resumed_from = self._resumed_from
-            return  # the optimizer's own count is the clock; the line is a hint
+        if step is None or (self.progress is not None and self.progress.optimizer_steps is not None):
+            return  # no step; or the optimizer's own count is the clock and the line a hint
         self._step(now, int(step.group(1)))
 
     def silent_for(self, node_rank: int) -> Optional[float]:
