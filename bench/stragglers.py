@@ -55,15 +55,20 @@ LEVELS = {"25% of a CPU": 25, "36% of a CPU": 36}
 STEP_TIME_RE = re.compile(r"\[\S+:0\] step=(\d+) ")
 
 
+def train_job(samples: int, ckpt_every: int = 0, log_every: int = 5) -> dict:
+    """jobs/train.py for one epoch of `samples`, 40 ms of CPU a step."""
+    return {"script": "jobs/train.py", "args": ["--epochs", "1", "--samples", str(samples), "--batch-size", "8",
+                                                "--ckpt-every", str(ckpt_every), "--log-every", str(log_every),
+                                                "--burn-ms", "40", "--seed", "3"]}
+
+
 def spec_text(cluster, tmp: Path, samples: int, timing: bool) -> Path:
     import yaml
     data = yaml.safe_load(cluster.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"enabled": False},
                 env={"DDPLAUNCH_CKPT_DIR": str(tmp / f"ckpt-{time.monotonic_ns()}"),
                      **({} if timing else {"DDPLAUNCH_STEP_TIMING": "0"})},
-                job={"script": "jobs/train.py", "args": ["--epochs", "1", "--samples", str(samples), "--batch-size",
-                                                         "8", "--ckpt-every", "0", "--log-every", "5",
-                                                         "--burn-ms", "40", "--seed", "3"]})
+                job=train_job(samples))
     path = tmp / f"spec-{time.monotonic_ns()}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -137,11 +142,9 @@ def eviction(cluster, tmp: Path, backend: str, trial: int) -> dict:
     import yaml
     run_id = f"bst-evict-{backend}-{trial}"
     names = [h.name for h in cluster.hosts]
-    job = {"script": "jobs/train.py", "args": ["--epochs", "1", "--samples", "6000", "--batch-size", "8",
-                                               "--ckpt-every", "25", "--log-every", "10", "--burn-ms", "40",
-                                               "--seed", "3"]}
     common = {"workdir": str(ROOT), "nproc_per_node": 1, "healthcheck": {"sizes": ["64K"], "iterations": 1},
-              "env": {"DDPLAUNCH_CKPT_DIR": str(tmp / f"ckpt-{run_id}")}, "job": job}
+              "env": {"DDPLAUNCH_CKPT_DIR": str(tmp / f"ckpt-{run_id}")},
+              "job": train_job(6000, ckpt_every=25, log_every=10)}
     if backend == "slurm":
         data = yaml.safe_load(cluster.slurm.spec_path.read_text())
         data.update(common, recovery={"max_host_failures": 1, "spares": 1, "evict_stragglers": True})

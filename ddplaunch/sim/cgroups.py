@@ -10,7 +10,6 @@ down` removes what is left of a prefix's cgroups.
 from __future__ import annotations
 
 import errno
-
 from pathlib import Path
 
 from ddplaunch.sim.proc import SimError
