@@ -6,7 +6,9 @@ changes what executes fails here."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -85,7 +87,10 @@ CASES = [("default", "default", []), ("default-check", "default", ["check"]),
 
 
 @pytest.fixture
-def _env(tmp_path, monkeypatch):
+def _env(monkeypatch):
+    # a directory whose name has a fixed length: a detached run's dry run says how many bytes the
+    # run handed to its supervisor takes, and the spec's path is part of it
+    tmp_path = Path(tempfile.mkdtemp(prefix="ddp-golden-"))
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -98,7 +103,8 @@ def _env(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     # `check` takes no --run-id: its fresh id (and the port derived from it) made fixed
     monkeypatch.setattr(NEW_RUN_ID, lambda name: f"{name}-golden-check")
-    return tmp_path
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def dry_run_text(tmp: Path, spec: Path, extra: list[str], run_id: str) -> str:
