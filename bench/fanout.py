@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddplaunch.backends.ssh import SshBackend  # noqa: E402
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
-from ddplaunch.specfile import load_spec  # noqa: E402
+from ddplaunch.spec.load import load_spec  # noqa: E402
 
 SIZES = (1, 4, 16)
 

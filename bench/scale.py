@@ -254,8 +254,8 @@ def argv_deepspeed(cluster, n: int, port: int, work: Path) -> list[str]:
 def preflight_only(spec_path: str, port: int) -> None:
     """Child mode: ddplaunch's pre-flight (the function `up` and `check` run) once; JSON on stdout."""
     from ddplaunch.backends.ssh import SshBackend
-    from ddplaunch.preflight import run_preflight
-    from ddplaunch.specfile import load_spec
+    from ddplaunch.diagnose.preflight import run_preflight
+    from ddplaunch.spec.load import load_spec
     spec = load_spec(spec_path)
     backend = SshBackend(spec)
     try:
@@ -267,10 +267,10 @@ def preflight_only(spec_path: str, port: int) -> None:
 
 def pdsh_probe_argv(spec_path: Path, port: int, work: Path, cluster) -> tuple[list[str], str]:
     """pdsh running ddplaunch's probe program (from a file) on every host: master args on %n=0."""
-    from ddplaunch.hostcmd import program_source
-    from ddplaunch.plan import host_python
-    from ddplaunch.preflight import probe_command
-    from ddplaunch.specfile import load_spec
+    from ddplaunch.plan.hostprogram import program_source
+    from ddplaunch.plan.launch import host_python
+    from ddplaunch.diagnose.preflight import probe_command
+    from ddplaunch.spec.load import load_spec
     spec = load_spec(spec_path)
     src = work / "probe_src.py"
     src.write_text(program_source("probe"))

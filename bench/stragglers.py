@@ -42,7 +42,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddplaunch.events import RankSteps, StragglerNamed, read_events  # noqa: E402
+from ddplaunch.record.events import RankSteps, StragglerNamed, read_events  # noqa: E402
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
 from ddplaunch.sim.faults import sim_fault  # noqa: E402
 

@@ -14,7 +14,7 @@ __all__ = ["BackendError", "DdplaunchError", "PlanError", "Run", "RunReport", "S
 
 _API = {"up": "ddplaunch.api", "check": "ddplaunch.api", "load_spec": "ddplaunch.api", "submit": "ddplaunch.api",
         "Run": "ddplaunch.api",
-        "RunReport": "ddplaunch.report", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
+        "RunReport": "ddplaunch.report.summary", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
         "PlanError": "ddplaunch.errors", "BackendError": "ddplaunch.errors"}
 
 

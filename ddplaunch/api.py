@@ -21,17 +21,21 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
-from ddplaunch import launch, runview, supervisor
-from ddplaunch.attach import hand_over, run_events
+from ddplaunch.run import launch
+
+from ddplaunch.supervise import commands as runview
+
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.events import Event, RunEnded
-from ddplaunch.report import RunReport
-from ddplaunch.runloop import UpOptions
-from ddplaunch.runs import REMOTE_HOST, check_run_id, load_run, new_run_id
-from ddplaunch.runstatus import RunStatus
-from ddplaunch.spec import ClusterSpec
-from ddplaunch.specfile import load_spec as _load_file
-from ddplaunch.specfile import load_spec_data
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.record.events import Event, RunEnded
+from ddplaunch.record.runs import REMOTE_HOST, check_run_id, load_run, new_run_id
+from ddplaunch.report.status import RunStatus
+from ddplaunch.report.summary import RunReport
+from ddplaunch.spec.load import load_spec as _load_file
+from ddplaunch.spec.load import load_spec_data
+from ddplaunch.spec.model import ClusterSpec
+from ddplaunch.supervise import daemon as supervisor
+from ddplaunch.supervise.follow import hand_over, run_events
 
 SpecLike = Union[str, Path, Mapping[str, Any], ClusterSpec]
 #: The keyword options of `up` and `check`, as the command line's flags name them.

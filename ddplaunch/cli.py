@@ -66,7 +66,7 @@ def cli() -> None:
 def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_json: bool,
        detach: bool, exclude: tuple[str, ...], verbose: bool, job_args: tuple[str, ...]) -> None:
     """Pre-flight, health check, then the job of SPEC. Arguments after `--` replace job.args."""
-    from ddplaunch.launch import UpOptions
+    from ddplaunch.plan.stages import UpOptions
 
     opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=run_id,
                      job_args=list(job_args) if job_args else None, detach=detach, exclude=list(exclude),
@@ -83,14 +83,15 @@ def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_
 @_handle_errors
 def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], verbose: bool) -> None:
     """Pre-flight host checks, the health check and the pair tests of SPEC; launches no job."""
-    from ddplaunch.launch import UpOptions
+    from ddplaunch.plan.stages import UpOptions
 
     _launch(spec, UpOptions(healthcheck_only=True, exclude=list(exclude), verbose=verbose), dry_run, as_json)
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
-    from ddplaunch import attach, launch
-    from ddplaunch.specfile import load_spec
+    from ddplaunch.supervise import follow as attach
+    from ddplaunch.run import launch
+    from ddplaunch.spec.load import load_spec
 
     spec = load_spec(spec_path)
     if dry_run:
@@ -109,9 +110,9 @@ def validate(spec: str) -> None:
     """Check SPEC and print the resolved values (secrets shown as <secret>); exit 2 with file:line."""
     import yaml
 
-    from ddplaunch.specfile import load_spec
+    from ddplaunch.spec.load import load_spec
 
-    from ddplaunch.launch import before_stages
+    from ddplaunch.run.launch import before_stages
 
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "
@@ -127,7 +128,7 @@ def runs() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ddplaunch.runs import list_runs
+    from ddplaunch.record.runs import list_runs
 
     table = Table("run id", "state", "backend", "hosts", "started", box=None, pad_edge=False)
     for r in list_runs():
@@ -138,7 +139,7 @@ def runs() -> None:
 
 def _pick(run_id: str | None) -> Any:
     """The named run, or the latest run of this directory's project (saying which, on stderr)."""
-    from ddplaunch.runs import latest_run, load_run
+    from ddplaunch.record.runs import latest_run, load_run
 
     if run_id:
         return load_run(run_id)
@@ -152,7 +153,7 @@ def _pick(run_id: str | None) -> Any:
 @_handle_errors
 def status(run_id: str | None) -> None:
     """Show a run's state and every host's outcome per stage (default: the latest run here)."""
-    from ddplaunch.runview import status as run_status
+    from ddplaunch.supervise.commands import status as run_status
 
     for line in run_status(_pick(run_id)):
         click.echo(line)
@@ -167,7 +168,7 @@ def status(run_id: str | None) -> None:
 def logs(run_id: str | None, host: str | None, rank: int | None, follow: bool) -> None:
     """Print a run's log, every host's lines prefixed [host:rank] (default: the latest run here):
     every line, also those the screen showed once for many ranks."""
-    from ddplaunch.runview import logs as run_logs
+    from ddplaunch.supervise.commands import logs as run_logs
 
     for line in run_logs(_pick(run_id), host, follow, rank):
         click.echo(line)
@@ -179,7 +180,7 @@ def logs(run_id: str | None, host: str | None, rank: int | None, follow: bool) -
 def attach_cmd(run_id: str | None) -> None:
     """Show a run from its first line and follow it to its end (default: the latest run here);
     exit with its exit code. Ctrl-C detaches; the run goes on."""
-    from ddplaunch.attach import attach
+    from ddplaunch.supervise.follow import attach
 
     sys.exit(attach(_pick(run_id), sys.stdout))
 
@@ -193,8 +194,8 @@ def attach_cmd(run_id: str | None) -> None:
 def events_cmd(run_id: str | None, follow: bool, timeout: float | None) -> None:
     """A run's typed event log as JSON lines, oldest first (default: the latest run here): stages,
     every host's state, recoveries, each rank's steps, stragglers, the end."""
-    from ddplaunch.attach import run_events
-    from ddplaunch.events import to_line
+    from ddplaunch.supervise.follow import run_events
+    from ddplaunch.record.events import to_line
 
     for event in run_events(_pick(run_id), live=follow, timeout=timeout):
         click.echo(to_line(event))
@@ -211,9 +212,9 @@ def supervise_cmd(from_stdin: bool, daemon: bool, nonce: str) -> None:
     SSH)."""
     import json
 
-    from ddplaunch import supervisor
-    from ddplaunch.handoff import SUPERVISE_ENV
-    from ddplaunch.remote import ANSWER
+    from ddplaunch.supervise import daemon as supervisor
+    from ddplaunch.plan.handoff import SUPERVISE_ENV
+    from ddplaunch.supervise.remote import ANSWER
 
     if from_stdin:
         os.environ[SUPERVISE_ENV] = sys.stdin.readline().strip()
@@ -231,7 +232,7 @@ def supervise_cmd(from_stdin: bool, daemon: bool, nonce: str) -> None:
 def report_cmd(run_id: str | None, html_out: str) -> None:
     """A run's page (default: the latest run here): every rank's compute per step over the run, the health
     check's busbw per size, the pair bandwidth matrix, the timeline of stages and recoveries."""
-    from ddplaunch.runpage import render
+    from ddplaunch.report.page import render
 
     record = _pick(run_id)
     Path(html_out).write_text(render(record.dir))
@@ -245,9 +246,9 @@ def report_cmd(run_id: str | None, html_out: str) -> None:
 def top_cmd(run_id: str | None, once: bool) -> None:
     """Every host and rank of a run (default: the latest run here), refreshed each second until it
     ends: state, step, step time, wait at the collectives, straggler score, recoveries."""
-    from ddplaunch.attach import elsewhere, supervised_of
-    from ddplaunch.runs import REMOTE_HOST
-    from ddplaunch.top import top
+    from ddplaunch.supervise.follow import elsewhere, supervised_of
+    from ddplaunch.record.runs import REMOTE_HOST
+    from ddplaunch.report.top import top
 
     record = _pick(run_id)
     if record.extra.get(REMOTE_HOST):
@@ -262,8 +263,8 @@ def top_cmd(run_id: str | None, once: bool) -> None:
 def down(run_id: str) -> None:
     """End every process left of RUN_ID on every host (found by the run's tag and your user id,
     never by name)."""
-    from ddplaunch.runs import load_run
-    from ddplaunch.runview import down as run_down
+    from ddplaunch.record.runs import load_run
+    from ddplaunch.supervise.commands import down as run_down
 
     for line in run_down(load_run(run_id)):
         click.echo(line)
@@ -277,7 +278,7 @@ def _add_optional() -> None:
     else:
         cli.add_command(sim_group)
     try:
-        from ddplaunch.initspec import init_cmd
+        from ddplaunch.spec.templates import init_cmd
     except ImportError:
         pass
     else:

@@ -22,7 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddplaunch.events import StragglerNamed, read_events  # noqa: E402
+from ddplaunch.record.events import StragglerNamed, read_events  # noqa: E402
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
 from ddplaunch.sim.faults import sim_fault  # noqa: E402
 

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ddplaunch import registry
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.watch import NoAnswer, NodeEnd, follow, unstarted
+from ddplaunch.backends.failfast import NoAnswer, NodeEnd, follow, unstarted
 from ddplaunch.errors import BackendError
-from ddplaunch.plan import LaunchPlan
-from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
-from ddplaunch.runs import RunRecord
-from ddplaunch.spec import ClusterSpec, HostSpec
-from ddplaunch.stagelines import StageLines
-from ddplaunch.torchrun_logs import HEARTBEAT
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.output.torchrun import HEARTBEAT
+from ddplaunch.plan.launch import LaunchPlan
+from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
+from ddplaunch.record.runs import RunRecord
+from ddplaunch.spec import registry
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: How long nodes of a failed stage get to report their own failure (the real backends: 2 s).
 GRACE = 0.05

@@ -67,7 +67,7 @@ class Started:
     def end_supervisors(self) -> None:
         """SIGKILL the supervisor of every run the test started that still has one (a test that
         failed while its run went on): by the pid and start time its record names."""
-        from ddplaunch.runs import process_start_time
+        from ddplaunch.record.runs import process_start_time
 
         for path in self.run_dirs:
             try:

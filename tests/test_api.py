@@ -11,7 +11,7 @@ import pytest
 
 import ddplaunch
 from ddplaunch.errors import PlanError, SpecError
-from ddplaunch.launch import UpOptions, dry_run
+from ddplaunch.run.launch import UpOptions, dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

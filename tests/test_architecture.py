@@ -1,8 +1,9 @@
-"""The shape of the code: no import circles in ddplaunch/ (lazy imports inside functions and
-imports for type checking count too), no module over 500 lines and no function over 60, run
-records import no backend, the host-side
-programs import nothing of ddplaunch but each other, and no module outside backends/ and the
-spec asks which backend it drives (what a backend can do is its registration's)."""
+"""The shape of the code: packages by stage, each importing only the packages below it (LAYERS),
+no import circles in ddplaunch/ (lazy imports inside functions and imports for type checking count
+too), a handful of modules at the top, no module over 500 lines and no function over 60, run
+records import no backend, the host-side programs import nothing of ddplaunch but each other, and
+no module outside backends/ and the spec asks which backend it drives (what a backend can do is
+its registration's)."""
 
 from __future__ import annotations
 
@@ -99,10 +100,55 @@ def test_modules_and_functions_stay_small():
     assert too_long == []
 
 
+#: ddplaunch's packages (and top-level modules), lowest first: each imports only those before it
+#: in this list and itself. The flow reads bottom-up: spec -> plan -> (record, output) ->
+#: backends -> diagnose -> report -> run -> supervise -> the command line and the API.
+LAYERS = ["errors", "hostside", "sim", "spec", "plan", "record", "output", "backends", "diagnose", "report", "run",
+          "supervise", "api", "ddplaunch", "cli", "__main__"]
+#: Modules at the top of ddplaunch/ (the rest live in the package of their stage).
+TOP_LEVEL = {"__init__", "__main__", "api", "cli", "errors"}
+
+
+def layer_of(module: str) -> str:
+    """`ddplaunch.run.loop` -> `run`; `ddplaunch` (its __init__) -> `ddplaunch`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a package from one below it (or of a package the list does not know)."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    out = []
+    for module, deps in sorted(graph.items()):
+        mine = layer_of(module)
+        for dep in sorted(deps):
+            theirs = layer_of(dep)
+            if mine not in rank or theirs not in rank or rank[theirs] > rank[mine]:
+                out.append(f"{module} ({mine}) imports {dep} ({theirs})")
+    return out
+
+
+def test_the_layer_rule_finds_an_upward_import():
+    assert layer_violations({"ddplaunch.plan.launch": {"ddplaunch.run.loop"}}) == \
+        ["ddplaunch.plan.launch (plan) imports ddplaunch.run.loop (run)"]
+    assert layer_violations({"ddplaunch.run.loop": {"ddplaunch.plan.launch", "ddplaunch.run.gates"}}) == []
+    assert layer_violations({"ddplaunch.newpkg.x": {"ddplaunch.errors"}}) == \
+        ["ddplaunch.newpkg.x (newpkg) imports ddplaunch.errors (errors)"]
+
+
+def test_each_package_imports_only_the_packages_below_it():
+    assert layer_violations(import_graph()) == []
+
+
+def test_a_handful_of_modules_at_the_top():
+    assert {p.stem for p in PKG.glob("*.py")} <= TOP_LEVEL
+
+
 def test_records_and_planning_import_no_backend():
     graph = import_graph()
-    for name in ("ddplaunch.runs", "ddplaunch.plan", "ddplaunch.spec", "ddplaunch.results"):
-        assert not {d for d in graph[name] if d.startswith("ddplaunch.backends")}, name
+    for name in graph:
+        if layer_of(name) in ("spec", "plan", "record"):
+            assert not {d for d in graph[name] if d.startswith("ddplaunch.backends")}, name
 
 
 def test_hostside_programs_import_only_each_other():

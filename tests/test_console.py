@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 
-from ddplaunch import console as console_mod
-from ddplaunch.console import Console
+from ddplaunch.output import console as console_mod
+from ddplaunch.output.console import Console
 from tests.torchrun_util import wait_for
 
 

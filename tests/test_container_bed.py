@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.sim.image import (DEFAULT_IMAGE, IMAGE_MARKER, IMAGE_VENV, apt_mirror, build_lock,
-                                 containers_conf_text, ensure_test_image, podman_env, podman_run_argv,
-                                 podman_shell_env, ulimit_values)
+from ddplaunch.sim.image import (DEFAULT_IMAGE, IMAGE_MARKER, IMAGE_VENV, apt_mirror, build_lock, containers_conf_text,
+                                 ensure_test_image, podman_env, podman_run_argv, podman_shell_env, ulimit_values)
 from ddplaunch.sim.testing import ssh_client
 from tests.simfixture import podman_skip_reason, real_system
 

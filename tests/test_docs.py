@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec.model import ClusterSpec
 
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from ddplaunch.sim.state import SimCluster, SimHost
 from tests.goldens import GOLDEN, ROOT, check_golden
 
 #: Where the fresh run id of a `check` is made.
-NEW_RUN_ID = "ddplaunch.launch.new_run_id"
+NEW_RUN_ID = "ddplaunch.run.launch.new_run_id"
 
 SSH_HOSTS = """name: golden
 backend: ssh

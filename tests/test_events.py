@@ -1,4 +1,4 @@
-"""The run's event log (ddplaunch/events.py) on the scripted fake backend: typed events in order,
+"""The run's event log (ddplaunch/record/events.py) on the scripted fake backend: typed events in order,
 the screen's lines and the summary as they were shown; a reader that follows a log as it grows
 (torn lines included); `ddplaunch.submit` and its `Run` handle through a real forked supervisor."""
 
@@ -12,12 +12,12 @@ import time
 import pytest
 
 import ddplaunch
-from ddplaunch.events import (EVENTS_FILE, EventLog, HostState, RecoveryStarted, RunEnded, RunStarted, Shown,
-                              StageEnded, StageStarted, follow, from_line, read_events, to_line)
-from ddplaunch.launch import UpOptions, up
-from ddplaunch.results import NodeState
-from ddplaunch.runs import run_dir
-from ddplaunch.specfile import load_spec
+from ddplaunch.record.events import (EVENTS_FILE, EventLog, HostState, RecoveryStarted, RunEnded, RunStarted, Shown,
+                                     StageEnded, StageStarted, follow, from_line, read_events, to_line)
+from ddplaunch.record.results import NodeState
+from ddplaunch.record.runs import run_dir
+from ddplaunch.run.launch import UpOptions, up
+from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 
 

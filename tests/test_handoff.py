@@ -15,10 +15,10 @@ import sys
 import pytest
 
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.handoff import SUPERVISE_ENV, decode_run, encode_run
-from ddplaunch.launch import UpOptions
-from ddplaunch.remote import ANSWER, _refused
-from ddplaunch.specfile import load_spec
+from ddplaunch.plan.handoff import SUPERVISE_ENV, decode_run, encode_run
+from ddplaunch.run.launch import UpOptions
+from ddplaunch.spec.load import load_spec
+from ddplaunch.supervise.remote import ANSWER, _refused
 
 from tests.ssh_util import ROOT
 

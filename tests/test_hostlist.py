@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.hostlist import MAX_HOSTS, expand_hostlist, expand_hosts
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.hostlist import MAX_HOSTS, expand_hostlist, expand_hosts
+from ddplaunch.spec.load import load_spec
 from tests.timing import cpu_time, cpu_within
 
 SCONTROL = shutil.which("scontrol")

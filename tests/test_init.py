@@ -14,9 +14,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ddplaunch.examples import EXAMPLE_PREFIX, example_path, list_examples
-from ddplaunch.initspec import init_cmd, render_init_spec
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.examples import EXAMPLE_PREFIX, example_path, list_examples
+from ddplaunch.spec.load import load_spec
+from ddplaunch.spec.templates import init_cmd, render_init_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,8 +117,8 @@ def test_odd_host_names_are_quoted(tmp_path: Path) -> None:
 
 def test_ssh_init_spec_passes_the_workdir_probe(tmp_path: Path) -> None:
     """`init --ssh` in an empty directory, then `check`: the example job is staged, not required in workdir."""
-    from ddplaunch.hostcmd import parse_answer
-    from ddplaunch.preflight import probe_command
+    from ddplaunch.plan.hostprogram import parse_answer
+    from ddplaunch.diagnose.preflight import probe_command
 
     spec = load_spec(_write(tmp_path, render_init_spec("ssh", ["localhost"])))
     command, nonce = probe_command(spec, spec.hosts[0], "init-probe", None, parallel=1)
@@ -196,7 +196,7 @@ def test_wheel_ships_jobs_templates_and_hostside(wheel_install: tuple[Path, Path
     src = wheel.parents[1] / "src"  # the tree the wheel was built from
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("ddplaunch/jobs/toy_ddp.py", "ddplaunch/jobs/train.py", "ddplaunch/jobs/mismatch_demo.py",
-                   "ddplaunch/hostside/healthcheck.py", "ddplaunch/examples.py", "ddplaunch/initspec.py"):
+                   "ddplaunch/hostside/healthcheck.py", "ddplaunch/spec/examples.py", "ddplaunch/spec/templates.py"):
         assert needed in names
     expected = {f"ddplaunch/jobs/{p.name}" for p in (src / "jobs").glob("*.py")}
     expected |= {f"ddplaunch/slurm/{p.name}" for p in (src / "slurm").iterdir() if p.suffix in (".sbatch", ".j2")}
@@ -239,7 +239,7 @@ def test_wheel_takes_the_torch_it_finds(wheel_install: tuple[Path, Path]) -> Non
 def test_wheel_resolves_examples_from_the_installed_package(wheel_install: tuple[Path, Path],
                                                            tmp_path: Path) -> None:
     _, target = wheel_install
-    probe = ("import ddplaunch.examples as e; print(e.__file__); "
+    probe = ("import ddplaunch.spec.examples as e; print(e.__file__); "
              "print(e.example_path('example:toy_ddp.py')); print(','.join(e.list_examples()))")
     out = _from_wheel(target, tmp_path, "-c", probe)
     assert out.returncode == 0, out.stderr
@@ -250,7 +250,7 @@ def test_wheel_resolves_examples_from_the_installed_package(wheel_install: tuple
 
 def test_wheel_init_ssh_validates_in_an_empty_dir(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.initspec", "--ssh", "gpu1", "--ssh", "gpu2")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates", "--ssh", "gpu1", "--ssh", "gpu2")
     assert made.returncode == 0, made.stderr
     checked = _from_wheel(target, tmp_path, "-m", "ddplaunch", "validate", "cluster.yaml")
     assert checked.returncode == 0, checked.stderr
@@ -259,7 +259,7 @@ def test_wheel_init_ssh_validates_in_an_empty_dir(wheel_install: tuple[Path, Pat
 
 def test_wheel_init_then_validate_local(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.initspec")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates")
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".state") == ["cluster.yaml"]
     checked = _from_wheel(target, tmp_path, "-m", "ddplaunch", "validate", "cluster.yaml")
@@ -280,7 +280,7 @@ def test_wheel_cli_init(wheel_install: tuple[Path, Path], tmp_path: Path) -> Non
 def test_wheel_up_local_from_an_empty_dir(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     """The whole first contact: init, then up, with nothing but the wheel (health check + toy job)."""
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.initspec")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates")
     assert made.returncode == 0, made.stderr
     run = _from_wheel(target, tmp_path, "-m", "ddplaunch", "up", "cluster.yaml", timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

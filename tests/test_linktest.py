@@ -6,7 +6,7 @@ link test runs in tests/test_recovery.py (a host whose training traffic is cut).
 
 from __future__ import annotations
 
-from ddplaunch.linktest import judge, judge_run
+from ddplaunch.diagnose.links import judge, judge_run
 
 ADDRS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"}
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from ddplaunch.preflight import Check, evaluate
+from ddplaunch.diagnose.preflight import Check, evaluate
 from ddplaunch.sim.faults import sim_fault
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.load import load_spec
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, run_processes, sim_spec, wait_for
 from tests.timing import no_hang
@@ -202,7 +202,7 @@ def test_evaluate_gpus_disk_workdir_and_unreachable_port(tmp_path):
     assert "0.20 GB free" in bad["c"]["disk"].seen and "missing" in bad["c"]["workdir"].seen
     assert "Connection refused" in bad["d"]["port"].seen and "firewall" in bad["d"]["port"].fix
     assert report.bad_hosts == ["a", "b", "c", "d"]
-    table = __import__("ddplaunch.preflight", fromlist=["render_table"]).render_table(report)
+    table = __import__("ddplaunch.diagnose.preflight", fromlist=["render_table"]).render_table(report)
     verdict = [line for line in table.splitlines() if not line.startswith(("a: ", "b: ", "c: ", "d: "))]
     assert all(len(line) <= 80 for line in verdict) and "FAILED on 4 of 4" in table
     # a host named by its address is named once (`a`, not `a (a)`)
@@ -232,7 +232,7 @@ def test_container_checks_name_a_missing_image_and_a_small_dev_shm(tmp_path):
     assert a.checks["image"].ok is False and "docker pull img:1" in a.checks["image"].fix and "python" not in a.checks
     assert b.checks["shm"].ok is True and b.checks["shm"].warn and "16 MB" in b.checks["shm"].seen  # Gloo: a warning
     assert c.checks["workdir"].ok is False and "not writable as uid" in c.checks["workdir"].seen
-    table = __import__("ddplaunch.preflight", fromlist=["render_table"]).render_table(report)
+    table = __import__("ddplaunch.diagnose.preflight", fromlist=["render_table"]).render_table(report)
     assert "b: shm: warning: /dev/shm is 16 MB inside the container" in table
     nccl = load_spec(path).model_copy(update={"dist_backend": "nccl"})
     assert evaluate(nccl, {"b": raw["b"]} | {k: facts(shm_bytes=64 << 30) for k in "ac"}, launcher_time=1000.0,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddplaunch.events import RecoveryStarted, Shown, read_events
+from ddplaunch.record.events import RecoveryStarted, Shown, read_events
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, run_pythons, wait_for

@@ -11,9 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-from ddplaunch.oomkill import killed_ranks
-from ddplaunch.torchrun_logs import VICTIM_RE, mismatch_lines, rank_cause, store_errors
-from ddplaunch.watchdog import RankStack, stuck_at, summarize_stacks
+from ddplaunch.diagnose.oom import killed_ranks
+from ddplaunch.diagnose.stacks import RankStack, stuck_at, summarize_stacks
+from ddplaunch.output.torchrun import VICTIM_RE, mismatch_lines, rank_cause, store_errors
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
 from tests.timing import no_hang

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.launch import UpOptions, up
-from ddplaunch.specfile import load_spec
+from ddplaunch.run.launch import UpOptions, up
+from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 from tests.timing import no_hang
 
@@ -233,9 +233,9 @@ def test_a_spare_that_stops_answering_while_it_waits_is_dropped_after_two_rounds
     """The spare watch (sparewatch.py), round by round: a spare that fails two rounds in a row
     while the control host answers is dropped at no cost; a round in which the control fails
     too counts for nothing (this machine's network may be what failed)."""
-    from ddplaunch.console import make_console
-    from ddplaunch.recovery import RecoveryBudget
-    from ddplaunch.sparewatch import SpareWatch
+    from ddplaunch.output.console import make_console
+    from ddplaunch.run.recovery import RecoveryBudget
+    from ddplaunch.run.spares import SpareWatch
     from tests.fakes import FakeBackend
 
     script = FakeScript()
@@ -353,7 +353,7 @@ def test_a_spare_that_fails_the_preflight_is_named_and_dropped(tmp_path):
 
 
 def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
-    from ddplaunch.report import summary_json
+    from ddplaunch.report.summary import summary_json
 
     script = FakeScript(stages=[crashed("f2")])
     report, _, _ = run(tmp_path, script, opts=UpOptions(run_id="fake-rec2"), recovery=RECOVER)
@@ -361,7 +361,7 @@ def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
     assert record["extra"]["recoveries"][0]["replaced"] == {"f2": "f4"} and record["hosts"] == ["f1", "f4", "f3"]
     summary = json.loads(summary_json(report))
     assert summary["recoveries"][0]["lost"] == ["f2"] and summary["unrecovered"] is None
-    from ddplaunch.runs import load_run, status_lines
+    from ddplaunch.record.runs import load_run, status_lines
 
     assert "  recovery 1: lost f2; replaced f2 -> f4" in status_lines(load_run("fake-rec2"))
 
@@ -369,7 +369,7 @@ def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
 def test_a_worker_torchrun_stopped_itself_is_not_the_culprit():
     """torchrun SIGTERMs a node's other workers once one failed: the node's culprit is the rank
     that failed (here only a victim of a peer elsewhere), not the one it stopped."""
-    from ddplaunch.torchrun_logs import culprit
+    from ddplaunch.output.torchrun import culprit
 
     failures = [(4, 0, 1), (5, 1, -15)]  # torchrun's order: root cause first
     own = {4: ["RuntimeError: Read error [10.0.0.2]:1: Connection reset by peer"], 5: ["step=7 loss=0.1"]}
@@ -384,10 +384,10 @@ def test_the_json_schema_knows_every_check_state_and_stage_the_code_writes(tmp_p
     fails here, not in a user's validator."""
     import jsonschema
 
-    from ddplaunch.plan import STAGES
-    from ddplaunch.preflight import CHECKS
-    from ddplaunch.report import summary_json
-    from ddplaunch.results import STATE_ORDER
+    from ddplaunch.plan.launch import STAGES
+    from ddplaunch.diagnose.preflight import CHECKS
+    from ddplaunch.report.summary import summary_json
+    from ddplaunch.record.results import STATE_ORDER
     from tests.ssh_util import ROOT
 
     schema = json.loads((ROOT / "docs" / "check-schema.json").read_text())
@@ -448,7 +448,7 @@ def test_one_silent_host_among_heard_ones_is_still_lost(tmp_path):
 
 def test_the_launcher_suspects_itself_for_a_bounded_time(tmp_path, monkeypatch):
     """Hosts that stay silent and unreachable count as lost once SELF_SUSPECT_S has passed."""
-    from ddplaunch.backends import watch
+    from ddplaunch.backends import failfast as watch
 
     monkeypatch.setattr(watch, "SELF_SUSPECT_S", 0.5)
     script = FakeScript(stages=[StageScript(nodes={h: NodeScript(silent=True, after=0.05) for h in ("f1", "f2", "f3")})])
@@ -490,7 +490,7 @@ def test_a_hang_the_evidence_does_not_pin_on_a_host_is_the_jobs_failure(tmp_path
 
 def test_recovery_turns_the_hang_watchdog_on(tmp_path, monkeypatch):
     """With recovery on and no job.hang_timeout, the watchdog runs with RECOVERY_HANG_S."""
-    from ddplaunch import runloop
+    from ddplaunch.run import loop as runloop
 
     monkeypatch.setattr(runloop, "RECOVERY_HANG_S", 0.3)
     script = FakeScript(stages=[_all_hang()], frozen={"f3"})
@@ -577,7 +577,7 @@ class _OneLost:
         self.polled, self.stopped_at, self.settle_timeout = False, None, None
 
     def poll(self):
-        from ddplaunch.backends.watch import NodeEnd
+        from ddplaunch.backends.failfast import NodeEnd
 
         if self.polled:
             return []
@@ -588,7 +588,7 @@ class _OneLost:
         self.stopped_at = time.monotonic()
 
     def settle(self, nodes, timeout):
-        from ddplaunch.backends.watch import NodeEnd
+        from ddplaunch.backends.failfast import NodeEnd
 
         self.settle_timeout = timeout
         return [NodeEnd(n, -9) for n in nodes]
@@ -609,11 +609,11 @@ class _OneLost:
 def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_grace(tmp_path):
     """No report grace (the lost host will report nothing) and LOST_STOP_GRACE, not job.stop_grace:
     survivors blocked in a collective with a dead peer never act on SIGTERM."""
-    from ddplaunch.backends.watch import LOST_STOP_GRACE, REPORT_GRACE, SETTLE_SLACK, follow
-    from ddplaunch.console import Console
-    from ddplaunch.plan import make_plan
-    from ddplaunch.results import StopEvent
-    from ddplaunch.stagelines import StageLines
+    from ddplaunch.backends.failfast import LOST_STOP_GRACE, REPORT_GRACE, SETTLE_SLACK, follow
+    from ddplaunch.output.console import Console
+    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.record.results import StopEvent
+    from ddplaunch.output.stagelines import StageLines
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=2))

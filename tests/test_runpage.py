@@ -9,8 +9,9 @@ import json
 import re
 from html.parser import HTMLParser
 
-from ddplaunch.events import EventLog, RankSteps, RecoveryStarted, RunEnded, RunStarted, StageStarted, StragglerNamed
-from ddplaunch.runpage import render
+from ddplaunch.record.events import (EventLog, RankSteps, RecoveryStarted, RunEnded, RunStarted, StageStarted,
+                                     StragglerNamed)
+from ddplaunch.report.page import render
 
 
 class _Tags(HTMLParser):

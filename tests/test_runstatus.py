@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ddplaunch.events import (RankSteps, RecoveryStarted, RunEnded, RunStarted, StageEnded, StageStarted,
-                              StragglerNamed, from_line, to_line)
-from ddplaunch.results import NodeState
-from ddplaunch.runstatus import RunStatus
+from ddplaunch.record.events import (RankSteps, RecoveryStarted, RunEnded, RunStarted, StageEnded, StageStarted,
+                                     StragglerNamed, from_line, to_line)
+from ddplaunch.record.results import NodeState
+from ddplaunch.report.status import RunStatus
 
 STARTED = RunStarted("r1", "ssh", ["a", "b", "c"], 4242, "laptop", t=100.0)
 

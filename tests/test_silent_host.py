@@ -14,9 +14,9 @@ from typing import Optional
 
 import pytest
 
+from ddplaunch.backends.failfast import NoAnswer
 from ddplaunch.backends.ssh import SshBackend
-from ddplaunch.backends.watch import NoAnswer
-from ddplaunch.specfile import load_spec_data
+from ddplaunch.spec.load import load_spec_data
 
 ROOT = Path(__file__).resolve().parents[1]
 HOSTS = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]

@@ -26,10 +26,10 @@ from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster,
                            sim_status, sim_up)
 from ddplaunch.sim import cli as sim_cli
 from ddplaunch.sim.cluster import noisy_rc_text
-from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import nsswitch_text
 from ddplaunch.sim.proc import pid_alive
 from ddplaunch.sim.sshd import sshd_config_text
+from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.testing import is_listening, shared_cluster, ssh_client, ssh_run, wait_listening
 from tests.simfixture import real_system, sim_cluster, sim_skip_reason  # noqa: F401  (fixture)
 from tests.timing import no_hang

@@ -21,9 +21,9 @@ from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, Slu
                            render_slurm_spec, sim_down, sim_up)
 from ddplaunch.sim import cli as sim_cli
 from ddplaunch.sim import slurm as sim_slurm
-from ddplaunch.sim.state import save_state
 from ddplaunch.sim.netns import list_netns, netns_pids
 from ddplaunch.sim.proc import pid_alive, pid_cmdline, wait_until
+from ddplaunch.sim.state import save_state
 from ddplaunch.sim.testing import sbatch, slurm_run, wait_job_gone, wait_job_state
 from tests.simfixture import real_system, slurm_cluster, slurm_skip_reason  # noqa: F401  (fixture)
 from tests.timing import no_hang

@@ -24,10 +24,10 @@ from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.detached import final_state, follow_output, job_active, render_detached
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import PlanError, SpecError
-from ddplaunch.handoff import SUPERVISE_ENV, decode_run, encode_run
-from ddplaunch.launch import UpOptions, dry_run
-from ddplaunch.results import StopEvent
-from ddplaunch.specfile import load_spec
+from ddplaunch.plan.handoff import SUPERVISE_ENV, decode_run, encode_run
+from ddplaunch.record.results import StopEvent
+from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,16 +15,16 @@ import pytest
 from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.client import SlurmClient, describe_sbatch_error
-from ddplaunch.hostlist import expand_hostlist
 from ddplaunch.backends.slurm.render import allocation_request, sbatch_options, step_request
 from ddplaunch.backends.slurm.step import SrunStep
-from ddplaunch.console import Console
-from ddplaunch.stagelines import StageLines
 from ddplaunch.errors import BackendError
-from ddplaunch.launch import UpOptions, dry_run
-from ddplaunch.plan import make_plan
-from ddplaunch.results import StopEvent
-from ddplaunch.specfile import load_spec
+from ddplaunch.output.console import Console
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.launch import make_plan
+from ddplaunch.record.results import StopEvent
+from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.spec.hostlist import expand_hostlist
+from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import EnvVar, parse_size
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.load import load_spec
+from ddplaunch.spec.model import EnvVar, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ import pytest
 
 from ddplaunch.backends.ssh.routes import needs_asking, reach_addr, resolve_route
 from ddplaunch.errors import BackendError
-from ddplaunch.specfile import load_spec_data
+from ddplaunch.spec.load import load_spec_data
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerWatch
+from ddplaunch.diagnose.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerWatch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun_util import ROOT, run_torchrun  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from ddplaunch.stragglers import IN_A_ROW, THRESHOLD, WARMUP, WINDOW, StragglerWatch
+from ddplaunch.diagnose.stragglers import IN_A_ROW, THRESHOLD, WARMUP, WINDOW, StragglerWatch
 
 HOSTS = {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h3", 5: "h3"}
 
@@ -125,8 +125,8 @@ def test_the_hold_file_is_the_one_the_entry_looks_for():
     """evict.py asks rank 0 to hold by creating entry.py's HOLD_FILE (the host side imports nothing)."""
     import importlib.util
 
-    from ddplaunch import evict
-    from ddplaunch.plan import ENTRY_SOURCE
+    from ddplaunch.run import eviction as evict
+    from ddplaunch.plan.launch import ENTRY_SOURCE
 
     spec = importlib.util.spec_from_file_location("entry_under_test", ENTRY_SOURCE)
     entry = importlib.util.module_from_spec(spec)

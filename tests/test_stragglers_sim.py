@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddplaunch.events import RankSteps, StragglerNamed, read_events
+from ddplaunch.record.events import RankSteps, StragglerNamed, read_events
 from ddplaunch.sim.faults import sim_fault
 from tests.ssh_util import ROOT, popen_ddplaunch, read_until
 from tests.timing import no_hang

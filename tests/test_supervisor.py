@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.events import RankSteps, RunEnded, RunStarted, Shown, StageEnded, StageStarted, read_events
+from ddplaunch.record.events import RankSteps, RunEnded, RunStarted, Shown, StageEnded, StageStarted, read_events
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ddplaunch.plan import derive_port
+from ddplaunch.plan.launch import derive_port
 from tests.ssh_util import ddplaunch, run_processes, sim_spec
 from tests.timing import no_hang
 
@@ -148,7 +148,7 @@ def test_sync_path_that_does_not_exist_is_a_spec_error(tmp_path):
 
 def test_synced_says_where_sync_puts_files(tmp_path):
     """The pre-flight does not look for a job script that `sync:` delivers at launch (after it)."""
-    from ddplaunch.specfile import load_spec
+    from ddplaunch.spec.load import load_spec
 
     make_payload(tmp_path)
     (tmp_path / "one.py").write_text("")

@@ -8,8 +8,9 @@ import io
 
 from rich.console import Console
 
-from ddplaunch.events import HostState, RankSteps, RecoveryStarted, RunEnded, RunStarted, StageStarted, StragglerNamed
-from ddplaunch.top import TopView
+from ddplaunch.record.events import (HostState, RankSteps, RecoveryStarted, RunEnded, RunStarted, StageStarted,
+                                     StragglerNamed)
+from ddplaunch.report.top import TopView
 
 
 def _text(view: TopView, now: float = 1000.0) -> str:

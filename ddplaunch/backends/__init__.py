@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, Optional, cast
 
 from ddplaunch.backends.contract import Launcher, RunContext, Scheduler
-from ddplaunch.registry import registration
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec.model import ClusterSpec
+from ddplaunch.spec.registry import registration
 
 
 def make_backend(spec: ClusterSpec, run: RunContext) -> Launcher[Any]:

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
 
 from ddplaunch.errors import BackendError
-from ddplaunch.plan import LaunchPlan
-from ddplaunch.results import StageResult, StopEvent
-from ddplaunch.runs import RunRecord
-from ddplaunch.spec import HostSpec
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.launch import LaunchPlan
+from ddplaunch.record.results import StageResult, StopEvent
+from ddplaunch.record.runs import RunRecord
+from ddplaunch.spec.model import HostSpec
 
 
 class HostResult(NamedTuple):

@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.failfast import SETTLE_SLACK, NodeEnd, follow
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text, runtime_of
-from ddplaunch.backends.watch import SETTLE_SLACK, NodeEnd, follow
 from ddplaunch.errors import BackendError
 from ddplaunch.hostside import reaper
 from ddplaunch.hostside.procs import run_processes
-from ddplaunch.plan import HOST_RUN_ROOT, LaunchPlan
-from ddplaunch.results import StageResult, StopEvent
-from ddplaunch.runs import RunRecord, write_private
-from ddplaunch.spec import ClusterSpec, HostSpec
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.launch import HOST_RUN_ROOT, LaunchPlan
+from ddplaunch.record.results import StageResult, StopEvent
+from ddplaunch.record.runs import RunRecord, write_private
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
 class LocalBackend(ShellLauncher):

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from ddplaunch.backends.contract import HostResult
-from ddplaunch.hostcmd import host_program
-from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
-from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import ClusterSpec, HostSpec
-from ddplaunch.specvalues import SECRET_SHOWN
-from ddplaunch.torchrun_logs import HEARTBEAT
+from ddplaunch.output.torchrun import HEARTBEAT
+from ddplaunch.plan.hostprogram import host_program
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.plan.shellword import Raw, word
+from ddplaunch.spec.model import ClusterSpec, HostSpec
+from ddplaunch.spec.values import SECRET_SHOWN
 
 #: While the node's shell, and the torchrun it becomes, lives: a line every second that says so
 #: (backends/watch.py counts a node silent for `recovery.detect_timeout` as a host to check). It

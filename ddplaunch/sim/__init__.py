@@ -9,16 +9,15 @@ With `SimConfig(slurm=True)` the hosts also form a real Slurm cluster (see slurm
     sim_down(cluster.state_dir)
 """
 
-from ddplaunch.sim.cluster import (RC_NOISE_STDERR, RC_NOISE_STDOUT, DownResult, check_requirements, sim_down,
-                                   sim_up)
-from ddplaunch.sim.specs import render_slurm_spec, render_spec
-from ddplaunch.sim.state import (DEFAULT_PREFIX, DEFAULT_SUBNET, Fault, SimCluster, SimConfig, SimHost,
-                                 default_state_dir, host_exec_argv, load_cluster)
-from ddplaunch.sim.statedir import check_state_dir, secure_state_dir
+from ddplaunch.sim.cluster import RC_NOISE_STDERR, RC_NOISE_STDOUT, DownResult, check_requirements, sim_down, sim_up
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.netns import Naming
 from ddplaunch.sim.proc import SimError
 from ddplaunch.sim.slurm import SlurmState
+from ddplaunch.sim.specs import render_slurm_spec, render_spec
+from ddplaunch.sim.state import (DEFAULT_PREFIX, DEFAULT_SUBNET, Fault, SimCluster, SimConfig, SimHost,
+                                 default_state_dir, host_exec_argv, load_cluster)
+from ddplaunch.sim.statedir import check_state_dir, secure_state_dir
 from ddplaunch.sim.status import DaemonStatus, HostStatus, sim_status, slurm_status
 
 __all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "RC_NOISE_STDERR", "RC_NOISE_STDOUT", "DaemonStatus",

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from ddplaunch.sim import cgroups, slurm, sshd
-from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
-from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.netns import NETNS_DIR, netns_pids
 from ddplaunch.sim.proc import SimError, require_root, run, stop_pids
+from ddplaunch.sim.state import Fault, SimCluster, SimHost, load_cluster, save_state
+from ddplaunch.sim.statedir import prefix_lock
 
 RATE_RE = re.compile(r"^\d+(\.\d+)?([kmgt]i?)?(bit|bps)$", re.IGNORECASE)
 TBF_OPTS = ["burst", "256kb", "latency", "50ms"]

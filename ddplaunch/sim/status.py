@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddplaunch.sim import netns, slurm, sshd
-from ddplaunch.sim.state import load_cluster
 from ddplaunch.sim.proc import require_root, run
+from ddplaunch.sim.state import load_cluster
 
 
 @dataclass(frozen=True)

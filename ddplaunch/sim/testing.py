@@ -18,10 +18,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from ddplaunch.sim.cluster import check_requirements, sim_down, sim_up
-from ddplaunch.sim.state import SimCluster, SimConfig
-from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.proc import SimError, run, wait_until
 from ddplaunch.sim.slurm import SlurmState
+from ddplaunch.sim.state import SimCluster, SimConfig
+from ddplaunch.sim.statedir import prefix_lock
 
 TEST_PREFIX = os.environ.get("DDPLAUNCH_TEST_PREFIX", "dlt")
 TEST_SUBNET = os.environ.get("DDPLAUNCH_TEST_SUBNET", "10.213.7.0/24")

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from ddplaunch.backends.shell import env_text, shell_line
 from ddplaunch.backends.slurm.render import step_request
-from ddplaunch.plan import make_plan
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.plan.launch import make_plan
+from ddplaunch.spec.model import ClusterSpec
 
 CANARY = "/tmp/ddplaunch-injection-canary"
 HOSTILE = st.sampled_from([

@@ -21,9 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddplaunch.backends.known_hosts import (
-    AcceptNewPolicy, RevokedHostKeyError, StrictPolicy, configure, load_host_keys, parse_known_hosts,
-    record_host_key)
+from ddplaunch.backends.known_hosts import (AcceptNewPolicy, RevokedHostKeyError, StrictPolicy, configure,
+                                            load_host_keys, parse_known_hosts, record_host_key)
 from ddplaunch.errors import BackendError
 
 N_HOSTS = 6
@@ -533,7 +532,7 @@ def test_ssh_backend_accept_new_keeps_all_six_hosts_across_runs(sshd: dict, tmp_
     from concurrent.futures import ThreadPoolExecutor
 
     from ddplaunch.backends.ssh import SshBackend
-    from ddplaunch.spec import ClusterSpec
+    from ddplaunch.spec.model import ClusterSpec
 
     known = tmp_path / "known_hosts"
     header = "# team file\n" + _line("bastion,10.9.9.9", _key()) + "\n" + _sk_line("yubi-host") + "\n"

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import ClusterSpec
-from ddplaunch.specfile import load_spec
+from ddplaunch.spec.load import load_spec
+from ddplaunch.spec.model import ClusterSpec
 from tests.timing import CLI_REFUSAL_UNITS, SPEC_LOAD_UNITS, cpu_time, cpu_within
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.errors import SpecError
-from ddplaunch.spec import ClusterSpec, EnvVar
-from ddplaunch.specvalues import is_secret_name
-from ddplaunch.specfile import backend_limits, load_spec
-from ddplaunch.yamlsafe import MAX_BYTES, MAX_DEPTH, MAX_NODES, show
+from ddplaunch.spec.load import backend_limits, load_spec
+from ddplaunch.spec.model import ClusterSpec, EnvVar
+from ddplaunch.spec.values import is_secret_name
+from ddplaunch.spec.yamlsafe import MAX_BYTES, MAX_DEPTH, MAX_NODES, show
 from tests.timing import SPEC_LOAD_UNITS, cpu_time, cpu_within
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -432,7 +432,7 @@ def test_backend_limits_ignore_defaults_and_the_table_is_data(tmp_path):
 ])
 def test_the_pure_python_loader_keeps_the_same_limits(tmp_path, monkeypatch, text, expected):
     """PyYAML without libyaml (a source install) gets the same checks, under a smaller size limit."""
-    from ddplaunch import yamlsafe
+    from ddplaunch.spec import yamlsafe
 
     monkeypatch.setattr(yamlsafe, "_Loader", yamlsafe._loader_class(libyaml=False))
     path = spec_file(tmp_path, text)

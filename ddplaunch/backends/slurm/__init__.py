@@ -14,23 +14,22 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, Request, RunContext
+from ddplaunch.backends.failfast import follow, unanswered, unstarted
 from ddplaunch.backends.shell import pid_file, reaper_command, runtime_of, stage_bundle
 from ddplaunch.backends.slurm.allocation import Allocation
 from ddplaunch.backends.slurm.client import SlurmClient, SlurmJob, describe_sbatch_error
-from ddplaunch.backends.slurm.detached import (DetachedRequest, final_state, follow_output, job_active,
-                                               render_detached)
+from ddplaunch.backends.slurm.detached import DetachedRequest, final_state, follow_output, job_active, render_detached
 from ddplaunch.backends.slurm.render import (AT_LAUNCH, NODE_ID, NODE_RANK, StepRequest, node_rank_case, pyxis_of,
                                              step_request, task_nodes)
 from ddplaunch.backends.slurm.step import SrunStage, SrunStep
-from ddplaunch.backends.watch import follow, unanswered, unstarted
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.hostcmd import port_probe
-from ddplaunch.plan import LaunchPlan, tool_python
-from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
-from ddplaunch.runs import RunRecord
-from ddplaunch.shellword import word
-from ddplaunch.spec import ClusterSpec, HostSpec
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.hostprogram import port_probe
+from ddplaunch.plan.launch import LaunchPlan, tool_python
+from ddplaunch.plan.shellword import word
+from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
+from ddplaunch.record.runs import RunRecord
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: How long a probe step may take beyond its command's own timeout (step launch).
 STEP_SLACK = 15.0

@@ -21,7 +21,7 @@ from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import BackendError, PlanError
-from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: Job states in which an allocation will never run (again).
 ENDED = ("CANCELLED", "FAILED", "TIMEOUT", "COMPLETED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",

@@ -43,7 +43,7 @@ class SlurmJob:
     output_path: Optional[str] = None
 
     def save(self, run_dir: Path) -> None:
-        from ddplaunch.runs import write_private
+        from ddplaunch.record.runs import write_private
 
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_private(run_dir / "slurm.json", json.dumps(asdict(self), indent=2, sort_keys=True))

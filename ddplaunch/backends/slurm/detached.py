@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 from ddplaunch.backends.slurm.render import allocation_request
-from ddplaunch.handoff import SUPERVISE_ENV, encode_run, supervisor_opts
-from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import ClusterSpec
-from ddplaunch.specvalues import SECRET_SHOWN
+from ddplaunch.plan.handoff import SUPERVISE_ENV, encode_run, supervisor_opts
+from ddplaunch.plan.shellword import Raw, word
+from ddplaunch.spec.model import ClusterSpec
+from ddplaunch.spec.values import SECRET_SHOWN
 
 #: What the job inherits from the submitting shell besides the run and the spec's `from_env`
 #: values (sbatch runs with --export=ALL, so the job gets exactly this environment plus Slurm's).

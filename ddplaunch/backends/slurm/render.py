@@ -17,12 +17,12 @@ from typing import Optional, Sequence
 import jinja2
 
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
-from ddplaunch.container import container_name, pyxis_options
-from ddplaunch.hostwords import HostWord
-from ddplaunch.plan import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
-from ddplaunch.shellword import Raw, word
-from ddplaunch.spec import ClusterSpec, ContainerSpec
-from ddplaunch.specvalues import SECRET_SHOWN
+from ddplaunch.plan.container import container_name, pyxis_options
+from ddplaunch.plan.hostwords import HostWord
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.plan.shellword import Raw, word
+from ddplaunch.spec.model import ClusterSpec, ContainerSpec
+from ddplaunch.spec.values import SECRET_SHOWN
 
 ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
 #: How a value known only once the allocation exists appears in a dry run.

@@ -17,10 +17,10 @@ import threading
 import time
 from typing import Callable, Optional
 
+from ddplaunch.backends.failfast import LOST_STOP_GRACE, SHUTDOWN_GRACE, LossAware, NodeEnd
 from ddplaunch.backends.slurm.client import SlurmClient
-from ddplaunch.backends.watch import LOST_STOP_GRACE, SHUTDOWN_GRACE, LossAware, NodeEnd
 from ddplaunch.errors import BackendError
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
 
 SRUN_PIECE = 1024
 #: With a node lost, how long srun is given after the step's tasks were signalled before it is

@@ -21,22 +21,22 @@ import paramiko
 from fabric import Connection
 
 from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
-from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every,
-                                      pid_file, reaper_command, runtime_of)
+from ddplaunch.backends.failfast import NoAnswer, follow, unstarted
+from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every, pid_file,
+                                      reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, run_to_end, session_command
 from ddplaunch.backends.ssh.sync import sync
-from ddplaunch.backends.watch import NoAnswer, follow, unstarted
 from ddplaunch.errors import BackendError
-from ddplaunch.hostcmd import marked, parse_answer, port_probe
-from ddplaunch.plan import NodeCommand, in_run_dir, master_addr, tool_python
-from ddplaunch.results import UNREACHABLE, StageResult, StopEvent
-from ddplaunch.runs import RunRecord
-from ddplaunch.shellword import word
-from ddplaunch.spec import ClusterSpec, HostSpec
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.hostprogram import marked, parse_answer, port_probe
+from ddplaunch.plan.launch import NodeCommand, in_run_dir, master_addr, tool_python
+from ddplaunch.plan.shellword import word
+from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
+from ddplaunch.record.runs import RunRecord
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: Most hosts connected to, probed or started at once (threads; each SSH session costs ~1 thread).
 MAX_PARALLEL = 64

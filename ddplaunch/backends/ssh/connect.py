@@ -20,11 +20,11 @@ from typing import Any, Optional
 import paramiko
 from fabric import Config, Connection
 
+from ddplaunch.backends.failfast import PROBE_S, unanswered
 from ddplaunch.backends.known_hosts import RevokedHostKeyError, configure
 from ddplaunch.backends.ssh.routes import Route
-from ddplaunch.backends.watch import PROBE_S, unanswered
 from ddplaunch.errors import BackendError
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec.model import ClusterSpec
 
 #: The pre-flight's fix for a host whose key is unknown, changed or revoked (never "check the host is up").
 HOST_KEY_FIX = ("verify the host's key out of band, then fix ssh.known_hosts as the message says "

@@ -22,7 +22,7 @@ from typing import Optional
 import paramiko
 
 from ddplaunch.errors import BackendError
-from ddplaunch.spec import ClusterSpec, HostSpec
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: The user's ssh config, as OpenSSH reads it (HOME decides, as for ssh itself).
 USER_SSH_CONFIG = "~/.ssh/config"

@@ -21,11 +21,11 @@ from typing import Callable, Optional
 
 import paramiko
 
+from ddplaunch.backends.failfast import LossAware, NodeEnd
 from ddplaunch.backends.shell import ShellRequest, env_name, env_text, pid_file, stage_bundle, stage_files
-from ddplaunch.backends.watch import LossAware, NodeEnd
-from ddplaunch.plan import LaunchPlan, NodeCommand
-from ddplaunch.shellword import word
-from ddplaunch.stagelines import StageLines
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand
+from ddplaunch.plan.shellword import word
 
 
 def session_command(request: ShellRequest, node: NodeCommand) -> tuple[str, str, str]:

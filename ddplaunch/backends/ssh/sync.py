@@ -15,7 +15,7 @@ from pathlib import Path
 
 import paramiko
 
-from ddplaunch.spec import ClusterSpec
+from ddplaunch.spec.model import ClusterSpec
 
 
 def sync(sftp: paramiko.SFTPClient, spec: ClusterSpec, workdir: str) -> None:

@@ -1,0 +1,225 @@
+"""What people see of a run, and the run's log: lines to the terminal and the log file, in one place.
+
+`Console` writes whole lines, each carrying its host, to a stream and the log file; `note` is a
+line from ddplaunch itself, `block` a table or summary as it is. It only displays: what the
+lines mean (payloads, findings, tails) is read per stage by `StageLines` (stagelines.py), which
+decides what reaches the terminal — quiet by default, `verbose` shows everything — while the log
+always gets every line. `make_console` adds a live host table (rich) on a terminal.
+
+One line per cluster: the same text from many ranks (or hosts) within `FOLD_S` seconds is shown
+once, with the count and who printed it — `[x6 ranks: dle0:0-1, dle1:2-3, dle2:4-5] UserWarning:
+...` — so a line every rank prints does not fill the screen; the log keeps every line, `verbose`
+shows them all as they come.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from typing import IO, Optional
+
+from rich.console import Console as RichConsole
+from rich.live import Live
+from rich.table import Table
+
+from ddplaunch.record.events import EventLog, HostState, Shown
+
+#: More hosts than this are summarized as counts per state instead of one row each.
+MAX_ROWS = 16
+#: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
+FOLD_S = 0.5
+#: `[host:rank] text` or `[host] text`: who printed a line, and what.
+WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
+
+
+class _Fold:
+    """Lines that wait to be shown, each with everyone who printed the same text meanwhile."""
+
+    def __init__(self, first: str, at: float):
+        self.first, self.at = first, at
+        self.who: list[tuple[str, Optional[int]]] = []
+
+    def text(self) -> str:
+        if len(self.who) < 2:
+            return self.first
+        body = WHO_RE.match(self.first)
+        rest = body.group(3) if body else self.first
+        ranks = [r for _, r in self.who if r is not None]
+        if len(ranks) == len(self.who):
+            by_host: dict[str, list[int]] = {}
+            for host, rank in sorted(self.who, key=lambda w: w[1] or 0):
+                by_host.setdefault(host, []).append(rank or 0)
+            names = ", ".join(f"{h}:{rank_ranges(rs)}" for h, rs in by_host.items())
+            return f"[x{len(ranks)} ranks: {names}] {rest}"
+        return f"[x{len(self.who)} hosts: {', '.join(sorted(set(h for h, _ in self.who)))}] {rest}"
+
+
+def rank_ranges(values: list[int]) -> str:
+    """`0-3,5` for [0, 1, 2, 3, 5]."""
+    out, start = [], None
+    values = sorted(set(values))
+    for i, v in enumerate(values):
+        start = v if start is None else start
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+class Console:
+    """Lines to a stream (what is shown) and a log file (everything)."""
+
+    def __init__(self, stream: Optional[IO[str]] = None, log: Optional[IO[str]] = None,
+                 verbose: bool = False, events: Optional[EventLog] = None):
+        self._stream = stream if stream is not None else sys.stdout
+        self._log = log
+        #: The run's event log: every line shown and every host state go there too (for `attach`).
+        self._events = events
+        self._lock = threading.RLock()
+        self._once: set[str] = set()
+        self.verbose = verbose
+        #: Lines waiting to be shown, by their text without the prefix, oldest first.
+        self._folds: dict[tuple[str, bool], _Fold] = {}
+        self._flusher: Optional[threading.Thread] = None
+
+    def line(self, text: str, shown: bool) -> None:
+        """One line of a host: to the log, and to the stream when `shown` (after `FOLD_S`, once
+        for everyone who printed the same text meanwhile; at once with `verbose`)."""
+        with self._lock:
+            if self._log is not None:
+                self._log.write(text + "\n")
+                self._log.flush()
+            if not shown:
+                return
+            who = WHO_RE.match(text)
+            if self.verbose or who is None:
+                self._show(text)
+                return
+            key = (who.group(3), who.group(2) is not None)
+            by = (who.group(1), int(who.group(2)) if who.group(2) is not None else None)
+            fold = self._folds.get(key)
+            if fold is not None and by in fold.who:  # the same one again: a new line, after the others
+                self.flush()
+                fold = None
+            if fold is None:
+                fold = self._folds[key] = _Fold(text, time.monotonic())
+            fold.who.append(by)
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_when_due, daemon=True)
+                self._flusher.start()
+
+    def _flush_when_due(self) -> None:
+        while True:
+            time.sleep(0.1)
+            with self._lock:
+                self.flush(due_only=True)
+                if not self._folds:
+                    self._flusher = None
+                    return
+
+    def flush(self, due_only: bool = False) -> None:
+        """Show the lines that waited (all of them, or those whose `FOLD_S` has passed), oldest first."""
+        with self._lock:
+            now = time.monotonic()
+            for key, fold in list(self._folds.items()):
+                if due_only and now - fold.at < FOLD_S:
+                    break  # younger ones wait too: lines keep their order
+                del self._folds[key]
+                self._show(fold.text())
+
+    def first_time(self, key: str) -> bool:
+        """True the first time `key` is asked for in this run (a banner shown once)."""
+        with self._lock:
+            if key in self._once:
+                return False
+            self._once.add(key)
+            return True
+
+    def note(self, text: str) -> None:
+        """A line from ddplaunch itself."""
+        self.block(f"[ddplaunch] {text}")
+
+    def block(self, text: str) -> None:
+        """Lines from ddplaunch as they are (tables, summaries), after what waits to be shown."""
+        with self._lock:
+            self.flush()
+            self._show(text.rstrip("\n"))
+            if self._log is not None:
+                self._log.write(text.rstrip("\n") + "\n")
+                self._log.flush()
+
+    def state(self, host: str, text: str) -> None:
+        """A host's current state (connecting, running a stage, exited): shown live on a
+        terminal by `LiveConsole`; plain output has the log lines for it."""
+        if self._events is not None:
+            self._events.append(HostState(host, text))
+
+    def close(self) -> None:
+        """Show what waits; end live output, if any."""
+        self.flush()
+
+    def _show(self, text: str) -> None:
+        if self._events is not None:
+            self._events.append(Shown(text))
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        self._stream.write(text + "\n")
+        self._stream.flush()
+
+
+class QuietConsole(Console):
+    """Shows and logs nothing: for launches whose lines only matter as data (localization probes)."""
+
+    def line(self, text: str, shown: bool) -> None:
+        pass
+
+
+class LiveConsole(Console):
+    """A Console that also shows every host's state, live, on a terminal."""
+
+    def __init__(self, stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,
+                 events: Optional[EventLog] = None):
+        super().__init__(stream, log, verbose, events)
+        self.states = {h: "waiting" for h in hosts}
+        self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
+        self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
+        self.live.start()
+
+    def state(self, host: str, text: str) -> None:
+        super().state(host, text)
+        with self._lock:
+            self.states[host] = text
+            self.live.update(self._table())
+
+    def close(self) -> None:
+        self.flush()
+        self.live.stop()
+
+    def _write(self, text: str) -> None:
+        self.live.console.print(text, markup=False, highlight=False, emoji=False)
+
+    def _table(self) -> Table:
+        table = Table(box=None, show_header=False, pad_edge=False)
+        if len(self.states) > MAX_ROWS:
+            counts: dict[str, int] = {}
+            for s in self.states.values():
+                word = s.split(" (")[0]
+                counts[word] = counts.get(word, 0) + 1
+            table.add_row("hosts", ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+            return table
+        for host, text in self.states.items():
+            style = "red" if ("failed" in text or "lost" in text or "unreachable" in text) else \
+                "green" if text.startswith(("ok", "running")) else ""
+            table.add_row(f"[bold]{host}[/]", f"[{style}]{text}[/]" if style else text)
+        return table
+
+
+def make_console(stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,
+                 events: Optional[EventLog] = None) -> Console:
+    """LiveConsole on a terminal, plain lines otherwise."""
+    if stream.isatty():
+        return LiveConsole(stream, log, hosts, verbose, events)
+    return Console(stream, log, verbose, events)

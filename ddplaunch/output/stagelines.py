@@ -1,0 +1,250 @@
+"""One launch's lines: what its nodes printed, read as data while it is shown.
+
+Backends feed every line of a stage into its `StageLines` (`emit(node, host, line)`). It keeps
+what the stage's result needs — each node's and each rank's last lines, the machine-readable
+payload lines ranks print (`DDPLAUNCH_<NAME>_JSON {...}`: the health check's verdict, each
+rank's start and exit), PyTorch's findings, the job's progress — the clock of the hang watchdog,
+and each node's heartbeat (the watcher's sign that its host lives; never shown or logged), and
+passes each line to the console: shown unless it is noise, a payload, or from a node ddplaunch
+is stopping on purpose (`verbose` shows everything; the log has every line). A secret's value a
+job prints is replaced by `<secret>` before the line is kept, shown or logged. `fill(result)`
+hands it all to the `StageResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+from ddplaunch.output.console import Console
+from ddplaunch.output.torchrun import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE,
+                                       rank_of)
+from ddplaunch.record.results import Progress, StageResult
+from ddplaunch.spec.values import SECRET_SHOWN
+
+TAIL_LINES = 40
+#: Payloads handed to the run loop as they come (`on_report`): every rank's step timing
+#: (hostside/steptiming.py), rank 0 holding after a checkpoint (entry.py's HOLD_FILE).
+REPORTS = ("TIMING", "HELD")
+#: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
+MASKED_MIN = 4
+
+
+class StageLines:
+    """Every line of one launch, from every node."""
+
+    def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None,
+                 secrets: Sequence[str] = (), on_report: Optional[Callable[[str, str, dict[str, Any]], None]] = None):
+        self.console = console
+        self._on_first_step = on_first_step
+        #: gets the ranks' REPORTS (kind, host, payload): passed on, not kept here
+        self._on_report = on_report
+        #: Secret values to mask in every line, longest first (one inside another is masked whole).
+        self._secrets = sorted({s for s in secrets if len(s) >= MASKED_MIN}, key=len, reverse=True)
+        self._lock = threading.Lock()
+        self._tails: dict[int, deque[str]] = {}
+        self._rank_tails: dict[int, deque[str]] = {}
+        self._muted: set[int] = set()
+        #: Nodes whose torchrun agent began its own error report (the summary has the cause).
+        self._agent_failing: set[int] = set()
+        self._payloads: dict[str, list[tuple[int, str]]] = {}
+        self.findings: list[str] = []
+        #: When the last line from any node arrived (the hang watchdog's clock), and from any rank;
+        #: when each node was last heard from: all on the monotonic clock (durations, not dates).
+        self.last_line_at = time.monotonic()
+        self.last_rank_line_at: Optional[float] = None
+        #: When each node was last heard from (any line, its heartbeat included).
+        self.heard_at: dict[int, float] = {}
+        self.progress: Optional[Progress] = None
+        self._resumed_from: Optional[int] = None
+        self._loaded: list[str] = []
+        self._start_said = False  # on_first_step called (see _start_known)
+        self._loads_before_first = 0  # checkpoints loaded before the first step
+
+    # ------------------------------------------------------------------ from the backends
+
+    def emit(self, node_rank: int, host: str, line: str) -> None:
+        """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get `[host] `)."""
+        line = line.rstrip("\r\n")
+        now, mono = time.time(), time.monotonic()
+        if line == HEARTBEAT:  # only says the host lives: not output, not the hang watchdog's
+            with self._lock:
+                self.heard_at[node_rank] = mono
+            return
+        for secret in self._secrets:
+            line = line.replace(secret, SECRET_SHOWN)
+        if not line.startswith(f"[{host}:"):
+            line = f"[{host}] {line}"
+        marker = PAYLOAD_RE.search(line)
+        if marker and marker.group(1) in REPORTS:
+            self._report(node_rank, host, marker.group(1), marker.group(2), mono)
+            if marker.group(1) != "TIMING":  # each rank's timing every second: too much for the log
+                self.console.line(line, False)
+            return
+        started = False
+        with self._lock:
+            self.last_line_at = self.heard_at[node_rank] = mono
+            if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
+                self.findings.append(line)
+            if marker:  # machine-readable: kept and logged, not shown
+                self._payloads.setdefault(marker.group(1), []).append((node_rank, marker.group(2)))
+                self._reported(marker.group(1), marker.group(2), now)
+                shown = False
+            else:
+                self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
+                ranked = rank_of(line)
+                if ranked is not None:
+                    self.last_rank_line_at = mono
+                    self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
+                    self._progress(line, now)
+                shown = self._shown(node_rank, line)
+            started = self._start_known()
+        self.console.line(line, shown)
+        if started and self._on_first_step is not None and self.progress is not None:
+            self._on_first_step(self.progress)
+
+    def _start_known(self) -> bool:
+        """True once, when how the job started is known: its first step came after a checkpoint
+        load, or with its word of resuming, or a later step came. Not at the first step alone:
+        some jobs step once before they load (an FSDP2 job builds its optimizer's state for DCP to
+        load into with a step), then say where they resumed."""
+        progress = self.progress
+        if self._start_said or progress is None:
+            return False
+        if not (self._loads_before_first or self._resumed_from is not None or progress.last_step > progress.first_step):
+            return False
+        self._start_said = True
+        return True
+
+    def _report(self, node_rank: int, host: str, kind: str, payload: str, mono: float) -> None:
+        """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
+        rank's timing comes only while it steps); the payload goes to `on_report`."""
+        with self._lock:
+            self.last_line_at = self.heard_at[node_rank] = mono
+        if self._on_report is None:
+            return
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return
+        if isinstance(data, dict):
+            self._on_report(kind, host, data)
+
+    def _reported(self, kind: str, payload: str, now: float) -> None:
+        """Rank 0's own report of its optimizer steps or a checkpoint load."""
+        if kind not in ("PROGRESS", "LOADED"):
+            return
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return
+        if kind == "LOADED":  # before the first step, or after it: the progress shares the list
+            self._loaded.append(str(data.get("path", "?"))[:300])
+            return
+        steps = data.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            return
+        self._step(now, steps if self.progress is None or self.progress.optimizer_steps is not None
+                   else self.progress.last_step)
+        assert self.progress is not None
+        self.progress.optimizer_steps = steps
+
+    def _step(self, now: float, step: int) -> None:
+        """A completed step at `now`."""
+        if self.progress is None:
+            self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
+                                     resumed_from=self._resumed_from, loaded=self._loaded)
+            self._loads_before_first = len(self._loaded)
+        else:
+            self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)
+
+    def _progress(self, line: str, now: float) -> None:
+        """Note the job's progress from a rank's line."""
+        resumed = RESUMED_RE.search(line)
+        if resumed:
+            self._resumed_from = int(resumed.group(1))
+            if self.progress is not None:  # said after a step (a job may step once before it loads)
+                self.progress.resumed_from = self._resumed_from
+        step = STEP_RE.search(line)
+        if step is None or (self.progress is not None and self.progress.optimizer_steps is not None):
+            return  # no step; or the optimizer's own count is the clock and the line a hint
+        self._step(now, int(step.group(1)))
+
+    def silent_for(self, node_rank: int) -> Optional[float]:
+        """Seconds since the node was last heard from; None before its first heartbeat or line."""
+        with self._lock:
+            heard = self.heard_at.get(node_rank)
+        return None if heard is None else time.monotonic() - heard
+
+    def note(self, text: str) -> None:
+        self.console.note(text)
+
+    def state(self, host: str, text: str) -> None:
+        self.console.state(host, text)
+
+    def mute(self, node_ranks: set[int]) -> None:
+        """Keep these nodes' further lines off the terminal (ddplaunch is stopping them on
+        purpose: their SignalException tracebacks belong in the log, not on screen)."""
+        with self._lock:
+            self._muted |= node_ranks
+
+    def _shown(self, node_rank: int, line: str) -> bool:
+        if self.console.verbose:
+            return True
+        if node_rank in self._muted:
+            return False
+        if line.endswith("] ") and line.count("[") == 1 and ":" not in line:  # a blank line of torchrun's
+            return False
+        if rank_of(line) is None:  # torchrun's own lines (the agent): its failure report stays in the log
+            if node_rank in self._agent_failing:
+                return False
+            if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
+                self._agent_failing.add(node_rank)
+                return False
+        if NOISE_RE.search(line):
+            return "OMP_NUM_THREADS" in line and self.console.first_time("omp-banner")
+        return True
+
+    # ------------------------------------------------------------------ for the result
+
+    def tail(self, node_rank: int) -> list[str]:
+        with self._lock:
+            return list(self._tails.get(node_rank, ()))
+
+    def rank_tail(self, rank: int) -> list[str]:
+        """The last lines of one global rank (its own output, from torchrun's `[host:rank]` prefix)."""
+        with self._lock:
+            return list(self._rank_tails.get(rank, ()))
+
+    def payloads(self, name: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every `DDPLAUNCH_<NAME>_JSON` payload seen, parsed, with the node that printed it."""
+        with self._lock:
+            raw = list(self._payloads.get(name, ()))
+        out = []
+        for node, text in raw:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                out.append((node, value))
+        return out
+
+    def fill(self, result: StageResult) -> StageResult:
+        """Hand the stage's reports to its result: the health check's verdict, the ranks' exits,
+        the findings, and each node's worker restarts (the highest restart count its ranks
+        started with: torchrun's TORCHELASTIC_RESTART_COUNT)."""
+        self.console.flush()  # the stage's last lines come before anything said about it
+        verdicts = self.payloads("HEALTHCHECK")
+        result.healthcheck = verdicts[-1][1] if verdicts else None
+        result.rank_exits = [p for _, p in self.payloads("RANKEXIT")]
+        result.findings = list(self.findings)
+        result.progress = self.progress
+        for node, start in self.payloads("RANKSTART"):
+            restart = start.get("restart")
+            if isinstance(restart, int) and 0 <= node < len(result.outcomes):
+                result.outcomes[node].restarts = max(result.outcomes[node].restarts, restart)
+        return result

@@ -1,0 +1,88 @@
+"""The launch gate: pre-flight and health-check verdicts decide whether, and where, the job runs.
+
+`preflight_gate` and `healthcheck_gate` return the spec to go on with — unchanged, re-planned
+without the hosts found bad (`healthcheck.on_fail: exclude`), or None to stop — and say why on
+the console. Files with the evidence (preflight.json, localize.json/.html) go to the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from ddplaunch.backends.contract import Launcher
+from ddplaunch.diagnose.localize import Localization, localize, render_html
+from ddplaunch.diagnose.preflight import PreflightReport, render_table, run_preflight
+from ddplaunch.errors import PlanError
+from ddplaunch.output.console import Console
+from ddplaunch.plan.stages import exclude_hosts
+from ddplaunch.record.results import StageResult, StopEvent
+from ddplaunch.record.runs import write_private
+from ddplaunch.spec.model import ClusterSpec, HostSpec
+
+
+def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
+                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None
+                   ) -> tuple[Optional[ClusterSpec], list[HostSpec], PreflightReport]:
+    """Run the pre-flight checks on the hosts and the spares at once; the spec to go on with (None:
+    stop) and the spares that passed (a spare that fails is named and dropped; the run goes on)."""
+    spares = list(spares or [])
+    probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
+    report = run_preflight(probed, backend, run_id, port)
+    console.block(render_table(report))
+    write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    if report.socket_ifname and not spec.socket_ifname:
+        spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
+    bad = set(report.bad_hosts)
+    dropped = [s.label for s in spares if s.label in bad]
+    if dropped:
+        console.note(f"spare {', '.join(dropped)} failed the pre-flight: dropped (the run goes on without it)")
+    spares = [s for s in spares if s.label not in bad]
+    bad_hosts = [h.label for h in spec.hosts if h.label in bad]
+    if not bad_hosts:
+        return spec, spares, report
+    return _exclude_or_stop(spec, bad_hosts, "pre-flight", console), spares, report
+
+
+def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, result: StageResult,
+                     stop: StopEvent, console: Console, run_dir: Path
+                     ) -> tuple[Optional[ClusterSpec], Optional[Localization]]:
+    """After a health check: the spec to go on with (unchanged, without the bad hosts, or None).
+
+    The pair gate runs inside the health check's own processes (its verdict is in the result's
+    `healthcheck`); only a health check that failed without naming hosts is localized by launches
+    of their own: each host alone, then pairs, then suspects with known-good hosts.
+    """
+    pairs = (result.healthcheck or {}).get("pairs")
+    if pairs and (pairs.get("pairs") or pairs.get("bad_hosts")):
+        loc = Localization.from_dict(pairs)
+    elif result.ok or result.interrupted or stop.is_set() or len(spec.hosts) < 2:
+        return (spec if result.ok else None), None
+    else:
+        console.note("localizing: each host alone, then host pairs, then suspects with known-good hosts")
+        loc = localize(spec, backend, run_id, stop)
+    console.block(loc.summary())
+    write_private(run_dir / "localize.json", json.dumps(loc.to_dict(), indent=2, sort_keys=True))
+    write_private(run_dir / "localize.html", render_html(loc))
+    if not loc.bad_hosts:
+        if not result.ok:
+            console.note("no single host explains the failure: stopping")
+        return (spec if result.ok else None), loc
+    console.note(f"localization chart: {run_dir / 'localize.html'}")
+    return _exclude_or_stop(spec, loc.bad_hosts, "the health check", console), loc
+
+
+def _exclude_or_stop(spec: ClusterSpec, bad: list[str], what: str, console: Console) -> Optional[ClusterSpec]:
+    if spec.healthcheck.on_fail != "exclude":
+        hint = " (healthcheck.on_fail: exclude would run on the other hosts)" if len(spec.hosts) > len(bad) else ""
+        console.note(f"{what} failed on {', '.join(bad)}: stopping{hint}")
+        return None
+    try:
+        kept = exclude_hosts(spec, bad)
+    except PlanError as err:
+        console.note(f"{what} failed on {', '.join(bad)} and they cannot be excluded: {err}")
+        return None
+    console.note(f"{what} failed on {', '.join(bad)}: EXCLUDED them (healthcheck.on_fail: exclude); "
+              f"going on with {len(kept.hosts)} host(s): {', '.join(h.label for h in kept.hosts)}")
+    return kept

@@ -1,0 +1,97 @@
+"""The hang watch: a job that printed nothing for `job.hang_timeout` seconds is diagnosed and ended.
+
+`HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
+any rank it has every worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck
+and ends the run. A host whose ranks are frozen, or whose training link a link test finds broken
+(diagnose/links.py), is named as lost: with recovery on, a spare takes its place.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from ddplaunch.backends.contract import Launcher
+from ddplaunch.diagnose.links import broken_links
+from ddplaunch.diagnose.stacks import DUMP_TIMEOUT, collect_stacks, frozen_hosts, save_stacks, summarize_stacks
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.plan.launch import LaunchPlan
+from ddplaunch.record.results import StopEvent
+from ddplaunch.spec.model import ClusterSpec, HostSpec
+
+
+class HangWatchdog:
+    """Ends a job that printed nothing for `timeout` seconds, after naming where every rank is.
+
+    Use as a context manager around the job stage; `diagnosis` holds the report lines once it fired.
+    """
+
+    def __init__(self, backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, lines: StageLines,
+                 stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5,
+                 witnesses: Sequence[HostSpec] = ()):
+        self.backend, self.spec, self.plan, self.lines, self.stop = backend, spec, plan, lines, stop
+        self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
+        #: spares that take part in the link test (never named)
+        self.witnesses = list(witnesses)
+        self.diagnosis: list[str] = []
+        self.fired_after: Optional[float] = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ddplaunch-hang-watchdog", daemon=True)
+
+    def __enter__(self) -> "HangWatchdog":
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join(timeout=DUMP_TIMEOUT + 10)
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll):
+            if self.stop.is_set():
+                return
+            ranks_spoke = (self.lines.last_rank_line_at or 0) >= self._started
+            idle = time.monotonic() - max(self._started, self.lines.last_line_at)
+            # Until a rank has said anything, the ranks are still starting (importing torch on a
+            # loaded host can take longer than the hang timeout): they get the rendezvous timeout
+            # on top before silence counts as a hang.
+            if idle >= self.timeout + (0 if ranks_spoke else self.spec.rdzv_timeout):
+                self._fire(idle)
+                return
+
+    def _fire(self, idle: float) -> None:
+        t0 = time.time()
+        self.lines.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
+                       "dumping every rank's stack with py-spy")
+        try:
+            stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
+                                                   [n.host for n in self.plan.nodes if n.host is not None])
+        except Exception as err:  # noqa: BLE001 - the run must still be ended
+            stacks, problems, raw = [], [f"stack dump failed: {type(err).__name__}: {err}"], {}
+        headline = f"hang: no output for {idle:.0f}s (job.hang_timeout={self.timeout:g})"
+        lines = [headline + (f"; stuck at: {summarize_stacks(stacks)}" if stacks else "")]
+        lines += problems
+        try:
+            saved = save_stacks(stacks, raw, lines, self.out_dir)
+            lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
+        except OSError as err:
+            lines.append(f"could not save the stacks in {self.out_dir}: {err}")
+        culprits = frozen_hosts(raw) or self._cut_off()
+        lines += [f"{host}: {why}" for host, why in culprits.items()]
+        self.diagnosis = lines
+        self.fired_after = time.monotonic() - self._started
+        for line in lines:
+            self.lines.note(line)
+        self.stop.stop(f"hang: no output from any rank for {idle:.0f}s", lost=culprits)
+
+    def _cut_off(self) -> dict[str, str]:
+        """Hosts whose training link the link test finds broken (none when it cannot tell)."""
+        hosts = [n.host for n in self.plan.nodes if n.host is not None]
+        try:
+            return broken_links(self.backend, self.spec, hosts, self.plan.run_id, self.witnesses)
+        except Exception as err:  # noqa: BLE001 - the hang is still reported
+            self.lines.note(f"link test failed: {type(err).__name__}: {err}")
+            return {}

@@ -1,0 +1,122 @@
+"""Self-healing runs: after a job launch that lost hosts, which hosts to launch on next.
+
+A launch whose failure is the hosts' (results.StageResult.host_failure: a host lost, every
+other failure only a peer's death) is recovered while `recovery.max_host_failures` lasts: each
+lost host is replaced by a spare at its node rank (the world size stays, so a DDP job resumes
+bitwise), or, without a spare left, left behind while at least `recovery.min_hosts` remain (the
+world shrinks; the job must reshard). A spare that the relaunch could not even reach died while
+it waited: it is named and skipped, the next spare takes its place, and it costs the budget
+nothing (the host that was lost is what counts). A job's own failure is never recovered. Pure:
+the run loop (runloop.py) relaunches; this module decides and keeps the record.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.results import UNREACHABLE, NodeOutcome, StageResult
+from ddplaunch.spec.model import HostSpec, RecoverySpec
+
+
+class RecoveryBudget:
+    """The run's recoveries so far, its spares left, and the decision after each failed launch."""
+
+    def __init__(self, spec: RecoverySpec, spares: list[HostSpec]):
+        self.spec = spec
+        self.spares = list(spares)
+        self.done: list[Recovery] = []
+        self.lost: list[str] = []
+        #: spares dropped while they waited (sparewatch.py): label -> why
+        self.dropped: dict[str, str] = {}
+
+    def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None
+                   ) -> tuple[Optional[list[HostSpec]], str]:
+        """The hosts the job launches on next after `result`, and why (None: the run ends).
+
+        Args:
+            hosts: the hosts of the failed launch, in node order.
+            master: `master.addr` when the spec fixes it (the master cannot move then).
+        """
+        lost = result.lost_hosts
+        dead = self._dead_spares(result)
+        if dead and len(dead) == len(lost):
+            return self._skip_dead_spares(hosts, dead)
+        names = ", ".join(o.host for o in lost)
+        if self.spec.max_host_failures == 0:
+            return None, f"{names} lost: recovery.max_host_failures is 0 (set it to survive host failures)"
+        if len(self.lost) + len(lost) > self.spec.max_host_failures:
+            before = f" after {', '.join(self.lost)} earlier" if self.lost else ""
+            return None, (f"{names} lost{before}: more host failures than recovery.max_host_failures="
+                          f"{self.spec.max_host_failures}")
+        by_label = {h.label: h for h in hosts}
+        if master and any(by_label[o.host].addr == master for o in lost if o.host in by_label):
+            return None, f"{names} lost, and master.addr {master} with it: remove master.addr so the master can move"
+        return self._replace(hosts, lost)
+
+    def _dead_spares(self, result: StageResult) -> list[NodeOutcome]:
+        """Spares the last recovery put in that this launch could not reach: never started there."""
+        joined = set(self.done[-1].replaced.values()) if self.done else set()
+        return [o for o in result.lost_hosts if o.host in joined and o.state == UNREACHABLE]
+
+    def _skip_dead_spares(self, hosts: list[HostSpec], dead: list[NodeOutcome]
+                          ) -> tuple[Optional[list[HostSpec]], str]:
+        """The same recovery again, each dead spare's place taken by the next spare (or, with none
+        left, given up while `recovery.min_hosts` allows): the budget is not charged."""
+        recovery = self.done[-1]
+        why = {o.host: o.detail or o.state for o in dead}
+        new: list[HostSpec] = []
+        for host in hosts:
+            if host.label not in why:
+                new.append(host)
+                continue
+            recovery.dead_spares[host.label] = why[host.label]
+            stood_for = next(lost for lost, spare in recovery.replaced.items() if spare == host.label)
+            if self.spares:
+                spare = self.spares.pop(0)
+                recovery.replaced[stood_for] = spare.label
+                new.append(_in_place_of(host, spare))
+            else:
+                del recovery.replaced[stood_for]
+        names = ", ".join(why)
+        if len(new) < len(hosts) and (self.spec.min_hosts is None or len(new) < self.spec.min_hosts):
+            return None, (f"spare {names} cannot be reached ({'; '.join(why.values())}) and no spare is left "
+                          "to take its place")
+        recovery.hosts_after = len(new)
+        return new, (f"spare {names} cannot be reached ({'; '.join(why.values())}): skipped, at no cost to "
+                     f"recovery.max_host_failures; {recovery.describe()}")
+
+    def _replace(self, hosts: list[HostSpec], lost: list[NodeOutcome]) -> tuple[Optional[list[HostSpec]], str]:
+        gone = {o.host for o in lost}
+        spares = list(self.spares)
+        replaced: dict[str, str] = {}
+        new: list[HostSpec] = []
+        for host in hosts:
+            if host.label not in gone:
+                new.append(host)
+            elif spares:
+                spare = spares.pop(0)
+                replaced[host.label] = spare.label
+                new.append(_in_place_of(host, spare))
+        names = ", ".join(sorted(gone))
+        if len(new) < len(hosts):
+            floor = self.spec.min_hosts
+            if floor is None:
+                return None, (f"{names} lost and no spare left to replace it (add recovery.spares, or set "
+                              "recovery.min_hosts to go on with fewer hosts)")
+            if len(new) < floor:
+                return None, (f"{names} lost and no spare left: {len(new)} host(s) would remain, fewer than "
+                              f"recovery.min_hosts={floor}")
+        self.spares = spares
+        self.lost += sorted(gone)
+        self.done.append(Recovery(
+            number=len(self.done) + 1, lost=[o.host for o in lost], causes={o.host: o.detail for o in lost},
+            lost_at=min(o.last_heard_at or o.ended_at or time.time() for o in lost),
+            detected_at=max(o.ended_at or time.time() for o in lost), replaced=replaced, hosts_after=len(new)))
+        return new, self.done[-1].describe()
+
+
+def _in_place_of(lost: HostSpec, spare: HostSpec) -> HostSpec:
+    """`spare` at `lost`'s node rank: with `lost`'s process count, so the world and every rank stay."""
+    return spare.model_copy(update={"nproc": lost.nproc})

@@ -1,0 +1,266 @@
+"""Following a supervised run: what `up` shows in the foreground and what `attach RUN_ID` shows.
+
+Both replay the run's event log from its first line and follow it live (events.py): every line
+the screen showed, each host's state (a live table on a terminal), then the summary, and return
+the run's exit code. They differ only in what Ctrl-C means: in `up` it stops the run (SIGTERM to
+the supervisor, which stops every host in order; a second Ctrl-C leaves without waiting), in
+`attach` it only detaches. A closed terminal or a killed follower never touches the run. The
+supervisor is a process on this machine, the job of a detached Slurm run (alive while the job is
+queued or running), or on `supervisor.host`, where `attach` itself runs over SSH (remote.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, Optional, Protocol
+
+from ddplaunch.backends import scheduler_of
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
+from ddplaunch.output.console import make_console
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.record.events import (EVENTS_FILE, Event, HostState, RunEnded, RunStarted, Shown, follow, from_line,
+                                     read_events)
+from ddplaunch.record.runs import REMOTE_HOST, RunRecord
+from ddplaunch.run import launch
+from ddplaunch.spec.model import ClusterSpec
+from ddplaunch.supervise.commands import JOB_POLL, record_backend
+from ddplaunch.supervise.daemon import Supervised, submit
+
+
+class Followed(Protocol):
+    """What following a run needs of its supervisor."""
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def dir(self) -> Path: ...
+
+    def alive(self) -> bool: ...
+
+    def signal(self, signum: int) -> bool: ...
+
+    def where(self) -> str: ...
+
+
+class Scheduled:
+    """A detached run whose supervisor runs in its scheduler's job (Slurm's `up --detach`): it
+    lives while the job is queued or running (the scheduler asked at most every JOB_POLL
+    seconds); `down` stops it, never a signal from here. Its event log is read where the job
+    writes it: the run's directory on a file system the job shares with this machine."""
+
+    def __init__(self, record: RunRecord, running: Callable[[], bool]):
+        self.run_id, self.dir, self._running = record.run_id, record.dir, running
+        self._asked, self._alive = -JOB_POLL, True
+
+    def alive(self) -> bool:
+        if time.monotonic() - self._asked >= JOB_POLL:
+            self._alive, self._asked = self._running(), time.monotonic()
+        return self._alive
+
+    def signal(self, signum: int) -> bool:
+        return False
+
+    def where(self) -> str:
+        return "its scheduler's job"
+
+
+def supervised_of(record: RunRecord) -> Followed:
+    """The supervisor a recorded run names (alive or not): a process on this machine, or the
+    scheduler's job of a detached Slurm run.
+
+    Raises:
+        RunNotFoundError: the run has no event log to follow (an older ddplaunch's run:
+            `ddplaunch logs -f RUN_ID` follows those).
+    """
+    if record.extra.get("detached"):
+        scheduler = scheduler_of(record_backend(record))
+        if scheduler is not None:
+            return Scheduled(record, lambda: scheduler.job_running(record))
+    if not (record.dir / EVENTS_FILE).is_file():
+        raise RunNotFoundError(f"run {record.run_id} has no event log to attach to (started by an older ddplaunch, "
+                               f"or by the scheduler): `ddplaunch logs -f {record.run_id}` follows its log")
+    return Supervised.of(record)
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM while following: stop the run (`up`) or detach (`attach`)."""
+
+    def __init__(self, supervised: Followed, stops_run: bool, say: Any):
+        self.supervised, self.stops_run, self.say = supervised, stops_run, say
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.stops_run and self.count == 1:
+            if self.supervised.signal(signal.SIGTERM):
+                self.say(f"[ddplaunch] stopping run {self.supervised.run_id} (Ctrl-C again leaves it stopping "
+                         "on its own)")
+            return
+        raise KeyboardInterrupt
+
+
+def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: Optional[IO[str]] = None,
+               as_json: bool = False) -> int:
+    """Show a supervised run from its first line to its end; its exit code (130 when left by
+    Ctrl-C, 1 when the supervisor died without ending the run)."""
+    err = err or sys.stderr
+    out = err if as_json else stream
+    console = None
+    interrupts = _Interrupts(supervised, stops_run, lambda text: print(text, file=out, flush=True))
+    old = _install(interrupts)
+    try:
+        for event in follow(supervised.dir, supervised.alive):
+            if isinstance(event, RunStarted) and console is None:
+                console = make_console(out, None, event.hosts)
+                if stops_run:
+                    console.note(f"Ctrl-C stops the run; closing this terminal does not "
+                                 f"(ddplaunch attach {supervised.run_id})")
+            elif isinstance(event, Shown) and console is not None:
+                console.block(event.text)
+            elif isinstance(event, HostState) and console is not None:
+                console.state(event.host, event.text)
+            elif isinstance(event, RunEnded):
+                if console is not None:
+                    console.close()
+                return _ended(event, stream, err, as_json)
+    except KeyboardInterrupt:
+        if console is not None:
+            console.close()
+        rid = supervised.run_id
+        print(f"ddplaunch: left run {rid} while it stops (ddplaunch status {rid})" if stops_run else
+              f"ddplaunch: detached from run {rid}, which goes on (ddplaunch attach {rid} follows it again; "
+              f"ddplaunch down {rid} stops it)", file=err, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        _restore(old)
+    if console is not None:
+        console.close()
+    print(f"ddplaunch: the supervisor of run {supervised.run_id} ({supervised.where()}) ended without ending "
+          f"the run; `ddplaunch down {supervised.run_id}` ends what is left on its hosts", file=err, flush=True)
+    return EXIT_FAILURE
+
+
+def _ended(event: RunEnded, stream: IO[str], err: IO[str], as_json: bool) -> int:
+    if event.error:
+        print(f"ddplaunch: error: {event.error}", file=err, flush=True)
+        return event.exit_code
+    if as_json:
+        print(event.summary, file=err, flush=True)
+        print(event.summary_json, file=stream, flush=True)
+    else:
+        print(event.summary, file=stream, flush=True)
+    return event.exit_code
+
+
+def _install(handler: _Interrupts) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore(old: dict[int, Any]) -> None:
+    for sig, h in old.items():
+        signal.signal(sig, h)
+
+
+def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False,
+       stream: Optional[IO[str]] = None) -> int:
+    """`ddplaunch up` in the foreground: a supervisor takes the run, this process shows it and
+    returns its exit code; Ctrl-C stops the run, anything that ends this process leaves it going.
+
+    Raises:
+        PlanError: what `launch.begin` refuses. BackendError: the supervisor did not start.
+    """
+    if spec.supervisor.host is not None:
+        if as_json:
+            raise PlanError("--json with supervisor.host: the summary is shown on the supervisor's host; "
+                            "`ddplaunch status RUN_ID` there, or run without supervisor.host")
+        from ddplaunch.supervise import remote  # Fabric: only for such a run
+
+        record = remote.submit(spec, spec_path, opts)
+        return elsewhere(record, ["attach", record.run_id], stream or sys.stdout, stops_run=True)
+    return follow_run(submit(spec, spec_path, opts), stream or sys.stdout, stops_run=True, as_json=as_json)
+
+
+def attach(record: RunRecord, stream: IO[str]) -> int:
+    """`ddplaunch attach RUN_ID`: follow the run to its end, wherever its supervisor runs; its
+    exit code (130 when left by Ctrl-C, which leaves the run going)."""
+    if record.extra.get(REMOTE_HOST):
+        return elsewhere(record, ["attach", record.run_id], stream)
+    return follow_run(supervised_of(record), stream, stops_run=False)
+
+
+def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bool = False) -> int:
+    """Show ddplaunch's `args` (`attach`, `top`) on the host a run's supervisor runs on, over SSH;
+    its exit code. Ctrl-C detaches, or with `stops_run` stops the run there."""
+    from ddplaunch.supervise import remote  # Fabric: only for such a run
+
+    host = remote.host_of(record)
+    assert host is not None
+    try:
+        return host.stream(args, stream, stops_run, record.run_id)
+    finally:
+        host.close()
+
+
+def run_events(record: RunRecord, live: bool = False, timeout: Optional[float] = None) -> Iterator[Event]:
+    """The run's events (events.py), oldest first; with `live`, each new one as it comes until the
+    run ends, its supervisor is gone or `timeout` seconds have passed. Of a run supervised on
+    another host, what `ddplaunch events` prints there (over SSH), read back."""
+    if record.extra.get(REMOTE_HOST):
+        from ddplaunch.supervise import remote  # Fabric: only for such a run
+
+        host = remote.host_of(record)
+        assert host is not None
+        try:
+            lines = host.lines(["events", record.run_id, *(["--follow"] if live else []),
+                                *(["--timeout", str(timeout)] if timeout is not None else [])])
+            yield from (e for e in map(from_line, lines) if e is not None)
+        finally:
+            host.close()
+        return
+    if not live:
+        yield from read_events(record.dir)
+        return
+    supervised = supervised_of(record)
+    deadline = None if timeout is None else time.monotonic() + timeout
+
+    def going() -> bool:
+        return supervised.alive() and (deadline is None or time.monotonic() < deadline)
+    yield from follow(supervised.dir, going)
+
+
+def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> tuple[str, str]:
+    """Hand the run to its supervisor and return once it has taken it: the scheduler's job where
+    the backend has one (Slurm's batch job), the daemon on `supervisor.host`, else a daemon on this
+    machine. The run id, and the line that says where it runs and how to follow it.
+
+    Raises:
+        PlanError: what `launch.begin` refuses. BackendError: the supervisor did not take the run.
+    """
+    if spec.supervisor.host is not None:
+        from ddplaunch.supervise import remote  # Fabric: only for such a run
+
+        record = remote.submit(spec, spec_path, opts)
+        rid, host = record.run_id, record.extra[REMOTE_HOST]
+        return rid, (f"run {rid}: supervised by pid {record.extra['supervisor_pid']} on {host}; ddplaunch attach "
+                     f"{rid} follows it, ddplaunch down {rid} stops it")
+    scheduled = launch.detach(spec, spec_path, opts)
+    if scheduled is not None:
+        return scheduled.run_id, f"run {scheduled.run_id}: {scheduled.extra['detached']}"
+    supervised = submit(spec, spec_path, opts)
+    rid = supervised.run_id
+    return rid, (f"run {rid}: supervised by pid {supervised.pid} on this machine; ddplaunch attach {rid} follows "
+                 f"it, ddplaunch down {rid} stops it")
+
+
+def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
+    """`ddplaunch up --detach`: `hand_over`, then the line that says where the run went."""
+    _, line = hand_over(spec, spec_path, opts)
+    print(line, file=stream or sys.stdout, flush=True)
+    return line
