@@ -40,6 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddplaunch.record.codec import to_data  # noqa: E402
+from ddplaunch.record.events import read_events  # noqa: E402
+from ddplaunch.record.view import RunView  # noqa: E402
+
 PREFIX, SUBNET = "drc", "10.213.60.0/24"
 #: The crashed host (0-based): host 3, neither ddplaunch's master nor elastic's rendezvous host, or
 #: with --victim master host 1, ddplaunch's master (elastic's rendezvous host: not run then).
@@ -164,8 +168,8 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
             row["redone"] = row["last_step"] - row["resumed_from"]
         if kind == "ddplaunch":
             proc.wait(timeout=max(60.0, t_crash + give_up - time.time()))
-            record = json.loads((Path(env["DDPLAUNCH_HOME"]) / "runs" / tag / "record.json").read_text())
-            rec = (record.get("extra", {}).get("recoveries") or [{}])[0]
+            view = RunView.of(read_events(Path(env["DDPLAUNCH_HOME"]) / "runs" / tag))
+            rec = to_data(view.recoveries[0]) if view.recoveries else {}
             for phase, key in PHASES:
                 if rec.get(key) is not None:
                     row[phase] = round(rec[key] - t_crash, 1)

@@ -120,7 +120,7 @@ def detection(cluster, tmp: Path, level: str, quota: int, trial: int) -> dict:
         proc.send_signal(2)
         proc.communicate(timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
-    found = [e for e in events if isinstance(e, StragglerNamed)]
+    found = [e.straggler for e in events if isinstance(e, StragglerNamed)]
     return {"level": level, "quota": quota, "trial": trial, "named_s": named_s,
             "host": found[0].host if found else None, "right": bool(found and found[0].host == victim),
             "slowdown": found[0].slowdown if found else None, "naive": naive(events, 30), "line": line.strip()}
@@ -134,7 +134,7 @@ def healthy(cluster, tmp: Path, seconds: float) -> dict:
     out, _ = proc.communicate(timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
     steps = max((e.step for e in events if isinstance(e, RankSteps)), default=0)
-    return {"seconds": seconds, "steps": steps, "named": [e.host for e in events if isinstance(e, StragglerNamed)]}
+    return {"seconds": seconds, "steps": steps, "named": [e.straggler.host for e in events if isinstance(e, StragglerNamed)]}
 
 
 def eviction(cluster, tmp: Path, backend: str, trial: int) -> dict:
@@ -172,7 +172,7 @@ def eviction(cluster, tmp: Path, backend: str, trial: int) -> dict:
         wait_nodes_idle(cluster.slurm, names, timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
     return {"backend": backend, "trial": trial, "rc": proc.returncode, "victim": victim,
-            "named": [e.host for e in events if isinstance(e, StragglerNamed)], **paces(events)}
+            "named": [e.straggler.host for e in events if isinstance(e, StragglerNamed)], **paces(events)}
 
 
 def paces(events: list) -> dict:

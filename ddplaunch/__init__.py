@@ -1,9 +1,9 @@
 """ddplaunch: launch PyTorch DDP training on every host of a cluster, safely.
 
-The flow: `load_spec` -> `make_plan` -> backend (local, ssh, slurm) -> report. From Python:
-`ddplaunch.up(spec, ...)`, `ddplaunch.check(spec, ...)` and `ddplaunch.load_spec(spec)` return a
-RunReport or a ClusterSpec, `ddplaunch.submit(spec, ...)` a Run handle (ddplaunch/api.py); errors
-are DdplaunchError subclasses.
+The flow: `load_spec` -> `make_plan` -> backend (local, ssh, slurm) -> events -> readers
+(docs/architecture.md). From Python: `ddplaunch.up(spec, ...)`, `ddplaunch.check(spec, ...)` and
+`ddplaunch.load_spec(spec)` return a RunReport (the fold of the run's events) or a ClusterSpec,
+`ddplaunch.submit(spec, ...)` a Run handle (ddplaunch/api.py); errors are DdplaunchError subclasses.
 """
 
 from typing import Any
@@ -14,7 +14,7 @@ __all__ = ["BackendError", "DdplaunchError", "PlanError", "Run", "RunReport", "S
 
 _API = {"up": "ddplaunch.api", "check": "ddplaunch.api", "load_spec": "ddplaunch.api", "submit": "ddplaunch.api",
         "Run": "ddplaunch.api",
-        "RunReport": "ddplaunch.report.summary", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
+        "RunReport": "ddplaunch.api", "DdplaunchError": "ddplaunch.errors", "SpecError": "ddplaunch.errors",
         "PlanError": "ddplaunch.errors", "BackendError": "ddplaunch.errors"}
 
 

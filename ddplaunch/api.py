@@ -21,22 +21,21 @@ import time
 from pathlib import Path
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
-from ddplaunch.run import launch
-
-from ddplaunch.supervise import commands as runview
-
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import Event, RunEnded
-from ddplaunch.record.runs import REMOTE_HOST, check_run_id, load_run, new_run_id
-from ddplaunch.report.status import RunStatus
-from ddplaunch.report.summary import RunReport
-from ddplaunch.spec.load import load_spec as _load_file
-from ddplaunch.spec.load import load_spec_data
+from ddplaunch.record.runs import InJob, OnHost, check_run_id, load_run, new_run_id
+from ddplaunch.record.view import RunView
+from ddplaunch.report.status import shown_state
+from ddplaunch.run import launch
+from ddplaunch.spec.load import load_spec as _load_file, load_spec_data
 from ddplaunch.spec.model import ClusterSpec
-from ddplaunch.supervise import daemon as supervisor
-from ddplaunch.supervise.follow import hand_over, run_events
+from ddplaunch.supervise import commands, daemon
+from ddplaunch.supervise.follow import run_events
+from ddplaunch.supervise.handover import hand_over
 
+#: What `up` and `check` return: the fold of the run's events (record/view.py).
+RunReport = RunView
 SpecLike = Union[str, Path, Mapping[str, Any], ClusterSpec]
 #: The keyword options of `up` and `check`, as the command line's flags name them.
 OPTIONS = ("skip_healthcheck", "run_id", "exclude", "verbose")
@@ -89,15 +88,13 @@ class Run:
         """running, then ok, failed or interrupted (or the supervisor's death said); `submitted`
         while a scheduler has not started the run's job."""
         record = load_run(self.run_id)
-        view = RunStatus.of(run_events(record))
-        if view.started is None:
-            return record.shown_state()
-        if record.extra.get(REMOTE_HOST):
-            return view.state(None)
-        return view.state(*runview.liveness(record, view))
+        if isinstance(record.placement, OnHost):
+            return shown_state(RunView.of(run_events(record)), None)
+        commands.settle(record)
+        return shown_state(commands.view_of(record), commands.supervisor_alive(record))
 
     def events(self) -> list[Event]:
-        """Every event logged so far (ddplaunch/events.py: typed, oldest first)."""
+        """Every event logged so far (ddplaunch/record/events.py: typed, oldest first)."""
         return list(run_events(load_run(self.run_id)))
 
     def wait(self, timeout: Optional[float] = None) -> int:
@@ -121,9 +118,14 @@ class Run:
         """Stop the run (every host in order, as Ctrl-C); True once its supervisor has ended it
         (a scheduler's job or a supervisor on another host: once `down` there has answered)."""
         record = load_run(self.run_id)
-        if record.extra.get(REMOTE_HOST) or record.extra.get("detached"):
-            return not any(" did not answer: " in line for line in runview.down(record))
-        return supervisor.stop(supervisor.Supervised.of(record), grace)
+        placement = record.placement
+        if isinstance(placement, OnHost):
+            there = commands.elsewhere(record, ["down", record.run_id])
+            return there is not None and there.answered
+        if isinstance(placement, InJob):
+            commands.down(record)
+            return True
+        return daemon.stop(daemon.Supervised.of(record.run_id, placement), grace)
 
 
 def submit(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, **options: Any) -> Run:
@@ -138,8 +140,7 @@ def submit(spec: SpecLike, *, job_args: Optional[Sequence[str]] = None, **option
         SpecError, PlanError: bad input (nothing is recorded). BackendError: the supervisor did not start.
     """
     opts = _options(job_args, options, healthcheck_only=False)
-    run_id, _ = hand_over(load_spec(spec), _spec_path(spec), opts)
-    return Run(run_id)
+    return Run(hand_over(load_spec(spec), _spec_path(spec), opts).run_id)
 
 
 def check(spec: SpecLike, *, dry_run: bool = False, stream: Optional[IO[str]] = None,
@@ -154,8 +155,8 @@ def _run(spec: SpecLike, job_args: Optional[Sequence[str]], dry_run: bool, strea
     loaded = load_spec(spec)
     if dry_run:
         opts.run_id = opts.run_id or new_run_id(loaded.name)
-        return RunReport(run_id=opts.run_id, final_stage="", plan_text=launch.dry_run(loaded, opts))
-    return launch.up(loaded, _spec_path(spec), opts, stream=stream)
+        return RunView.of_dry_run(opts.run_id, launch.dry_run(loaded, opts))
+    return launch.run_here(loaded, _spec_path(spec), opts, stream=stream)
 
 
 def _options(job_args: Optional[Sequence[str]], options: dict[str, Any], healthcheck_only: bool) -> UpOptions:

@@ -16,6 +16,7 @@ import click
 
 from ddplaunch import __version__
 from ddplaunch.errors import EXIT_INTERRUPTED, DdplaunchError
+from ddplaunch.sim.cli import sim_group
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False))
 EXCLUDE_OPT = click.option("--exclude", multiple=True, metavar="HOST",
@@ -89,18 +90,19 @@ def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], ver
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
-    from ddplaunch.supervise import follow as attach
-    from ddplaunch.run import launch
+    from ddplaunch.run.launch import dry_run as dry_run_text
     from ddplaunch.spec.load import load_spec
+    from ddplaunch.supervise.follow import foreground
+    from ddplaunch.supervise.handover import hand_over, handed_line
 
     spec = load_spec(spec_path)
     if dry_run:
-        click.echo(launch.dry_run(spec, opts, spec_path), nl=False)
+        click.echo(dry_run_text(spec, opts, spec_path), nl=False)
         return
     if opts.detach:
-        attach.detach(spec, spec_path, opts)
+        click.echo(handed_line(hand_over(spec, spec_path, opts)))
         return
-    sys.exit(attach.up(spec, spec_path, opts, as_json))
+    sys.exit(foreground(spec, spec_path, opts, as_json))
 
 
 @cli.command()
@@ -129,10 +131,11 @@ def runs() -> None:
     from rich.table import Table
 
     from ddplaunch.record.runs import list_runs
+    from ddplaunch.supervise.commands import state_of
 
     table = Table("run id", "state", "backend", "hosts", "started", box=None, pad_edge=False)
     for r in list_runs():
-        table.add_row(r.run_id, r.shown_state(), r.backend, str(len(r.hosts)),
+        table.add_row(r.run_id, state_of(r), r.backend, str(len(r.hosts)),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)))
     Console(width=200 if not sys.stdout.isatty() else None, highlight=False).print(table)
 
@@ -232,10 +235,10 @@ def supervise_cmd(from_stdin: bool, daemon: bool, nonce: str) -> None:
 def report_cmd(run_id: str | None, html_out: str) -> None:
     """A run's page (default: the latest run here): every rank's compute per step over the run, the health
     check's busbw per size, the pair bandwidth matrix, the timeline of stages and recoveries."""
-    from ddplaunch.report.page import render
+    from ddplaunch.report.page import page_of
 
     record = _pick(run_id)
-    Path(html_out).write_text(render(record.dir))
+    Path(html_out).write_text(page_of(record.dir))
     click.echo(f"run {record.run_id}: page written to {html_out}")
 
 
@@ -246,14 +249,14 @@ def report_cmd(run_id: str | None, html_out: str) -> None:
 def top_cmd(run_id: str | None, once: bool) -> None:
     """Every host and rank of a run (default: the latest run here), refreshed each second until it
     ends: state, step, step time, wait at the collectives, straggler score, recoveries."""
-    from ddplaunch.supervise.follow import elsewhere, supervised_of
-    from ddplaunch.record.runs import REMOTE_HOST
+    from ddplaunch.record.runs import OnHost
     from ddplaunch.report.top import top
+    from ddplaunch.supervise.follow import follow_elsewhere, supervisor_of
 
     record = _pick(run_id)
-    if record.extra.get(REMOTE_HOST):
-        sys.exit(elsewhere(record, ["top", record.run_id, *(["--once"] if once else [])], sys.stdout))
-    supervised = supervised_of(record)
+    if isinstance(record.placement, OnHost):
+        sys.exit(follow_elsewhere(record, ["top", record.run_id, *(["--once"] if once else [])], sys.stdout))
+    supervised = supervisor_of(record)
     sys.exit(top(supervised.dir, supervised.alive, sys.stdout, once=once))
 
 
@@ -270,22 +273,31 @@ def down(run_id: str) -> None:
         click.echo(line)
 
 
-def _add_optional() -> None:
-    try:
-        from ddplaunch.sim.cli import sim_group
-    except ImportError:
-        pass
-    else:
-        cli.add_command(sim_group)
-    try:
-        from ddplaunch.spec.templates import init_cmd
-    except ImportError:
-        pass
-    else:
-        cli.add_command(init_cmd, "init")
+@cli.command("init")
+@click.option("--ssh", "ssh_hosts", multiple=True, metavar="HOST",
+              help="A host of an SSH cluster: addr, user@addr or user@addr:port. Repeatable.")
+@click.option("--slurm", is_flag=True, help="A Slurm cluster (one sbatch job).")
+@click.option("--nodes", type=click.IntRange(1), default=None, help="Slurm: nodes to allocate [default: 2].")
+@click.option("--partition", default=None, help="Slurm: the partition [default: the cluster's default].")
+@click.option("--time", "time_limit", default=None, metavar="HH:MM:SS", help="Slurm: the time limit [default: 00:30:00].")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=None, help="Slurm: GPUs per node [default: none].")
+@click.option("--out", "out", default="cluster.yaml", show_default=True, type=click.Path(dir_okay=False),
+              help="Where to write the spec.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@_handle_errors
+def init_cmd(ssh_hosts: tuple[str, ...], slurm: bool, nodes: int | None, partition: str | None,
+             time_limit: str | None, gpus_per_node: int | None, out: str, force: bool) -> None:
+    """Write an annotated cluster spec: this machine (default), --ssh HOST... or --slurm.
+
+    The job is the shipped example `example:toy_ddp.py`, so `ddplaunch up cluster.yaml`
+    works right after. Exit 2 (one line) when OUT exists and --force is not given.
+    """
+    from ddplaunch.spec.templates import write_init_spec
+
+    click.echo(write_init_spec(out, force, ssh_hosts, slurm, nodes, partition, time_limit, gpus_per_node))
 
 
-_add_optional()
+cli.add_command(sim_group)
 
 
 def main() -> None:

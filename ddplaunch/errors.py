@@ -7,6 +7,8 @@ code in one place (`exit_code`), so library code never calls `sys.exit`.
 
 from __future__ import annotations
 
+from typing import Optional
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
@@ -35,14 +37,15 @@ class BackendError(DdplaunchError):
     """A backend could not start or follow the run (unreachable host, missing command).
 
     `fix`: what to do, when the backend knows better than "check the host is up" (a host key
-    that is unknown or changed: the message names the file and the command).
+    that is unknown or changed: the message names the file and the command). `jump`: the jump
+    host whose failure this is (every host behind it fails with it), when it is one's.
     """
 
     exit_code = EXIT_FAILURE
 
-    def __init__(self, message: str, fix: str = ""):
+    def __init__(self, message: str, fix: str = "", jump: Optional[str] = None):
         super().__init__(message)
-        self.fix = fix
+        self.fix, self.jump = fix, jump
 
 
 class RunNotFoundError(DdplaunchError):

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.contract import CommandFor, HostResult, RunContext, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, NodeEnd, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import HEARTBEAT
 from ddplaunch.plan.launch import LaunchPlan
-from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
+from ddplaunch.record.results import UNREACHABLE, StageResult
 from ddplaunch.record.runs import RunRecord
 from ddplaunch.spec import registry
 from ddplaunch.spec.model import ClusterSpec, HostSpec

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
@@ -18,6 +18,9 @@ from ddplaunch.hostside import procs
 from tests.torchrun_util import poll, wait_for  # noqa: F401  (re-exported for the sim tests)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+if TYPE_CHECKING:
+    from ddplaunch.record.view import RunView
 
 
 def ranks_showing(out: str, text: str) -> int:
@@ -74,7 +77,8 @@ class Started:
                 record = json.loads((path / "record.json").read_text())
             except (OSError, ValueError):
                 continue
-            pid, start = record.get("launcher_pid"), record.get("launcher_start")
+            placement = record.get("placement") or {}
+            pid, start = placement.get("pid"), placement.get("start")
             if isinstance(pid, int) and pid != os.getpid() and start is not None \
                     and process_start_time(pid) == start:
                 try:
@@ -99,8 +103,10 @@ run = ddplaunch.submit(sys.argv[1], run_id=sys.argv[2])
 first = run.state
 code = run.wait(timeout=float(sys.argv[3]))
 events = run.events()
+from ddplaunch.record.view import RunView
+from ddplaunch.report.summary import summarize
 print(json.dumps({"first": first, "exit": code, "state": run.state, "kinds": [e.KIND for e in events],
-                  "shown": [e.text for e in events if e.KIND == "shown"], "summary": events[-1].summary}))
+                  "shown": [e.text for e in events if e.KIND == "shown"], "summary": summarize(RunView.of(events))}))
 """
 
 
@@ -132,7 +138,15 @@ def popen_ddplaunch(args: list[str], tmp_path: Path) -> subprocess.Popen:
 
 def supervisor_pid(tmp_path: Path, run_id: str) -> int:
     """The pid of the run's supervisor (the process that holds its connections), from its record."""
-    return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())["launcher_pid"]
+    return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())["placement"]["pid"]
+
+
+def run_view(tmp_path: Path, run_id: str) -> "RunView":
+    """What the run's event log says, folded as ddplaunch folds it (the run's one memory)."""
+    from ddplaunch.record.events import read_events
+    from ddplaunch.record.view import RunView
+
+    return RunView.of(read_events(tmp_path / "state" / "runs" / run_id))
 
 
 def kill_run(run_id: str) -> None:

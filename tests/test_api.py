@@ -11,7 +11,8 @@ import pytest
 
 import ddplaunch
 from ddplaunch.errors import PlanError, SpecError
-from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.run.launch import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

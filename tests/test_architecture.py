@@ -144,6 +144,75 @@ def test_a_handful_of_modules_at_the_top():
     assert {p.stem for p in PKG.glob("*.py")} <= TOP_LEVEL
 
 
+#: What people read — a host state's words, an outcome's detail, a check's `seen`, an error's
+#: message, a summary — is output: code decides from values, never from these texts.
+DISPLAY_ATTRS = {"text", "detail", "why", "error", "summary", "describe", "where", "seen", "fix", "message", "cause"}
+_SEARCHES = {"split", "rsplit", "startswith", "endswith", "find", "rfind", "index", "partition", "rpartition", "count"}
+_REGEX = {"search", "match", "fullmatch", "findall", "finditer", "split"}
+
+
+def _display(node: ast.AST) -> str | None:
+    """`x.detail` or `x.describe()`: the display attribute `node` reads, if it reads one."""
+    if isinstance(node, ast.Attribute) and node.attr in DISPLAY_ATTRS:
+        return node.attr
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in DISPLAY_ATTRS:
+        return node.func.attr + "()"
+    return None
+
+
+def display_parsed(source: str) -> list[str]:
+    """Every place `source` searches or splits display text: `.detail.split(...)`, `"x" in o.why`,
+    `re.search(pattern, e.text)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            what = _display(node.func.value)
+            if what and node.func.attr in _SEARCHES:
+                found.append(f"{node.lineno}: .{what}.{node.func.attr}()")
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "re" and node.func.attr in _REGEX:
+                found += [f"{node.lineno}: re.{node.func.attr}(..., .{w})" for w in map(_display, node.args[1:2]) if w]
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            found += [f"{node.lineno}: ... in .{w}" for w in map(_display, node.comparators) if w]
+    return found
+
+
+def test_the_display_text_finder_finds_text_parsed_back():
+    assert display_parsed('if "ended by a signal" in o.detail: pass') == ["1: ... in .detail"]
+    assert display_parsed("word = event.text.split(' (')[0]") == ["1: .text.split()"]
+    assert display_parsed("m = re.search(r'exit', outcome.describe())") == ["1: re.search(..., .describe())"]
+    assert display_parsed("if o.signalled and o.state == NodeState.FAILED: pass") == []
+
+
+def test_no_display_text_is_parsed_back():
+    """Decisions come from values (a state, an exit code, a flag), not from words written for people
+    (the host programs on the hosts and the sim's test bed aside)."""
+    found = [f"{p.relative_to(PKG)}:{where}" for p in PKG.rglob("*.py") if not {"hostside", "sim"} & set(p.parts)
+             for where in display_parsed(p.read_text())]
+    assert found == []
+
+
+def test_events_hold_values_and_text_only_to_be_shown_as_it_is():
+    """Every event field is a value — a number, a flag, an enum, a typed result — or one of the few
+    texts that are names (hosts, the backend) or are shown exactly as they are (a screen line, a
+    request as executed, a refusal's reason): no state travels as words."""
+    import dataclasses
+    import typing
+
+    from ddplaunch.record.events import KINDS
+
+    names = {"run_id", "backend", "host", "hosts", "supervisor_host", "master", "gate"}
+    shown_as_is = {("shown", "text"), ("requested", "text"), ("not-recovered", "why"), ("spare-dropped", "why"),
+                   ("run-ended", "error")}
+    texts = []
+    for kind, cls in KINDS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (str, list[str], typing.Optional[str]) and f.name not in names \
+                    and (kind, f.name) not in shown_as_is:
+                texts.append(f"{kind}.{f.name}")
+    assert texts == []
+
+
 def test_records_and_planning_import_no_backend():
     graph = import_graph()
     for name in graph:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.record.events import RunStarted, to_line
+from tests.ssh_util import run_view
 from tests.timing import no_hang
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +53,8 @@ def test_early_failure_leaves_a_final_record_and_logs_follow_ends(env, tmp_path)
         port = held.getsockname()[1]
         proc = run(["up", str(spec(tmp_path, f"master: {{port: {port}}}\n")), "--run-id", "early"], env)
     assert proc.returncode == 2 and f"master.port {port} is already in use" in proc.stderr
-    record = json.loads((tmp_path / "state/runs/early/record.json").read_text())
-    assert record["state"] == "failed" and record["ended_at"]
+    logged = run_view(tmp_path, "early")
+    assert logged.state == "failed" and logged.ended is not None
     t0 = time.monotonic()
     logs = run(["logs", "early", "-f"], env, timeout=30)
     assert logs.returncode == 0
@@ -80,10 +82,12 @@ def test_a_launcher_that_died_is_reported(env, tmp_path):
     dead.wait()
     (runs / "record.json").write_text(json.dumps({
         "run_id": "ghost", "spec_path": "x", "backend": "local", "hosts": ["localhost"], "spec": {},
-        "plan_text": "", "state": "running", "launcher_pid": dead.pid, "launcher_start": 1,
-        "launcher_host": socket.gethostname()}))
+        "placement": {"kind": "local", "pid": dead.pid, "start": 1, "host": socket.gethostname()}}))
+    (runs / "events.jsonl").write_text(to_line(RunStarted("ghost", "local", ["localhost"], dead.pid,
+                                                          socket.gethostname())) + "\n")
     status = run(["status", "ghost"], env)
-    assert status.stdout.startswith(f"ghost: launcher died (pid {dead.pid} gone; last state running)")
+    assert status.stdout.startswith(f"ghost: supervisor died without ending the run (pid {dead.pid} gone)"), \
+        status.stdout + status.stderr
 
 
 @pytest.mark.parametrize("run_id", ["../etc", "/abs", "a/b", "$(touch x)", ".hidden", ""])

@@ -4,7 +4,6 @@ runs inside an existing allocation as its steps — no second job, and Ctrl-C en
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.ssh_util import ROOT, ddplaunch, launcher_env, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, launcher_env, read_until, run_processes, run_view, wait_for
 
 
 def _executed(tmp_path: Path, run_id: str) -> str:
-    return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())["plan_text"]
+    return run_view(tmp_path, run_id).plan_text
 
 
 def _ports_marked(text: str) -> str:

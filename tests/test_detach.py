@@ -22,7 +22,7 @@ import yaml
 
 from ddplaunch.sim.faults import sim_fault
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
-from tests.ssh_util import ROOT, ddplaunch, run_processes, submit_and_wait, wait_for
+from tests.ssh_util import ROOT, ddplaunch, run_processes, run_view, submit_and_wait, wait_for
 from tests.test_recovery import SHA_RE
 from tests.test_recovery_slurm import _spec as recovery_spec, undisturbed_sha
 from tests.test_slurm import in_queue, job_of, slurm_env, slurm_spec
@@ -53,7 +53,7 @@ def test_detached_run_is_attached_to_its_end_and_its_allocation_ends_with_it(slu
     job = job_of(tmp_path, "det-ok")
     assert f"run det-ok: submitted Slurm job {job}" in out.stdout
     # what was submitted is exactly what the dry run printed (the supervisor adds what it runs)
-    assert _record(tmp_path, "det-ok")["plan_text"].startswith(dry.stdout)
+    assert run_view(tmp_path, "det-ok").plan_text.startswith(dry.stdout)
 
     started = time.monotonic()
     attached = ddplaunch(["attach", "det-ok"], tmp_path, timeout=240)  # a new process, as from another shell
@@ -67,8 +67,9 @@ def test_detached_run_is_attached_to_its_end_and_its_allocation_ends_with_it(slu
     # the attached run's own pre-flight and health gate ran inside the allocation
     assert "stage job: ok on all 2 node(s)" in text and "HEALTHCHECK OK world=4" in text, text
     assert (tmp_path / "state" / "runs" / "det-ok" / "healthcheck.json").is_file()  # its gate ran inside
-    record = _record(tmp_path, "det-ok")
-    assert record["state"] == "ok" and record["launcher_host"] in [h.name for h in slurm_cluster.hosts], record
+    logged = run_view(tmp_path, "det-ok")
+    assert logged.state == "ok" and logged.started is not None, logged
+    assert logged.started.supervisor_host in [h.name for h in slurm_cluster.hosts], logged.started
 
     status = ddplaunch(["status", "det-ok"], tmp_path)
     assert status.stdout.startswith("det-ok: ok (slurm"), status.stdout
@@ -143,7 +144,8 @@ def test_the_python_api_submits_to_slurm_and_waits_for_the_run(slurm_cluster, tm
     text = "\n".join(got["shown"])
     assert "HEALTHCHECK OK world=4" in text and "stage job: ok on all 2 node(s)" in got["summary"], got
     job = job_of(tmp_path, "det-api")
-    assert _record(tmp_path, "det-api")["extra"]["detached"].startswith(f"submitted Slurm job {job}")
+    placement = _record(tmp_path, "det-api")["placement"]
+    assert placement["kind"] == "in-job" and placement["where"].startswith(f"submitted Slurm job {job}"), placement
     _gone_within(slurm_cluster, job, 10)  # the allocation ends with the run
 
 
@@ -166,8 +168,8 @@ def test_a_node_crashed_mid_training_is_replaced_with_no_launcher_at_all(slurm_c
     assert attached.returncode == 0, text[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {nodes[2]} lost \(no heartbeat for \d+s and "
                      rf".*\) → replaced by {nodes[0]}", text), text[-3000:]
-    record = _record(tmp_path, "det-crash")
-    assert record["state"] == "ok" and record["extra"]["recoveries"][0]["replaced"] == {nodes[2]: nodes[0]}
+    logged = run_view(tmp_path, "det-crash")
+    assert logged.state == "ok" and logged.recoveries[0].replaced == {nodes[2]: nodes[0]}
     (got,) = SHA_RE.findall(text)
     assert undisturbed_sha(tmp_path) == got  # the replicas end bitwise equal to an undisturbed run's
     from ddplaunch.sim.slurm import wait_nodes_idle

@@ -20,6 +20,9 @@ from ddplaunch.sim.specs import render_slurm_spec, render_spec
 from ddplaunch.sim.state import SimCluster, SimHost
 from tests.goldens import GOLDEN, ROOT, check_golden
 
+#: The sim's specs' workdir: a path of its own (a detached run's dry run says how many bytes the run
+#: handed to its supervisor takes, the workdir among them: the checkout's path would vary it).
+WORKDIR = Path("/srv/work")
 #: Where the fresh run id of a `check` is made.
 NEW_RUN_ID = "ddplaunch.run.launch.new_run_id"
 
@@ -63,8 +66,8 @@ def _specs(tmp: Path) -> dict[str, Path]:
     paths = {"default": ROOT / "cluster.yaml"}
     cluster = _sim_cluster(tmp)
     texts = dict(SPECS)
-    texts["sim-ssh"] = render_spec(cluster, python="/opt/venv/bin/python", workdir=ROOT)
-    texts["sim-slurm"] = render_slurm_spec(cluster, python="/opt/venv/bin/python", workdir=ROOT)
+    texts["sim-ssh"] = render_spec(cluster, python="/opt/venv/bin/python", workdir=WORKDIR)
+    texts["sim-slurm"] = render_slurm_spec(cluster, python="/opt/venv/bin/python", workdir=WORKDIR)
     for name, text in texts.items():
         paths[name] = tmp / f"{name}.yaml"
         paths[name].write_text(text)

@@ -12,11 +12,15 @@ import time
 import pytest
 
 import ddplaunch
-from ddplaunch.record.events import (EVENTS_FILE, EventLog, HostState, RecoveryStarted, RunEnded, RunStarted, Shown,
-                                     StageEnded, StageStarted, follow, from_line, read_events, to_line)
-from ddplaunch.record.results import NodeState
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.record.events import (EVENTS_FILE, EventLog, HostState, PreflightChecked, RecoveryStarted,
+                                     RecoveryUpdated, Requested, RunEnded, RunStarted, Shown, StageEnded, StageStarted,
+                                     follow, from_line, read_events, to_line)
+from ddplaunch.record.results import NodeState, RunState
 from ddplaunch.record.runs import run_dir
-from ddplaunch.run.launch import UpOptions, up
+from ddplaunch.record.view import RunView
+from ddplaunch.report.summary import summarize, summary_json
+from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 
@@ -27,7 +31,8 @@ def _state(tmp_path, monkeypatch):
 
 
 def _kinds(events) -> list[type]:
-    return [type(e) for e in events if not isinstance(e, (Shown, HostState))]
+    """The run's milestones: not its lines, host states, requests or updates of a recovery."""
+    return [type(e) for e in events if not isinstance(e, (Shown, HostState, Requested, RecoveryUpdated))]
 
 
 def test_a_recovered_run_logs_every_stage_the_recovery_and_its_end(tmp_path):
@@ -37,22 +42,23 @@ def test_a_recovered_run_logs_every_stage_the_recovery_and_its_end(tmp_path):
         spec = load_spec(fake_spec(tmp_path, recovery={"max_host_failures": 1, "spares": ["f4"],
                                                        "detect_timeout": 0.2}))
         out = io.StringIO()
-        report = up(spec, "fake.yaml", UpOptions(run_id="ev-1"), stream=out)
+        report = run_here(spec, "fake.yaml", UpOptions(run_id="ev-1"), stream=out)
     assert report.exit_code == 0, out.getvalue()
     events = read_events(run_dir("ev-1"))
-    assert _kinds(events) == [RunStarted, StageStarted, StageEnded, RecoveryStarted, StageStarted, StageEnded,
-                              RunEnded]
+    assert _kinds(events) == [RunStarted, PreflightChecked, StageStarted, StageEnded, RecoveryStarted, StageStarted,
+                              StageEnded, RunEnded]
     start, first_end, recovery, end = events[0], events[_index(events, StageEnded)], \
         events[_index(events, RecoveryStarted)], events[-1]
     assert isinstance(start, RunStarted) and start.supervisor_pid == os.getpid() and start.hosts == ["f1", "f2", "f3"]
-    assert isinstance(first_end, StageEnded) and first_end.host_failure and first_end.states["f2"] is NodeState.LOST
-    assert isinstance(recovery, RecoveryStarted) and recovery.replaced == {"f2": "f4"}
+    assert isinstance(first_end, StageEnded) and first_end.result.host_failure
+    assert {o.host: o.state for o in first_end.result.outcomes}["f2"] is NodeState.LOST
+    assert isinstance(recovery, RecoveryStarted) and recovery.recovery.replaced == {"f2": "f4"}
     assert recovery.hosts == ["f1", "f4", "f3"]
     assert isinstance(end, RunEnded) and (end.state, end.exit_code) == ("ok", 0)
-    # the screen is the log's Shown lines followed by the summary: a reader sees what it saw
+    # the screen is the log's Shown lines followed by the summary of its fold: a reader sees what it saw
     shown = [e.text for e in events if isinstance(e, Shown)]
-    assert out.getvalue() == "\n".join(shown + [end.summary]) + "\n"
-    assert '"exit_code": 0' in end.summary_json.replace("\n", " ")
+    assert out.getvalue() == "\n".join(shown + [summarize(RunView.of(events))]) + "\n"
+    assert '"exit_code": 0' in summary_json(RunView.of(events)).replace("\n", " ")
     assert all(a.mono <= b.mono for a, b in zip(events, events[1:]))
 
 
@@ -79,7 +85,7 @@ def test_follow_reads_a_growing_log_torn_lines_included(tmp_path):
             f.flush()
             time.sleep(0.3)  # the reader meets the torn line in between
             f.write(line[10:] + "\n")
-        log.append(RunEnded("ok", 0, "summary"))
+        log.append(RunEnded(RunState.OK, 0))
         done.set()
 
     threading.Thread(target=writer, daemon=True).start()

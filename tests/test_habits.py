@@ -112,7 +112,7 @@ def test_readme_run_is_quiet_and_the_python_api_returns_a_report(tmp_path):
     code = ("import ddplaunch, json\n"
             "r = ddplaunch.up('cluster.yaml')\n"
             "print('REPORT', json.dumps({'exit_code': r.exit_code, 'run_id': r.run_id,"
-            " 'hc': (r.healthcheck or {}).get('ok')}))\n")
+            " 'hc': r.healthcheck.ok if r.healthcheck else None}))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, cwd=ROOT,
                           env=dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state"), PYTHONPATH=str(ROOT)))
     out = proc.stdout + proc.stderr

@@ -16,7 +16,7 @@ import pytest
 
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.plan.handoff import SUPERVISE_ENV, decode_run, encode_run
-from ddplaunch.run.launch import UpOptions
+from ddplaunch.plan.stages import UpOptions
 from ddplaunch.spec.load import load_spec
 from ddplaunch.supervise.remote import ANSWER, _refused
 

@@ -14,9 +14,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from ddplaunch.cli import init_cmd
 from ddplaunch.spec.examples import EXAMPLE_PREFIX, example_path, list_examples
 from ddplaunch.spec.load import load_spec
-from ddplaunch.spec.templates import init_cmd, render_init_spec
+from ddplaunch.spec.templates import render_init_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,7 +251,7 @@ def test_wheel_resolves_examples_from_the_installed_package(wheel_install: tuple
 
 def test_wheel_init_ssh_validates_in_an_empty_dir(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates", "--ssh", "gpu1", "--ssh", "gpu2")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch", "init", "--ssh", "gpu1", "--ssh", "gpu2")
     assert made.returncode == 0, made.stderr
     checked = _from_wheel(target, tmp_path, "-m", "ddplaunch", "validate", "cluster.yaml")
     assert checked.returncode == 0, checked.stderr
@@ -259,7 +260,7 @@ def test_wheel_init_ssh_validates_in_an_empty_dir(wheel_install: tuple[Path, Pat
 
 def test_wheel_init_then_validate_local(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch", "init")
     assert made.returncode == 0, made.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".state") == ["cluster.yaml"]
     checked = _from_wheel(target, tmp_path, "-m", "ddplaunch", "validate", "cluster.yaml")
@@ -280,7 +281,7 @@ def test_wheel_cli_init(wheel_install: tuple[Path, Path], tmp_path: Path) -> Non
 def test_wheel_up_local_from_an_empty_dir(wheel_install: tuple[Path, Path], tmp_path: Path) -> None:
     """The whole first contact: init, then up, with nothing but the wheel (health check + toy job)."""
     _, target = wheel_install
-    made = _from_wheel(target, tmp_path, "-m", "ddplaunch.spec.templates")
+    made = _from_wheel(target, tmp_path, "-m", "ddplaunch", "init")
     assert made.returncode == 0, made.stderr
     run = _from_wheel(target, tmp_path, "-m", "ddplaunch", "up", "cluster.yaml", timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

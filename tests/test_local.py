@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from ddplaunch.record.events import read_events
+from ddplaunch.record.view import RunView
+
 from ddplaunch.hostside.procs import run_processes
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import write_env_files
@@ -53,9 +56,9 @@ def test_readme_default_runs_healthcheck_then_toy_job(env, tmp_path):
     # tails each rank's log on its own, so only one rank's order is kept)
     assert out.index("HEALTHCHECK OK") < out.index("[localhost:0] rank=0 mean_grad=")
     (run_dir,) = (tmp_path / "state" / "runs").iterdir()
-    record = json.loads((run_dir / "record.json").read_text())
+    logged = RunView.of(read_events(run_dir))
     # one launch: every worker ran the health check, then the job
-    assert record["state"] == "ok" and [s["stage"] for s in record["stages"]] == ["job"]
+    assert logged.state == "ok" and [s.stage for s in logged.stages] == ["job"]
     assert len(out.splitlines()) <= 40, out  # one screen, health-check table and both ranks included
     hc = json.loads((run_dir / "healthcheck.json").read_text())
     assert hc["ok"] and hc["world_size"] == 2

@@ -10,7 +10,8 @@ import pytest
 from ddplaunch.backends.shell import HEARTBEAT_LOOP, env_text, render_plan, shell_line
 from ddplaunch.plan.hostwords import HostPath
 from ddplaunch.plan.launch import PORT_RANGE, derive_port, make_plan
-from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.run.launch import dry_run
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 from tests.timing import no_hang

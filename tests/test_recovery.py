@@ -9,7 +9,6 @@ resharded on fewer hosts (`recovery.min_hosts`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -21,9 +20,11 @@ import pytest
 import yaml
 
 from ddplaunch.record.events import RecoveryStarted, Shown, read_events
+from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.view import RunView
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, run_pythons, wait_for
+from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, run_pythons, run_view, wait_for
 from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -81,8 +82,9 @@ def _disturbed(spec: Path, tmp_path: Path, run_id: str, at: str, disturb, timeou
 
 
 def _crash_during(spec: Path, tmp_path: Path, run_id: str, cluster, victim: str, at: str = "step=6 ",
-                  timeout: float = 300) -> tuple[str, dict, float]:
-    """Start `up`, crash `victim` once a rank printed `at`; (all output, the run record, when it crashed)."""
+                  timeout: float = 300) -> tuple[str, RunView, float]:
+    """Start `up`, crash `victim` once a rank printed `at`; (all output, the fold of the run's event
+    log, when it crashed)."""
     crashed: list[float] = []
 
     def crash() -> None:
@@ -92,14 +94,14 @@ def _crash_during(spec: Path, tmp_path: Path, run_id: str, cluster, victim: str,
         out, _ = _disturbed(spec, tmp_path, run_id, at, crash, timeout)
     finally:
         sim_fault(cluster, victim, clear=True)
-    record = json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())
-    return out, record, crashed[0]
+    return out, run_view(tmp_path, run_id), crashed[0]
 
 
-def _timely(record: dict, t_crash: float) -> dict:
-    (recovery,) = record["extra"]["recoveries"]
-    detected = recovery["detected_at"] - t_crash
-    resumed = recovery["lost_at"] + recovery["resumed_after_s"] - t_crash
+def _timely(record: RunView, t_crash: float) -> Recovery:
+    (recovery,) = record.recoveries
+    assert recovery.resumed_after_s is not None, recovery
+    detected = recovery.detected_at - t_crash
+    resumed = recovery.lost_at + recovery.resumed_after_s - t_crash
     print(f"crash -> named {detected:.1f}s, crash -> first step after resuming {resumed:.1f}s")
     no_hang(detected, DETECT_S, "a crashed host is named from its heartbeat, not a collective timeout")
     no_hang(resumed, RESUME_S, "training resumes on the spare, not after a collective timeout")
@@ -113,16 +115,16 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     hosts = [h.name for h in sim_cluster.hosts]
     run_id = f"rec-crash-{victim}"
     out, record, t_crash = _crash_during(spec, tmp_path, run_id, sim_cluster, hosts[victim])
-    assert record["state"] == "ok", out[-4000:]
+    assert record.state == "ok", out[-4000:]
     recovery = _timely(record, t_crash)
-    assert recovery["lost"] == [hosts[victim]] and recovery["replaced"] == {hosts[victim]: hosts[3]}
+    assert recovery.lost == [hosts[victim]] and recovery.replaced == {hosts[victim]: hosts[3]}
     assert re.search(rf"\[ddplaunch\] {hosts[victim]} \(node {victim}\) lost \(no heartbeat for \d+s and "
                      rf"\S+:22 answers neither this machine nor [^)]+\)", out), out[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {hosts[victim]} lost \(no heartbeat for \d+s and "
                      rf".*\) → replaced by {hosts[3]}, resumed after \d+s from step \d+", out), out[-3000:]
     assert re.search(r"training time: \S+ of \S+ wall \(\d+% effective\)", out)
     new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]
-    assert record["hosts"] == new_hosts
+    assert record.hosts == new_hosts
     assert f"stage job: master {sim_cluster.hosts[3 if victim == 0 else 0].addr}:" in out.split("recovery 1 of")[1]
     (got,) = SHA_RE.findall(out)
     assert got == reference  # the same world size, the same ranks: the replicas end bitwise equal
@@ -260,17 +262,18 @@ def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_sc
                  job={"resume_args": ["--ckpt-dir", str(tmp_path / "scratch" / "elsewhere")]})
     hosts = [h.name for h in sim_cluster.hosts]
     out, record, _ = _crash_during(spec, tmp_path, "rec-scratch", sim_cluster, hosts[1])
-    assert record["state"] == "ok", out[-4000:]
-    (recovery,) = record["extra"]["recoveries"]
+    assert record.state == "ok", out[-4000:]
+    (recovery,) = record.recoveries
     # rank 0 says its optimizer steps at most once a second (entry.py): when it printed step=6 (the
     # crash's cue, 5 steps of 0.3 s after the first) it had said at least step 3, and never more
     # than it took before the crash froze it
     last = max(int(n) for n in re.findall(r"\[\S+:0\] step=(\d+) ", out.split("training restarted")[0]))
-    assert recovery["from_scratch"] is True and recovery["loaded"] == [] and 3 <= recovery["steps_before"] <= last
+    assert recovery.from_scratch is True and recovery.loaded == [] and recovery.steps_before is not None
+    assert 3 <= recovery.steps_before <= last
     assert "[ddplaunch] training restarted from scratch" in out
     assert re.search(r"\d+ optimizer steps done before; training restarted from scratch: the job did not resume "
                      r"\(see job.resume_args\)", out), out[-3000:]
-    launches = [text for text in record["plan_text"].split("# run ") if " stage job:" in text.split("\n")[0]]
+    launches = [text for text in record.plan_text.split("# run ") if " stage job:" in text.split("\n")[0]]
     assert len(launches) == 2 and "elsewhere" not in launches[0] and "elsewhere" in launches[1]
 
 
@@ -496,7 +499,7 @@ def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts(sim_cluster, tmp_
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
     victim = sim_cluster.hosts[2].name
     out, record, _ = _crash_during(spec, tmp_path, "rec-shrink", sim_cluster, victim, at="step=10 ")
-    assert record["state"] == "ok", out[-4000:]
+    assert record.state == "ok", out[-4000:]
     assert f"{victim} lost (" in out and "left out (2 hosts go on)" in out
     assert re.search(r"resumed from \S+ at step \d+ \(written by 3 ranks", out), out[-3000:]
     hashes = set(re.findall(r"rank=\d+ full_params_sha256=([0-9a-f]{64})", out.split("recovery 1 of")[1]))

@@ -59,9 +59,9 @@ def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_c
     # the allocation holds all three nodes; its first (the batch script's) is the spare
     out, record, t_crash = _crash_during(spec, tmp_path, "rec-slurm", slurm_cluster, nodes[2])
     try:
-        assert record["state"] == "ok", out[-4000:]
+        assert record.state == "ok", out[-4000:]
         recovery = _timely(record, t_crash)
-        assert recovery["lost"] == [nodes[2]] and recovery["replaced"] == {nodes[2]: nodes[0]}
+        assert recovery.lost == [nodes[2]] and recovery.replaced == {nodes[2]: nodes[0]}
         assert re.search(rf"{nodes[2]} \(node 1\) lost \(no heartbeat for \d+s and \S+:6818 gave no answer", out)
         # the survivor keeps node rank 0 and the master, though the spare comes first in the
         # allocation's (the step's) node order: seen from rank 0 itself

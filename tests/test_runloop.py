@@ -15,9 +15,11 @@ from click.testing import CliRunner
 
 from ddplaunch.cli import cli
 from ddplaunch.errors import SpecError
-from ddplaunch.run.launch import UpOptions, up
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
+from tests.ssh_util import run_view
 from tests.timing import no_hang
 
 
@@ -31,7 +33,7 @@ def run(tmp_path, script: FakeScript, opts: UpOptions | None = None, **sections)
         spec = load_spec(fake_spec(tmp_path, **sections))
         out = io.StringIO()
         t0 = time.monotonic()
-        report = up(spec, "fake.yaml", opts or UpOptions(), stream=out)
+        report = run_here(spec, "fake.yaml", opts or UpOptions(), stream=out)
         return report, out.getvalue(), time.monotonic() - t0
 
 
@@ -53,7 +55,8 @@ def test_healthy_run_is_one_launch_with_the_health_check_inline(tmp_path):
     script = FakeScript()
     report, out, took = run(tmp_path, script)
     assert report.exit_code == 0 and [p.stage for p in script.launched] == ["job"]
-    assert script.launched[0].healthcheck and report.healthcheck == {"ok": True, "world_size": 3, "failures": []}
+    assert script.launched[0].healthcheck and report.healthcheck is not None
+    assert (report.healthcheck.ok, report.healthcheck.world_size, report.healthcheck.failures) == (True, 3, [])
     assert script.probes >= 1  # the pre-flight ran (remote hosts)
     assert "stage job: ok on all 3 node(s)" in out
     no_hang(took, 5, "a healthy scripted run waits out none of the run loop's timers")
@@ -183,8 +186,8 @@ def test_run_record_and_healthcheck_json_come_from_the_result(tmp_path):
     script = FakeScript()
     report, _, _ = run(tmp_path, script, opts=UpOptions(run_id="fake-rec"))
     run_dir = tmp_path / "state" / "runs" / "fake-rec"
-    record = json.loads((run_dir / "record.json").read_text())
-    assert record["state"] == "ok" and record["stages"][0]["healthcheck"]["ok"] is True
+    logged = run_view(tmp_path, "fake-rec")
+    assert logged.state == "ok" and logged.stages[0].healthcheck is not None and logged.stages[0].healthcheck.ok
     assert json.loads((run_dir / "healthcheck.json").read_text())["world_size"] == 3
 
 
@@ -357,13 +360,13 @@ def test_recovery_is_in_the_record_and_the_json_summary(tmp_path):
 
     script = FakeScript(stages=[crashed("f2")])
     report, _, _ = run(tmp_path, script, opts=UpOptions(run_id="fake-rec2"), recovery=RECOVER)
-    record = json.loads((tmp_path / "state" / "runs" / "fake-rec2" / "record.json").read_text())
-    assert record["extra"]["recoveries"][0]["replaced"] == {"f2": "f4"} and record["hosts"] == ["f1", "f4", "f3"]
+    logged = run_view(tmp_path, "fake-rec2")
+    assert logged.recoveries[0].replaced == {"f2": "f4"} and logged.hosts == ["f1", "f4", "f3"]
     summary = json.loads(summary_json(report))
     assert summary["recoveries"][0]["lost"] == ["f2"] and summary["unrecovered"] is None
-    from ddplaunch.record.runs import load_run, status_lines
+    from ddplaunch.report.status import status_lines
 
-    assert "  recovery 1: lost f2; replaced f2 -> f4" in status_lines(load_run("fake-rec2"))
+    assert "  recovery 1: lost f2; replaced f2 -> f4" in status_lines(logged, "fake", None)
 
 
 def test_a_worker_torchrun_stopped_itself_is_not_the_culprit():
@@ -612,7 +615,7 @@ def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_gr
     from ddplaunch.backends.failfast import LOST_STOP_GRACE, REPORT_GRACE, SETTLE_SLACK, follow
     from ddplaunch.output.console import Console
     from ddplaunch.plan.launch import make_plan
-    from ddplaunch.record.results import StopEvent
+    from ddplaunch.backends.contract import StopEvent
     from ddplaunch.output.stagelines import StageLines
 
     with fake_registered(FakeScript()):

@@ -1,17 +1,18 @@
-"""The run page (`ddplaunch report RUN_ID --html FILE`, runpage.py): one self-contained HTML file —
+"""The run page (`ddplaunch report RUN_ID --html FILE`, report/page.py): one self-contained HTML file —
 no script, nothing fetched — with a line per rank of its step times, the health check's busbw per
 size, the pair bandwidth heatmap and the timeline; every value from the run escaped. The page of a
 real run is checked in test_supervisor.py."""
 
 from __future__ import annotations
 
-import json
 import re
 from html.parser import HTMLParser
 
-from ddplaunch.record.events import (EventLog, RankSteps, RecoveryStarted, RunEnded, RunStarted, StageStarted,
-                                     StragglerNamed)
-from ddplaunch.report.page import render
+from ddplaunch.record.diagnosis import HealthVerdict, Localization, Probe
+from ddplaunch.record.events import EventLog, RankSteps, RunEnded, RunStarted, StageStarted
+from ddplaunch.record.results import NodeState, RunState
+from ddplaunch.report.page import page_of as render
+from tests.events_util import recovery_started, stage_ended, straggler_named
 
 
 class _Tags(HTMLParser):
@@ -25,19 +26,20 @@ class _Tags(HTMLParser):
 
 def _run_dir(tmp_path, host="h2"):
     log = EventLog(tmp_path)
+    checked = stage_ended({"h1": NodeState.OK, host: NodeState.OK}, {"h1": 0, host: 0}, t=101.5)
+    checked.result.ran_healthcheck = True
+    checked.result.healthcheck = HealthVerdict(
+        ok=True, bandwidth=[{"bytes": 65536, "busbw_gbps": 0.5, "collective": "all_reduce"},
+                            {"bytes": 1 << 20, "busbw_gbps": 1.5, "collective": "all_reduce"}],
+        pairs=Localization(pairs=[Probe(("h1", host), True, 1.0), Probe(("h1", "h3"), False, None)]))
     for e in [RunStarted("r1", "ssh", ["h1", host], 1, "me", t=100.0), StageStarted("job", "h1", 1, ["h1", host], t=101.0),
               *[RankSteps("h1", 0, s, 0.2, 0.1, t=101.0 + s) for s in range(1, 6)],
               *[RankSteps(host, 1, s, 0.2, 0.01, t=101.0 + s) for s in range(1, 6)],
-              StragglerNamed(host, [1], 0.8, 2, 0.19, 0.1, 0.1, t=104.0),
-              RecoveryStarted(1, [host], {host: "h3"}, ["h1", "h3"], t=105.0),
-              RunEnded("ok", 0, summary="run r1: ok (exit 0)", t=110.0)]:
+              straggler_named(host, [1], 0.8, 2, 0.19, 0.1, 0.1, t=104.0),
+              checked, recovery_started(1, [host], {host: "h3"}, ["h1", "h3"], t=105.0),
+              RunEnded(RunState.OK, 0, t=110.0)]:
         log.append(e)
     log.close()
-    (tmp_path / "healthcheck.json").write_text(json.dumps({
-        "bandwidth": [{"bytes": 65536, "busbw_gbps": 0.5, "collective": "all_reduce"},
-                      {"bytes": 1 << 20, "busbw_gbps": 1.5, "collective": "all_reduce"}],
-        "pairs": {"pairs": [{"hosts": ["h1", host], "ok": True, "busbw_gbps": 1.0},
-                            {"hosts": ["h1", "h3"], "ok": False, "busbw_gbps": None}]}}))
     return tmp_path
 
 
@@ -66,3 +68,24 @@ def test_a_run_without_timing_says_so(tmp_path):
     log.close()
     page = render(tmp_path)
     assert "No rank reported its steps" in page and "running (no end in its log yet)" in page
+
+
+def test_an_interrupted_run_is_interrupted_on_its_page_as_in_its_summary(tmp_path):
+    """The timeline and the summary say the same of each stage and of the run: both render the
+    same typed state (an interrupted stage is not called FAILED on the page)."""
+    from ddplaunch.record.events import read_events
+    from ddplaunch.record.view import RunView
+    from ddplaunch.report.summary import summarize
+
+    log = EventLog(tmp_path)
+    for e in [RunStarted("r3", "ssh", ["h1", "h2"], 1, "me", t=100.0),
+              StageStarted("job", "h1", 1, ["h1", "h2"], t=101.0),
+              stage_ended({"h1": NodeState.INTERRUPTED, "h2": NodeState.INTERRUPTED}, {"h1": 130, "h2": 130},
+                          t=102.0, interrupted=True),
+              RunEnded(RunState.INTERRUPTED, 130, t=103.0)]:
+        log.append(e)
+    log.close()
+    page, summary = render(tmp_path), summarize(RunView.of(read_events(tmp_path)))
+    assert "stage job: INTERRUPTED on 2 of 2 node(s)" in summary and summary.endswith("run r3: interrupted (exit 130)")
+    assert "stage job INTERRUPTED" in page and "FAILED" not in page
+    assert "<h1>run r3: interrupted (exit 130)</h1>" in page

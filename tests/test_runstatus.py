@@ -1,11 +1,12 @@
-"""`status` from the event log alone (runstatus.py): pure, from typed events."""
+"""`status` from the event log alone (report/status.py): pure, from the fold of typed events."""
 
 from __future__ import annotations
 
-from ddplaunch.record.events import (RankSteps, RecoveryStarted, RunEnded, RunStarted, StageEnded, StageStarted,
-                                     StragglerNamed, from_line, to_line)
-from ddplaunch.record.results import NodeState
-from ddplaunch.report.status import RunStatus
+from ddplaunch.record.events import RankSteps, RunEnded, RunStarted, StageStarted, from_line, to_line
+from ddplaunch.record.results import NodeState, RunState
+from ddplaunch.record.view import RunView
+from ddplaunch.report.status import status_lines
+from tests.events_util import recovery_started, stage_ended, straggler_named
 
 STARTED = RunStarted("r1", "ssh", ["a", "b", "c"], 4242, "laptop", t=100.0)
 
@@ -18,7 +19,7 @@ def test_a_running_run_says_its_stage_and_newest_step():
     events = [STARTED, _job(["a", "b", "c"], 101.0),
               RankSteps("a", 0, 12, 0.3, 0.1, t=110.0), RankSteps("b", 1, 14, 0.3, 0.1, t=111.0),
               RankSteps("c", 2, 13, 0.3, 0.1, t=112.0)]
-    lines = RunStatus.of(events).lines(supervisor_alive=True, now=115.0)
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=True, now=115.0)
     assert lines[:2] == ["r1: running (ssh; hosts a, b, c; supervisor pid 4242 on laptop)",
                          "  now: stage job, step 14 (newest of any rank, reported 4s ago)"]
     assert lines[2:] == ["  stage job: (running)", "    a (node 0): starting", "    b (node 1): starting",
@@ -26,15 +27,16 @@ def test_a_running_run_says_its_stage_and_newest_step():
 
 
 def test_a_recovery_a_straggler_and_the_stages_as_they_ended():
-    ended = StageEnded("job", False, {"a": NodeState.OK, "b": NodeState.LOST, "c": NodeState.INTERRUPTED}, True,
-                       {"a": 0, "b": None, "c": 143})
+    ended = stage_ended({"a": NodeState.OK, "b": NodeState.LOST, "c": NodeState.INTERRUPTED},
+                        {"a": 0, "b": None, "c": 143})
     events = [STARTED, _job(["a", "b", "c"], 101.0), RankSteps("a", 0, 30, 0.3, 0.1, t=110.0), ended,
-              RecoveryStarted(1, ["b"], {"b": "d"}, ["a", "d", "c"]), _job(["a", "d", "c"], 120.0),
-              StragglerNamed("c", [2], 0.4, 35, 0.5, 0.35, 0.1),
-              StageEnded("job", True, {h: NodeState.OK for h in "adc"}, False, {h: 0 for h in "adc"}),
-              RunEnded("ok", 0, "run r1: ok (exit 0)")]
+              recovery_started(1, ["b"], {"b": "d"}, ["a", "d", "c"]), _job(["a", "d", "c"], 120.0),
+              straggler_named("c", [2], 0.4, 35, 0.5, 0.35, 0.1),
+              stage_ended({h: NodeState.OK for h in "adc"}, {h: 0 for h in "adc"}),
+              RunEnded(RunState.OK, 0)]
     # the log read back from its lines, as `status` reads it
-    lines = RunStatus.of(from_line(to_line(e)) for e in events).lines(supervisor_alive=False)  # type: ignore[misc]
+    lines = status_lines(RunView.of(from_line(to_line(e)) for e in events), "ssh",  # type: ignore[misc]
+                         supervisor_alive=False)
     assert lines == ["r1: ok (ssh; hosts a, b, c; supervisor pid 4242 on laptop)",
                      "  recovery 1: lost b; replaced b -> d",
                      "  straggler: c (ranks 2) computes +40% against its peers since step 35",
@@ -44,20 +46,22 @@ def test_a_recovery_a_straggler_and_the_stages_as_they_ended():
 
 def test_a_relaunch_counts_steps_again_and_a_dead_supervisor_is_said():
     events = [STARTED, _job(["a", "b", "c"], 101.0), RankSteps("a", 0, 30, 0.3, 0.1, t=110.0),
-              StageEnded("job", False, {h: NodeState.LOST for h in "abc"}, True), _job(["a", "b", "c"], 120.0)]
-    lines = RunStatus.of(events).lines(supervisor_alive=False, now=130.0)
+              stage_ended({h: NodeState.LOST for h in "abc"}), _job(["a", "b", "c"], 120.0)]
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=False, now=130.0)
     assert lines[:2] == ["r1: supervisor died without ending the run (pid 4242 gone) (ssh; hosts a, b, c; "
                          "supervisor pid 4242 on laptop)", "  now: stage job"]
-    # an older log's stage end has no exit codes
+    # a lost node has no exit code
     assert "    a (node 0): lost" in lines
 
 
 def test_a_job_ended_by_its_scheduler_takes_the_schedulers_state():
-    events = [STARTED, _job(["a", "b", "c"], 101.0)]
-    lines = RunStatus.of(events).lines(supervisor_alive=None, final="cancelled")
+    events = [STARTED, _job(["a", "b", "c"], 101.0), RunEnded(RunState.CANCELLED, 130, by_scheduler=True)]
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=None)
     assert lines[:2] == ["r1: cancelled (ssh; hosts a, b, c; supervisor pid 4242 on laptop)",
                          "  its job ended without its supervisor logging the end (the scheduler's word)"]
 
 
-def test_no_run_started_says_nothing():
-    assert RunStatus.of([]).lines(supervisor_alive=True) == []
+def test_a_run_whose_supervisor_has_not_started_is_submitted_and_says_where_it_went():
+    view = RunView(run_id="r2", hosts=["a", "b"])
+    assert status_lines(view, "slurm", supervisor_alive=True, where="submitted Slurm job 7") == \
+        ["r2: submitted (slurm; hosts a, b; submitted Slurm job 7)"]

@@ -22,9 +22,8 @@ import yaml
 from click.testing import CliRunner
 
 from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster, SimConfig, SimError, SimHost,
-                           check_state_dir, load_cluster, render_spec, secure_state_dir, sim_down, sim_fault,
-                           sim_status, sim_up)
-from ddplaunch.sim import cli as sim_cli
+                           check_state_dir, cli as sim_cli, load_cluster, render_spec, secure_state_dir, sim_down,
+                           sim_fault, sim_status, sim_up)
 from ddplaunch.sim.cluster import noisy_rc_text
 from ddplaunch.sim.netns import nsswitch_text
 from ddplaunch.sim.proc import pid_alive

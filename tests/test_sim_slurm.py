@@ -17,10 +17,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, SlurmState, load_cluster,
-                           render_slurm_spec, sim_down, sim_up)
-from ddplaunch.sim import cli as sim_cli
-from ddplaunch.sim import slurm as sim_slurm
+from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, SlurmState, cli as sim_cli, load_cluster,
+                           render_slurm_spec, sim_down, sim_up, slurm as sim_slurm)
 from ddplaunch.sim.netns import list_netns, netns_pids
 from ddplaunch.sim.proc import pid_alive, pid_cmdline, wait_until
 from ddplaunch.sim.state import save_state

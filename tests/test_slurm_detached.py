@@ -19,14 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.backends.contract import RunContext
+from ddplaunch.backends.contract import JobEnd, RunContext, StopEvent
 from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.detached import final_state, follow_output, job_active, render_detached
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import PlanError, SpecError
 from ddplaunch.plan.handoff import SUPERVISE_ENV, decode_run, encode_run
-from ddplaunch.record.results import StopEvent
-from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.record.events import Requested, from_line, to_line
+from ddplaunch.record.results import RunState
+from ddplaunch.record.view import RunView
+from ddplaunch.run.launch import dry_run
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 
@@ -251,10 +254,10 @@ def test_follow_reads_until_the_job_has_ended(tmp_path):
 
 def test_the_final_state_is_the_jobs():
     assert final_state("RUNNING", {}) is None and final_state("PENDING", {}) is None
-    assert final_state(None, {"JobState": "COMPLETED"}) == "ok"
-    assert final_state(None, {"JobState": "FAILED"}) == "failed"
-    assert final_state("CANCELLED", {"JobState": "CANCELLED"}) == "cancelled"
-    assert final_state(None, {}).startswith("ended (state unknown")
+    assert final_state(None, {"JobState": "COMPLETED"}) == JobEnd(RunState.OK, "the job ended COMPLETED")
+    assert final_state(None, {"JobState": "FAILED"}) == JobEnd(RunState.FAILED, "the job ended FAILED")
+    assert final_state("CANCELLED", {"JobState": "CANCELLED"}) == JobEnd(RunState.CANCELLED, "the job was cancelled")
+    assert final_state(None, {}) == JobEnd(RunState.UNKNOWN, "the job is no longer known to slurmctld")
 
 
 def test_detach_inside_an_allocation_is_refused(tmp_path, monkeypatch):
@@ -276,8 +279,8 @@ def test_supervise_runs_the_handed_over_run_in_the_foreground_and_takes_its_reco
     run.mkdir(parents=True)
     (run / "record.json").write_text(json.dumps({
         "run_id": "sup-1", "spec_path": str(spec), "backend": "local", "hosts": ["localhost"], "spec": {},
-        "plan_text": "what up --detach showed", "started_at": 1.0, "state": "submitted", "launcher_pid": 1,
-        "launcher_start": None, "launcher_host": "elsewhere", "stages": [], "extra": {"detached": "job 41"}}))
+        "started_at": 1.0, "placement": {"kind": "in-job", "job_id": "41", "where": "job 41"}}))
+    (run / "events.jsonl").write_text(to_line(Requested("what up --detach showed")) + "\n")
     env = dict(os.environ, DDPLAUNCH_HOME=str(state),
                **{SUPERVISE_ENV: encode_run(load_spec(spec), str(spec), dataclasses.asdict(UpOptions(run_id="sup-1")))})
     for attempt in (1, 2):
@@ -286,8 +289,9 @@ def test_supervise_runs_the_handed_over_run_in_the_foreground_and_takes_its_reco
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
         assert "rank=1 mean_grad=" in proc.stdout and "stage job: ok on all 1 node(s)" in proc.stdout, proc.stdout
     record = json.loads((run / "record.json").read_text())
-    assert record["state"] == "ok" and record["plan_text"].startswith("what up --detach showed# run sup-1 stage job")
-    assert record["extra"]["detached"] == "job 41" and record["launcher_host"] != "elsewhere"
-    for events in (run / "events.jsonl", run / "events-try1.jsonl"):
+    assert record["placement"] == {"kind": "in-job", "job_id": "41", "where": "job 41"}  # its job runs it still
+    first = RunView.of(map(from_line, (run / "events-try1.jsonl").read_text().splitlines()))  # type: ignore[arg-type]
+    assert first.state == "ok" and first.plan_text.startswith("what up --detach showed# run sup-1 stage job")
+    for events, head in ((run / "events.jsonl", []), (run / "events-try1.jsonl", ["requested"])):
         kinds = [json.loads(line)["kind"] for line in events.read_text().splitlines()]
-        assert kinds[0] == "run-started" and kinds[-1] == "run-ended", kinds
+        assert kinds[:len(head) + 1] == [*head, "run-started"] and kinds[-1] == "run-ended", kinds

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.backends.contract import RunContext
+from ddplaunch.backends.contract import RunContext, StopEvent
 from ddplaunch.backends.slurm import SlurmBackend
 from ddplaunch.backends.slurm.client import SlurmClient, describe_sbatch_error
 from ddplaunch.backends.slurm.render import allocation_request, sbatch_options, step_request
@@ -21,8 +21,8 @@ from ddplaunch.errors import BackendError
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import make_plan
-from ddplaunch.record.results import StopEvent
-from ddplaunch.run.launch import UpOptions, dry_run
+from ddplaunch.plan.stages import UpOptions
+from ddplaunch.run.launch import dry_run
 from ddplaunch.spec.hostlist import expand_hostlist
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden

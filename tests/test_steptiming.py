@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.diagnose.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerWatch
+from ddplaunch.diagnose.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerJudge
+from ddplaunch.hostside.entry import Timing
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun_util import ROOT, run_torchrun  # noqa: E402
@@ -64,10 +65,10 @@ def test_the_rank_that_computes_longer_waits_least_and_is_named(tmp_path, kind):
     run = run_torchrun(ENTRY, "--no-healthcheck", "--", job, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:]
     steps: dict[int, dict[int, tuple[float, float]]] = {0: {}, 1: {}}
-    watch, named = StragglerWatch(world_size=2), []
+    watch, named = StragglerJudge(world_size=2), []
     for payload in map(json.loads, TIMING_RE.findall(run.stdout)):
         steps[payload["rank"]].update({s: (t, w) for s, t, w in payload["steps"]})
-        found = watch.feed(f"host{payload['rank']}", payload)
+        found = watch.feed(f"host{payload['rank']}", Timing(payload["rank"], payload["steps"]))
         named += [found] if found is not None else []
     # every step of every rank timed (the first has no start: it is not)
     assert sorted(steps[0]) == sorted(steps[1]) == list(range(2, STEPS + 1)), steps

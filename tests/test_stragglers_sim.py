@@ -9,7 +9,6 @@ healthy steps before it name nobody."""
 from __future__ import annotations
 
 import copy
-import json
 import re
 import statistics
 import time
@@ -19,6 +18,7 @@ import pytest
 import yaml
 
 from ddplaunch.record.events import RankSteps, StragglerNamed, read_events
+from ddplaunch.record.view import RunView
 from ddplaunch.sim.faults import sim_fault
 from tests.ssh_util import ROOT, popen_ddplaunch, read_until
 from tests.timing import no_hang
@@ -105,14 +105,13 @@ def _slowed_host_is_named(cluster, spec: Path, tmp_path: Path, run_id: str) -> N
     assert [h for h in hosts if f"straggler: {h} " in out] == [slow], out[-3000:]
     run_dir = tmp_path / "state" / "runs" / run_id
     events = read_events(run_dir)
-    (found,) = [e for e in events if isinstance(e, StragglerNamed)]
+    (found,) = [e.straggler for e in events if isinstance(e, StragglerNamed)]
     assert found.host == slow and found.ranks == [2] and found.slowdown >= 0.5, found
     # the evidence: it computes longer, the others wait for it
     assert found.compute_s > found.peers_compute_s and found.peers_wait_s > 0
     steps = [e for e in events if isinstance(e, RankSteps)]
     assert {e.rank for e in steps} == set(range(len(hosts))) and {e.host for e in steps} == set(hosts)
-    record = json.loads((run_dir / "record.json").read_text())
-    assert [s["host"] for s in record["extra"]["stragglers"]] == [slow]
+    assert [s.host for s in RunView.of(events).stragglers] == [slow]
     assert f"straggler: {slow} (rank 2) computes" in rest  # the summary says it too
 
 

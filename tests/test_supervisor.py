@@ -6,7 +6,6 @@ taken, `down` stops it through its supervisor; the event log is typed and comple
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.record.events import RankSteps, RunEnded, RunStarted, Shown, StageEnded, StageStarted, read_events
-from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
+from ddplaunch.record.events import (RankSteps, Requested, RunEnded, RunStarted, Shown, StageEnded, StageStarted,
+                                     read_events)
+from ddplaunch.record.view import RunView
+from ddplaunch.report.summary import summarize
+from tests.ssh_util import (ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, run_view, supervisor_pid,
+                            wait_for)
 
 pytestmark = pytest.mark.slow
 SHA_RE = re.compile(r"final_weights_sha256=([0-9a-f]{64})")
@@ -42,10 +45,6 @@ def reference(tmp_path_factory) -> str:
     return sha
 
 
-def _record(tmp_path: Path, run_id: str) -> dict:
-    return json.loads((tmp_path / "state" / "runs" / run_id / "record.json").read_text())
-
-
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGHUP], ids=["sigkill", "sighup"])
 def test_the_run_outlives_its_up_and_attach_shows_it_to_the_end(tmp_path, reference, how):
     run_id = f"sup-{how.name.lower()}"
@@ -54,7 +53,7 @@ def test_the_run_outlives_its_up_and_attach_shows_it_to_the_end(tmp_path, refere
     proc.send_signal(how)
     proc.wait(timeout=30)
     assert proc.returncode == -how, "".join(head)
-    assert _record(tmp_path, run_id)["state"] == "running"
+    assert run_view(tmp_path, run_id).state == "running"
     assert run_processes(run_id), "the run's ranks ended with its `up`"
     attached = ddplaunch(["attach", run_id], tmp_path, timeout=240)
     assert attached.returncode == 0, attached.stdout[-3000:] + attached.stderr
@@ -64,7 +63,7 @@ def test_the_run_outlives_its_up_and_attach_shows_it_to_the_end(tmp_path, refere
     assert "[localhost:0] step=1 " in attached.stdout and lines[-1] == f"run {run_id}: ok (exit 0)"
     (got,) = SHA_RE.findall(attached.stdout)
     assert got == reference
-    assert _record(tmp_path, run_id)["state"] == "ok"
+    assert run_view(tmp_path, run_id).state == "ok"
     assert wait_for(lambda: not run_processes(run_id), timeout=15) is True
     _top_shows_every_rank(tmp_path, run_id)
 
@@ -86,7 +85,7 @@ def test_detach_returns_once_taken_and_down_stops_the_run_through_its_supervisor
     run_id = "sup-down"
     out = ddplaunch(["up", str(_spec(tmp_path, "run", "0.5")), "--detach", "--run-id", run_id], tmp_path)
     assert out.returncode == 0, out.stderr
-    pid = _record(tmp_path, run_id)["launcher_pid"]
+    pid = supervisor_pid(tmp_path, run_id)
     assert out.stdout == (f"run {run_id}: supervised by pid {pid} on this machine; ddplaunch attach {run_id} "
                           f"follows it, ddplaunch down {run_id} stops it\n")
     events = tmp_path / "state" / "runs" / run_id
@@ -97,17 +96,18 @@ def test_detach_returns_once_taken_and_down_stops_the_run_through_its_supervisor
     assert re.fullmatch(r"  now: stage job, step [1-9]\d* \(newest of any rank, reported \d+s ago\)", status[1]), status
     down = ddplaunch(["down", run_id], tmp_path, timeout=120)
     assert down.returncode == 0 and down.stdout.startswith(f"supervisor (pid {pid}): stopped the run\n"), down.stdout
-    assert _record(tmp_path, run_id)["state"] == "interrupted"
+    assert run_view(tmp_path, run_id).state == "interrupted"
     assert not run_processes(run_id)
     logged = read_events(events)
     assert isinstance(logged[0], RunStarted) and logged[0].supervisor_pid == pid
-    kinds = [type(e) for e in logged if not isinstance(e, Shown) and type(e).__name__ != "HostState"]
+    kinds = [type(e) for e in logged if not isinstance(e, (Shown, Requested)) and type(e).__name__ != "HostState"]
     assert [k for k in kinds if k is not RankSteps] == [RunStarted, StageStarted, StageEnded, RunEnded], kinds
     end = logged[-1]
     assert isinstance(end, RunEnded) and (end.state, end.exit_code) == ("interrupted", 130)
-    assert end.summary.endswith(f"run {run_id}: interrupted (exit 130)")
+    summary = summarize(RunView.of(logged))
+    assert summary.endswith(f"run {run_id}: interrupted (exit 130)")
     again = ddplaunch(["attach", run_id], tmp_path)  # an ended run: the replay, then its exit code
-    assert again.returncode == 130 and again.stdout.splitlines()[-1] == end.summary.splitlines()[-1]
+    assert again.returncode == 130 and again.stdout.splitlines()[-1] == summary.splitlines()[-1]
 
 
 def test_ctrl_c_in_up_stops_the_run_and_says_so_once(tmp_path):
@@ -119,7 +119,7 @@ def test_ctrl_c_in_up_stops_the_run_and_says_so_once(tmp_path):
     rest, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, "".join(head) + rest
     assert f"[ddplaunch] stopping run {run_id}" in rest and "stage job: INTERRUPTED" in rest
-    assert _record(tmp_path, run_id)["state"] == "interrupted" and not run_processes(run_id)
+    assert run_view(tmp_path, run_id).state == "interrupted" and not run_processes(run_id)
 
 
 def test_refusals_come_back_from_the_supervisor_as_before(tmp_path):
@@ -136,7 +136,7 @@ def test_a_supervisor_that_dies_is_said_by_attach(tmp_path):
     run_id = "sup-dead"
     out = ddplaunch(["up", str(_spec(tmp_path, "run", "0.5")), "--detach", "--run-id", run_id], tmp_path)
     assert out.returncode == 0, out.stderr
-    pid = _record(tmp_path, run_id)["launcher_pid"]
+    pid = supervisor_pid(tmp_path, run_id)
     attach = subprocess.Popen([os.sys.executable, "-m", "ddplaunch", "attach", run_id], cwd=ROOT,
                               env=dict(os.environ, DDPLAUNCH_HOME=str(tmp_path / "state")),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

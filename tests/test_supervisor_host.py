@@ -76,7 +76,8 @@ def test_the_run_lives_on_the_supervisor_host_and_outlives_a_killed_up(sim_clust
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     record = _local_record(tmp_path, run_id)
-    assert record["extra"]["supervisor_host"] == head.name and record["state"] == "submitted", record
+    assert (record["placement"]["kind"], record["placement"]["host"]) == ("on-host", head.name), record
+    assert not (tmp_path / "state" / "runs" / run_id / "events.jsonl").exists()  # its log is kept there
     assert run_processes(run_id), "the run's ranks ended with its `up`"
 
     attached = ddplaunch(["attach", run_id], tmp_path, timeout=300)  # a new process, as from another shell
@@ -102,7 +103,7 @@ def test_the_python_api_hands_the_run_there_and_follows_it(sim_cluster, tmp_path
     assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended" and "rank-steps" in got["kinds"]
     assert SHA_RE.findall("\n".join(got["shown"])) == [reference]  # bitwise equal to an undisturbed run
     record = _local_record(tmp_path, run_id)
-    assert record["extra"]["supervisor_host"] == sim_cluster.hosts[3].name, record
+    assert (record["placement"]["kind"], record["placement"]["host"]) == ("on-host", sim_cluster.hosts[3].name), record
     assert wait_for(lambda: not run_processes(run_id), timeout=60) is True
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from ddplaunch.plan.launch import derive_port
-from tests.ssh_util import ddplaunch, run_processes, sim_spec
+from tests.ssh_util import ddplaunch, run_processes, run_view, sim_spec
 from tests.timing import no_hang
 
 NO_HC = {"enabled": False}
@@ -204,9 +204,9 @@ def test_busy_derived_master_port_is_moved_and_named(sim_cluster, tmp_path):
     assert f"stage job: master {master.addr}:{used}" in log and f"using port {used}" in log
     ports = re.findall(r"ENVJOB RANK=\d+ MASTER_PORT=(\d+)", out)
     assert ports and set(ports) == {str(used)} and len(ports) == 3, out[-3000:]
-    record = json.loads((tmp_path / f"state/runs/{run_id}/record.json").read_text())
-    assert f"--master-port {used} " in record["plan_text"] and f"--master-port {busy} " not in record["plan_text"]
-    assert record["state"] == "ok"
+    logged = run_view(tmp_path, run_id)
+    assert f"--master-port {used} " in logged.plan_text and f"--master-port {busy} " not in logged.plan_text
+    assert logged.state == "ok"
     print(f"busy derived port {busy} -> {used}, up in {took:.1f}s")
 
 
@@ -226,8 +226,8 @@ def test_busy_explicit_master_port_is_a_clear_error(sim_cluster, tmp_path):
     assert "leave master.port unset" in line
     assert "ENVJOB" not in out and "stage job" not in out  # nothing was started
     assert run_processes("port-explicit") == {}
-    record = json.loads((tmp_path / "state/runs/port-explicit/record.json").read_text())
-    assert record["state"] == "failed" and record["stages"] == []
+    logged = run_view(tmp_path, "port-explicit")
+    assert logged.state == "failed" and logged.stages == []
     no_hang(took, 60, "a busy explicit master port is named by the pre-flight before anything starts")
 
 

@@ -1,5 +1,7 @@
-"""Backends: the only code that executes. `make_backend(spec, run)` makes the one the spec names,
-from its registration (ddplaunch/registry.py); it connects to nothing until asked."""
+"""Backends: the only code that executes a run's work on its hosts (stages, probes, teardown).
+`make_backend(spec, run)` makes the one the spec names, from its registration
+(spec/registry.py); it connects to nothing until asked. (Beside them, supervise/remote.py runs
+ddplaunch's own commands on `supervisor.host`, and sim/ builds the test cluster.)"""
 
 from __future__ import annotations
 

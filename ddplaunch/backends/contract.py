@@ -1,17 +1,18 @@
 """The contracts backends fill: the one door through which ddplaunch executes anything.
 
-Every backend is a `Launcher`. `up` never asks which one it holds: it plans a stage (plan.py,
+Every backend is a `Launcher`. `up` never asks which one it holds: it plans a stage (plan/launch.py,
 pure), asks the backend to `render` it into a request (pure: the dry run prints exactly
 `request.text()`), and has the backend `launch` exactly that request, which returns everything
 the stage produced as a `StageResult`; `probe` runs short host programs (pre-flight, stack dumps,
 reaping) on every host at once; `down` ends what is left of a recorded run. A backend whose
 scheduler can own a whole run without the launcher (Slurm's batch jobs) is also a `Scheduler`
 (TorchX's shape: submit, describe, logs, cancel). A backend is made for one run (`RunContext`)
-by `backends.make_backend`, from its registration (registry.py).
+by `backends.make_backend`, from its registration (spec/registry.py).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
@@ -19,9 +20,45 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Type
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
-from ddplaunch.record.results import StageResult, StopEvent
-from ddplaunch.record.runs import RunRecord
+from ddplaunch.record.results import RunState, StageResult
+from ddplaunch.record.runs import InJob, RunRecord
 from ddplaunch.spec.model import HostSpec
+
+
+class StopEvent(threading.Event):
+    """The event that ends a run early; `cause` says why when ddplaunch itself stopped it (a hang):
+    such a run failed, while a stop without a cause is the user's interrupt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cause: Optional[str] = None
+        #: Hosts ddplaunch found at fault while stopping (label -> why, e.g. its ranks are frozen):
+        #: the watcher counts them lost, so a run with recovery replaces them.
+        self.lost: dict[str, str] = {}
+
+    def stop(self, cause: str, lost: Optional[dict[str, str]] = None) -> None:
+        self.cause = cause
+        self.lost = dict(lost or {})
+        self.set()
+
+    def reset(self) -> None:
+        """Clear a stop ddplaunch made (a hang whose frozen host the run then replaced)."""
+        self.cause, self.lost = None, {}
+        self.clear()
+
+    @property
+    def by_user(self) -> bool:
+        """Set, and by the user (Ctrl-C, SIGTERM), not by ddplaunch."""
+        return self.is_set() and self.cause is None
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How a scheduler ended a detached run's job: the run's final state as far as the scheduler
+    knows it, and what it said."""
+
+    state: RunState
+    detail: str = ""
 
 
 class HostResult(NamedTuple):
@@ -86,7 +123,7 @@ class Launcher(Protocol[R]):
 
     def launch(self, request: R, lines: StageLines, stop: StopEvent) -> StageResult:
         """Run every node of the request to the end, lines to `lines`; when one node fails or
-        `stop` is set, end the rest (backends/watch.py). One outcome per node, and everything the
+        `stop` is set, end the rest (backends/failfast.py). One outcome per node, and everything the
         stage's ranks reported, in the result."""
 
     def reach(self, hosts: list[HostSpec], timeout: float = 30) -> list[HostResult]:
@@ -116,13 +153,13 @@ class Scheduler(Protocol):
         """The request that hands the run (the backend's spec and run id, `opts` the command
         line's options as a dict) to the scheduler (pure: `up --dry-run --detach`)."""
 
-    def submit(self, request: Request, record: RunRecord) -> str:
-        """Submit a `render_detached` request (the job is recorded in the run's directory); where
-        it went and how to follow it."""
+    def submit(self, request: Request, record: RunRecord) -> InJob:
+        """Submit a `render_detached` request (the job is recorded in the run's directory): the
+        job the run's supervisor runs in, and where it went and how to follow it."""
 
-    def final_state(self, record: RunRecord) -> Optional[str]:
-        """A detached run's final state ("ok", "failed", "cancelled") once its scheduler finished
-        it; None while it runs (or for a run that was not detached)."""
+    def final_state(self, record: RunRecord) -> Optional[JobEnd]:
+        """How its scheduler ended a detached run's job (ok, failed, cancelled, or unknown when it
+        no longer knows the job); None while it runs (or for a run that was not detached)."""
 
     def describe(self, record: RunRecord) -> list[str]:
         """Lines on the live state of a recorded run's job."""

@@ -5,7 +5,7 @@ A backend starts a stage its own way (SSH sessions, one srun step, a local proce
 as torchrun. The policy is here: when a node fails, the others get `REPORT_GRACE` seconds to
 report a failure of their own (a rank that failed at the same time is then told apart from one
 that only saw its peer die), then they are stopped; Ctrl-C or a hang stops everyone. Every node
-is classified with one vocabulary on every backend (results.py): ok, failed (its code, or its
+is classified with one vocabulary on every backend (record/results.py): ok, failed (its code, or its
 torchrun never started), lost (its host is gone), interrupted (ddplaunch stopped it). After a
 confirmed loss the others are stopped at once and get LOST_STOP_GRACE, not `job.stop_grace`.
 
@@ -26,11 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
+from ddplaunch.backends.contract import StopEvent
+from ddplaunch.hostside.entry import RankExit, RankFailed, RankStart
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import culprit, is_victim, parse_torchrun_failures, rank_cause
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.record.results import (FAILED, INTERRUPTED, LOST, OK, RUNNING, UNREACHABLE, NodeOutcome, NodeState,
-                                      StageResult, StopEvent)
+                                      StageResult)
 
 #: After a node failed, how long the others may report their own failure before they are stopped.
 REPORT_GRACE = 2.0
@@ -201,7 +203,7 @@ class _Watch:
         self.first_bad: Optional[NodeEnd] = None
         self.stopped: set[int] = set()
         for o in self.result.outcomes:
-            lines.state(o.host, f"running {plan.stage}")
+            lines.state(o.host, RUNNING)
 
     def host(self, node: int) -> str:
         return self.result.outcomes[node].host
@@ -357,7 +359,7 @@ class _Watch:
                 if end.lost:
                     o.state, o.detail = LOST, end.how or "no exit status"
                 elif bad is None or bad.node == o.node_rank:  # ended by a signal on a host that answers
-                    o.state, o.detail = FAILED, end.how
+                    o.state, o.detail, o.signalled = FAILED, end.how, True
                 else:
                     o.state = INTERRUPTED
                     o.detail = f"ended after {self.host(bad.node)} (node {bad.node}) failed"
@@ -369,22 +371,40 @@ class _Watch:
 def finish_outcome(outcome: NodeOutcome, lines: StageLines, exit_code: Optional[int]) -> NodeOutcome:
     """Fill an outcome from its exit code and the node's last lines: which rank failed, and why.
 
-    The failing rank comes from torchrun's "Root Cause" block; its cause from that rank's own
-    last lines (its exception), not from torchrun's ChildFailedError report.
+    The failing rank is what the node's ranks said of themselves (entry.py's payloads: each rank's
+    start and exit, the exception that ended its script), else torchrun's "Root Cause" block (a
+    script that bypasses the entry, a rank killed by a signal); its cause is that rank's own last
+    lines (its exception), not torchrun's ChildFailedError report.
     """
     outcome.ended_at = outcome.ended_at or time.time()
     outcome.tail = lines.tail(outcome.node_rank)
     outcome.exit_code = exit_code
     if outcome.state in (INTERRUPTED, LOST, UNREACHABLE):
-        lines.state(outcome.host, f"{outcome.state} (exit {exit_code})")
+        lines.state(outcome.host, outcome.state, exit_code)
         return outcome
     if not outcome.never_started:
         outcome.state = OK if exit_code == 0 else FAILED
     if exit_code != 0:
-        found = culprit(parse_torchrun_failures(outcome.tail), lines.rank_tail)
+        found = _said_culprit(outcome.node_rank, lines) or culprit(parse_torchrun_failures(outcome.tail),
+                                                                   lines.rank_tail)
         if found:
             outcome.failed_rank, outcome.failed_local_rank, outcome.rank_exit_code = found
             outcome.cause = rank_cause(lines.rank_tail(outcome.failed_rank))
             outcome.victim = is_victim(outcome.cause)
-    lines.state(outcome.host, f"{outcome.state} (exit {exit_code})")
+            outcome.failure = next((p for n, p in lines.payloads(RankFailed.KIND)
+                                    if n == outcome.node_rank and p.rank == outcome.failed_rank), None)
+    lines.state(outcome.host, outcome.state, exit_code)
     return outcome
+
+
+def _said_culprit(node: int, lines: StageLines) -> Optional[tuple[int, int, Optional[int]]]:
+    """(global rank, local rank, exit code) of the node's rank that failed by itself, from what its
+    ranks said: each said it started and how its script ended, and one ended non-zero — the one
+    whose own words do not say a peer died first, else the first. None when a rank of the node
+    ended without a word (a signal, `os._exit`): torchrun's report says more then."""
+    starts = {p.rank: p for n, p in lines.payloads(RankStart.KIND) if n == node}
+    exits = {p.rank: p.code for n, p in lines.payloads(RankExit.KIND) if n == node}
+    failed = [(rank, starts[rank].local_rank, exits[rank]) for rank in starts if exits.get(rank, 0) != 0]
+    if not failed or not starts.keys() <= exits.keys():
+        return None
+    return min(failed, key=lambda f: is_victim(lines.rank_tail(f[0])))

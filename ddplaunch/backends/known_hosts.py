@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import paramiko
 from paramiko.hostkeys import HostKeyEntry
@@ -345,7 +345,7 @@ class _UnloadableKey(paramiko.PKey):
         return b""
 
     @property
-    def _fields(self) -> tuple:
+    def _fields(self) -> tuple[Any, ...]:
         return (self._key_type,)
 
 

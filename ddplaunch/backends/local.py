@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.contract import CommandFor, HostResult, RunContext, StopEvent
 from ddplaunch.backends.failfast import SETTLE_SLACK, NodeEnd, follow
 from ddplaunch.backends.shell import ShellLauncher, ShellRequest, describe_reap, env_text, runtime_of
 from ddplaunch.errors import BackendError
@@ -23,7 +23,7 @@ from ddplaunch.hostside import reaper
 from ddplaunch.hostside.procs import run_processes
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import HOST_RUN_ROOT, LaunchPlan
-from ddplaunch.record.results import StageResult, StopEvent
+from ddplaunch.record.results import StageResult
 from ddplaunch.record.runs import RunRecord, write_private
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
@@ -94,9 +94,9 @@ class LocalBackend(ShellLauncher):
 
 
 class _LocalStage:
-    """The one node's process, followed by backends/watch.py."""
+    """The one node's process, followed by backends/failfast.py."""
 
-    def __init__(self, plan: LaunchPlan, proc: subprocess.Popen, lines: StageLines, run_dir: Path):
+    def __init__(self, plan: LaunchPlan, proc: subprocess.Popen[str], lines: StageLines, run_dir: Path):
         self.plan, self.proc, self.run_dir = plan, proc, run_dir
         self.host = plan.nodes[0].host_label
         container = plan.nodes[0].container

@@ -4,7 +4,7 @@ A node runs as one `bash -c` line: enter workdir, source the node's environment 
 written by the backend: values, secrets too, never on a command line), run the setup lines,
 record the shell's pid (which `exec` hands to torchrun) and exec the plan's argv, every word
 quoted. The plan's typed words are resolved here: `HostPath` under the host's `$HOME`, `GpuCount`
-by asking the host's torch (shellword.py). The Slurm backend renders its step with these same
+by asking the host's torch (plan/shellword.py). The Slurm backend renders its step with these same
 functions.
 Stopping a node is explicit: SIGTERM to the recorded torchrun pid (checked to be the run's),
 then the run's processes are reaped by their tag — never by name.
@@ -25,7 +25,7 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 from ddplaunch.spec.values import SECRET_SHOWN
 
 #: While the node's shell, and the torchrun it becomes, lives: a line every second that says so
-#: (backends/watch.py counts a node silent for `recovery.detect_timeout` as a host to check). It
+#: (backends/failfast.py counts a node silent for `recovery.detect_timeout` as a host to check). It
 #: reads the process's state, without forking: a zombie (exited, not yet reaped by a parent that
 #: waits for this very output to end) counts as gone.
 ALIVE = 'read -r s 2>/dev/null < /proc/$$/stat && s=${s##*) } && [ "${s%% *}" != Z ]'

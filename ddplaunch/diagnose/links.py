@@ -15,7 +15,8 @@ import json
 from typing import Any, Optional, Sequence
 
 from ddplaunch.backends.contract import Launcher
-from ddplaunch.plan.hostprogram import host_program, parse_answer
+from ddplaunch.diagnose.hostprograms import ask_hosts
+from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import derive_port, rendezvous_addr, tool_python
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
@@ -28,18 +29,13 @@ def link_answers(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec
     """Each host's answer (reached, came_from, error) to a link test on `port`, None for a host
     that gave none."""
     addrs = {h.label: rendezvous_addr(h) for h in hosts}
-    nonces: dict[str, str] = {}
 
-    def command(host: HostSpec) -> str:
+    def command(host: HostSpec) -> tuple[str, str]:
         args = {"port": port, "window": window, "peers": [a for label, a in addrs.items() if label != host.label]}
-        text, nonces[host.label] = host_program("links", tool_python(spec, host), json.dumps(args, sort_keys=True))
-        return text
+        return host_program("links", tool_python(spec, host), json.dumps(args, sort_keys=True))
 
-    answers: dict[str, Optional[dict[str, Any]]] = {}
-    for host, answer, err in backend.probe(command, timeout=window + 20, hosts=hosts):
-        data = parse_answer(answer[1], nonces.get(host.label, "")) if answer is not None and err is None else None
-        answers[host.label] = data if isinstance(data, dict) and not data.get("error") else None
-    return answers
+    return {a.host.label: a.data if isinstance(a.data, dict) and not a.data.get("error") else None
+            for a in ask_hosts(backend, command, hosts, window + 20)}
 
 
 def judge(addrs: dict[str, str], answers: dict[str, Optional[dict[str, Any]]], port: int) -> dict[str, str]:

@@ -12,15 +12,14 @@ from __future__ import annotations
 import html
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.hostside import pairs as pair_algorithm
 from ddplaunch.output.console import QuietConsole
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import derive_port, make_plan
 from ddplaunch.record.diagnosis import Localization
-from ddplaunch.record.results import StopEvent
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
@@ -71,10 +70,10 @@ class _ProbeRunner:
             first = result.first_failure
             return {"hosts": labels, "ok": False, "busbw_gbps": None,
                     "detail": first.describe() if first else "no result"}
-        rows = payload.get("bandwidth") or []
+        rows = payload.bandwidth
         # one rank alone has no link to measure: correctness only
         busbw = rows[-1]["busbw_gbps"] if rows and len(group) > 1 else None
-        return {"hosts": labels, "ok": bool(payload.get("ok")), "busbw_gbps": busbw, "detail": ""}
+        return {"hosts": labels, "ok": payload.ok, "busbw_gbps": busbw, "detail": ""}
 
 
 def render_html(loc: Localization) -> str:

@@ -13,8 +13,10 @@ import time
 from typing import Any, Optional, Union
 
 from ddplaunch.backends.contract import Launcher
+from ddplaunch.diagnose.hostprograms import ask_hosts
+from ddplaunch.errors import BackendError
 from ddplaunch.plan.container import image_check, probe_words
-from ddplaunch.plan.hostprogram import host_program, parse_answer
+from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import host_python, master_addr, rendezvous_addr
 from ddplaunch.record.diagnosis import CHECKS, Check, HostReport, PreflightReport
 from ddplaunch.spec.examples import is_example
@@ -66,32 +68,31 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
     """Probe every host in parallel and evaluate the facts. The hosts that can be reached at all
     are found first, so the master does not listen for a host that will never connect."""
     t0 = time.time()
-    nonces: dict[str, str] = {}
     parallel = backend.max_parallel
     reached = backend.reach(list(spec.hosts), timeout=spec.preflight.timeout + PROBE_SLACK)
-    results = [r for r in reached if r.error is not None]
+    raw: dict[str, Any] = {r.host.label: _unreached(r.error) for r in reached if r.error is not None}
     alive = [r.host for r in reached if r.error is None]
 
-    def command(host: HostSpec) -> str:
-        text, nonces[host.label] = probe_command(spec, host, run_id, port, parallel, expect=len(alive))
-        return text
+    def command(host: HostSpec) -> tuple[str, str]:
+        return probe_command(spec, host, run_id, port, parallel, expect=len(alive))
 
-    if alive:
-        results += backend.probe(command, timeout=listen_seconds(spec, parallel, len(alive)) + PROBE_SLACK,
-                                 hosts=alive)
+    answers = ask_hosts(backend, command, alive, listen_seconds(spec, parallel, len(alive)) + PROBE_SLACK) \
+        if alive else []
     t1 = time.time()
-    raw: dict[str, Any] = {}
-    for host, res, err in results:
-        if err is not None or res is None:
-            raw[host.label] = {"error": str(err), "fix": err.fix if err is not None else ""}
+    for answer in answers:
+        if answer.error is not None or answer.code is None:
+            raw[answer.host.label] = _unreached(answer.error)
             continue
-        code, out = res
-        answer = parse_answer(out, nonces.get(host.label, ""))
-        raw[host.label] = (answer if isinstance(answer, dict)
-                           else {"exit": code, "output": out.strip()[-300:], "python": None})
+        raw[answer.host.label] = (answer.data if isinstance(answer.data, dict)
+                                  else {"exit": answer.code, "output": answer.output.strip()[-300:], "python": None})
     report = evaluate(spec, raw, launcher_time=(t0, t1), port=port)
     report.elapsed_s = time.time() - t0
     return report
+
+
+def _unreached(err: Optional[BackendError]) -> dict[str, Any]:
+    """The facts of a host the backend could not reach: its error and, where known, the fix."""
+    return {"error": str(err), "fix": err.fix if err is not None else "", "jump": err.jump if err is not None else None}
 
 
 def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float, tuple[float, float]],
@@ -284,7 +285,7 @@ def _behind_dead_jumps(bad: list[HostReport]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for h in bad:
         reach = h.checks.get("reach")
-        if reach is not None and reach.ok is False and reach.seen.startswith("jump host "):
+        if reach is not None and reach.ok is False and h.facts.get("jump"):
             out.setdefault(reach.seen, []).append(h.host)
     return out
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher
+from ddplaunch.diagnose.hostprograms import ask_hosts
 from ddplaunch.hostside.stacks import FROZEN
 from ddplaunch.output.console import rank_ranges
-from ddplaunch.plan.hostprogram import host_program, parse_answer
+from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import tool_python
 from ddplaunch.record.runs import write_private
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -46,22 +47,18 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     Returns:
         (one RankStack per dumped process, problem lines per host, raw answers by host label).
     """
-    nonces: dict[str, str] = {}
-
-    def command(host: HostSpec) -> str:
+    def command(host: HostSpec) -> tuple[str, str]:
         python = tool_python(spec, host)
-        text, nonces[host.label] = host_program("stacks", python, run_id, python)
-        return text
+        return host_program("stacks", python, run_id, python)
 
     stacks, problems, raw = [], [], {}
-    for host, answer, err in backend.probe(command, timeout=DUMP_TIMEOUT, hosts=hosts):
-        if err is not None or answer is None:
-            problems.append(f"{host.label}: no stack dump: {err}")
+    for answer in ask_hosts(backend, command, hosts, DUMP_TIMEOUT):
+        host, data = answer.host, answer.data
+        if answer.error is not None or answer.code is None:
+            problems.append(f"{host.label}: no stack dump: {answer.error}")
             continue
-        code, out = answer
-        data = parse_answer(out, nonces.get(host.label, ""))
         if not isinstance(data, dict):
-            problems.append(f"{host.label}: no stack dump (exit {code}): {out.strip()[-300:]}")
+            problems.append(f"{host.label}: no stack dump (exit {answer.code}): {answer.output.strip()[-300:]}")
             continue
         raw[host.label] = data
         if not data["procs"]:

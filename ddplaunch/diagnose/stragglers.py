@@ -4,7 +4,7 @@ Every rank sends its step times and its waits at the gradient collectives (hosts
 steptiming.py). In a synchronous job every rank's step lasts as long as the slowest rank's, so
 step times are equal everywhere; what differs is the wait: the others wait at each collective for
 the straggler, which arrives last and waits least. A rank's compute share is its step time minus
-its wait. `StragglerWatch` compares, over the last `window` steps every rank has reported, each
+its wait. `StragglerJudge` compares, over the last `window` steps every rank has reported, each
 host's compute share (the median of its ranks' medians) with the median of the other hosts'
 ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
 the spread of its peers' — above it in three windows in a row. Against its own level: how a
@@ -22,8 +22,9 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Optional
 
+from ddplaunch.hostside.entry import Timing
 from ddplaunch.record.incidents import Straggler
 
 #: How much slower than its peers a host's ranks compute before it is named (documented default).
@@ -41,7 +42,7 @@ NOISE_FACTOR = 3.0
 LEVEL_WINDOWS = 50
 
 
-class StragglerWatch:
+class StragglerJudge:
     """One launch's per-rank timing; `feed` a rank's payload, get a newly named straggler back.
     `world_size` None (processes per node found on the host): judged once two hosts reported."""
 
@@ -56,15 +57,12 @@ class StragglerWatch:
         self._level: dict[str, deque[float]] = {}  # host -> its ratios to its peers when not slow
         self._judged = WARMUP
 
-    def feed(self, host: str, payload: dict[str, Any]) -> Optional[Straggler]:
+    def feed(self, host: str, timing: Timing) -> Optional[Straggler]:
         """A rank's `DDPLAUNCH_TIMING_JSON` payload; the straggler it makes named, if any."""
-        rank, steps = payload.get("rank"), payload.get("steps")
-        if not isinstance(rank, int) or not isinstance(steps, list):
-            return None
         with self._lock:
-            mine = self._steps.setdefault(rank, {})
-            self.host_of[rank] = host
-            for item in steps:
+            mine = self._steps.setdefault(timing.rank, {})
+            self.host_of[timing.rank] = host
+            for item in timing.steps:
                 if (isinstance(item, list) and len(item) == 3 and all(isinstance(v, (int, float)) for v in item)
                         and item[0] > WARMUP):
                     mine[int(item[0])] = (float(item[1]), float(item[2]))

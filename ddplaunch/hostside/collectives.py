@@ -9,6 +9,7 @@ corrupts its results, a host whose pair transfers are slowed down.
 import os
 import re
 import time
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _UNSUPPORTED_RE = re.compile(r"not supported|unsupported|does not support|not implemented", re.I)
 
 
-def _first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor):
+def _first_mismatch(name: str, got: torch.Tensor, expected: torch.Tensor) -> tuple[str, str] | None:
     """One failure tuple for the first wrong element, or None when ``got`` is exact."""
     bad = (got != expected).nonzero()
     if not bad.numel():
@@ -38,7 +39,7 @@ def _faulty(rank: int) -> bool:
     return os.environ.get(FAULT_ENV, "").strip() == str(rank)
 
 
-def _check_all_reduce(device, rank, world):
+def _check_all_reduce(device: torch.device, rank: int, world: int) -> tuple[str, str] | None:
     pattern = torch.arange(CHECK_NUMEL, dtype=torch.float32, device=device)
     # rank+1 everywhere plus a position pattern, so a swapped or dropped chunk shows.
     tensor = pattern + (rank + 1)
@@ -48,7 +49,7 @@ def _check_all_reduce(device, rank, world):
     return _first_mismatch("all_reduce", tensor, pattern * world + world * (world + 1) / 2)
 
 
-def _check_all_gather(device, rank, world):
+def _check_all_gather(device: torch.device, rank: int, world: int) -> tuple[str, str] | None:
     chunk = max(1, CHECK_NUMEL // world)
     pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
     out = torch.full((world * chunk,), -1.0, device=device)
@@ -58,7 +59,7 @@ def _check_all_gather(device, rank, world):
     return _first_mismatch("all_gather", out, pattern)
 
 
-def _check_reduce_scatter(device, rank, world):
+def _check_reduce_scatter(device: torch.device, rank: int, world: int) -> tuple[str, str] | None:
     chunk = max(1, CHECK_NUMEL // world)
     pattern = torch.arange(world * chunk, dtype=torch.float32, device=device) % CHECK_MOD
     out = torch.full((chunk,), -1.0, device=device)
@@ -73,7 +74,8 @@ _CHECKS = {"all_reduce": _check_all_reduce, "all_gather": _check_all_gather,
            "reduce_scatter": _check_reduce_scatter}
 
 
-def check_collectives(device: torch.device, collectives=("all_reduce",)) -> tuple:
+def check_collectives(device: torch.device,
+                      collectives: Iterable[str] = ("all_reduce",)) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """Verifies each collective's result (and broadcast) exactly on this rank.
 
     Returns:
@@ -112,7 +114,7 @@ def bus_factor(collective: str, world: int) -> float:
     return (world - 1) / world  # all_gather, reduce_scatter
 
 
-def _timed_op(collective: str, size: int, world: int, device: torch.device):
+def _timed_op(collective: str, size: int, world: int, device: torch.device) -> tuple[int, Callable[[], Any]]:
     """Returns (count, op): ``count`` float32 elements in nccl-tests' sense of the size.
 
     nccl-tests' size is the whole buffer: all_reduce's tensor, all_gather's output (each rank
@@ -130,7 +132,8 @@ def _timed_op(collective: str, size: int, world: int, device: torch.device):
     return count, lambda: _reduce_scatter(part, full)
 
 
-def measure_bandwidth(sizes: list, iters: int, device: torch.device, collectives=("all_reduce",)) -> list:
+def measure_bandwidth(sizes: list[int], iters: int, device: torch.device,
+                      collectives: Iterable[str] = ("all_reduce",)) -> list[dict[str, Any]]:
     """Times each collective per size; the slowest rank's time counts, like nccl-tests."""
     world = dist.get_world_size()
     rows = []
@@ -157,7 +160,7 @@ def measure_bandwidth(sizes: list, iters: int, device: torch.device, collectives
     return rows
 
 
-def _measure_pair(group, size: int, device: torch.device, slow: bool) -> tuple:
+def _measure_pair(group: Any, size: int, device: torch.device, slow: bool) -> tuple[float | None, str]:
     """One pair probe on this rank: (busbw_gbps or None, detail)."""
     try:
         tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
@@ -179,7 +182,8 @@ def _measure_pair(group, size: int, device: torch.device, slow: bool) -> tuple:
         return None, f"all_reduce failed: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__}"
 
 
-def run_round(pairs: list, leaders: dict, waves: list, size: int, device: torch.device, slow: bool) -> list:
+def run_round(pairs: list[tuple[str, str]], leaders: dict[str, int], waves: list[list[int]], size: int,
+              device: torch.device, slow: bool) -> list[dict[str, Any]]:
     """Measures every pair (host labels) in `waves` (lists of disjoint pair indices); every rank
     returns the same probe list."""
     me = dist.get_rank()
@@ -191,7 +195,7 @@ def run_round(pairs: list, leaders: dict, waves: list, size: int, device: torch.
             if me in (leaders[pairs[i][0]], leaders[pairs[i][1]]):
                 mine[i] = _measure_pair(groups[i], size, device, slow)
         dist.barrier()  # waves never overlap
-    everyone = [None] * dist.get_world_size()
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     probes = []
     for i, (a, b) in enumerate(pairs):

@@ -8,20 +8,17 @@ torchrun runs it as each worker (a plain script that needs only torch)::
 Options before ``--`` other than ``--no-healthcheck`` and ``--finalize`` go to the health check
 (``healthcheck.py`` beside this file). A failed health check exits 1 before any job code runs.
 SCRIPT then runs exactly as ``python SCRIPT ARGS`` would run it, with the same exit status.
-
-Once the script has returned, non-daemon threads are joined and atexit handlers run (in
-Python's own order), stdout and stderr are flushed, one ``DDPLAUNCH_RANKEXIT_JSON {"rank": R,
-"code": C}`` line is printed, and the process leaves with ``os._exit(C)``: without interpreter
-finalization, where torch's C++ threads (Gloo, DDP) sometimes abort a finished process
-("terminate called without an active exception"). ``--finalize`` (``job.fast_exit: false``)
-finalizes normally instead. A rank that dies after that line had finished its script. A
-worker that torchrun restarted (``job.max_restarts``) first prints ``DDPLAUNCH_RANKSTART_JSON
-{"rank": R, "restart": N}``. Rank 0 says the job's optimizer steps and checkpoint loads as it goes
-(``Progress``: hooks, no print convention); every rank sends its step and
-collective-wait times (``steptiming.py``).
+Once it has returned, non-daemon threads are joined and atexit handlers run (in Python's own
+order), stdout and stderr are flushed, a ``RankExit`` payload is printed, and the process leaves
+with ``os._exit(C)``: without interpreter finalization, where torch's C++ threads (Gloo, DDP)
+sometimes abort a finished process. ``--finalize`` (``job.fast_exit: false``) finalizes normally.
+What the rank says to ddplaunch is typed (the payloads below): its start (pid, restart), the
+exception that ended its script, its exit; rank 0 the job's optimizer steps and checkpoint loads
+(``Progress``: hooks, no print convention); every rank its step timing (``steptiming.py``).
 """
 
 import atexit
+import dataclasses
 import functools
 import importlib.abc
 import importlib.util
@@ -32,14 +29,117 @@ import sys
 import threading
 import time
 import traceback
-from typing import Optional
+from typing import Any, Callable, ClassVar, NoReturn, Optional
 
 USAGE = ("usage: entry.py [health-check options | --no-healthcheck] [--finalize] "
          "-- SCRIPT [ARGS...]")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def split_argv(argv: list) -> tuple:
+# ------------------------------------------------------------------ the ranks' payloads
+# One schema for every machine-readable line a rank prints (``DDPLAUNCH_<KIND>_JSON {...}``):
+# written here and by steptiming.py with ``payload_line``, read by ddplaunch with ``read_payload``
+# (ddplaunch/output/stagelines.py). Standard library only: this file runs on the hosts.
+
+
+@dataclasses.dataclass
+class RankStart:  # a worker started under torchrun: its host and pid (the OOM killer names pids), restart
+    KIND: ClassVar[str] = "RANKSTART"
+    rank: int
+    pid: int = 0
+    local_rank: int = 0
+    restart: int = 0
+    host: str = ""
+
+
+@dataclasses.dataclass
+class RankExit:  # the script returned, exited or raised with this code; the process leaves next
+    KIND: ClassVar[str] = "RANKEXIT"
+    rank: int
+    code: int
+
+
+@dataclasses.dataclass
+class RankFailed:  # the script raised: the exception's type and message, the line it came from
+    KIND: ClassVar[str] = "RANKFAILED"
+    rank: int
+    exc_type: str
+    message: str
+    file: str = ""
+    line: int = 0
+
+
+@dataclasses.dataclass
+class StepsDone:  # rank 0's optimizer steps so far (at most once a second, and at exit)
+    KIND: ClassVar[str] = "PROGRESS"
+    rank: int
+    steps: int
+
+
+@dataclasses.dataclass
+class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.checkpoint.load)
+    KIND: ClassVar[str] = "LOADED"
+    rank: int
+    path: str
+    via: str = ""
+
+
+@dataclasses.dataclass
+class Held:  # rank 0 holds before its first optimizer step after the checkpoint it saved (HOLD_FILE)
+    KIND: ClassVar[str] = "HELD"
+    rank: int
+    steps: int
+    path: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Timing:  # a rank's step timing (steptiming.py): [step, step_s, wait_s] per optimizer step
+    KIND: ClassVar[str] = "TIMING"
+    rank: int
+    steps: list[Any]
+
+
+PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing)}
+_TYPES: dict[Any, Any] = {int: int, str: str, list[Any]: list, Optional[str]: (str, type(None))}
+
+
+def payload_line(payload: Any) -> str:
+    """The line a payload is printed as (with its newline)."""
+    return f"DDPLAUNCH_{payload.KIND}_JSON " + json.dumps(dataclasses.asdict(payload)) + "\n"
+
+
+def read_payload(kind: str, text: str) -> Optional[Any]:
+    """The payload of kind ``kind`` a line's JSON text holds; None when it is not one (unknown
+    kind, not JSON, a field missing or of the wrong type)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    cls = PAYLOADS.get(kind)
+    if cls is None or not isinstance(data, dict):
+        return None
+    fields = [f for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
+    if any(f.name not in data or isinstance(data[f.name], bool) or not isinstance(data[f.name], _TYPES[f.type])
+           for f in fields):
+        return None
+    return cls(**{f.name: data[f.name] for f in fields})
+
+
+def say(payload: Any) -> None:
+    """Print a payload line on stdout (never the job's failure)."""
+    try:
+        sys.stdout.write(payload_line(payload))
+        sys.stdout.flush()
+    except Exception:
+        pass
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this worker (ddplaunch reads the payloads then)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], bool, bool, list[str]]:
     """``[opts..., '--', script, args...]`` -> (health-check opts, healthcheck?, finalize?, script argv).
 
     Raises:
@@ -57,12 +157,7 @@ def split_argv(argv: list) -> tuple:
     return opts, healthcheck, finalize, script_argv
 
 
-def load_healthcheck():
-    """Imports healthcheck.py from this file's directory under a name no job can shadow."""
-    return load_sibling("healthcheck")
-
-
-def load_sibling(name: str):
+def load_sibling(name: str) -> Any:
     """Imports NAME.py from this file's directory under a name no job can shadow."""
     spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
     assert spec is not None and spec.loader is not None
@@ -89,14 +184,14 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _script_traceback(tb, script_path: str):
+def _script_traceback(tb: Any, script_path: str) -> Any:
     """Drops this file's and runpy's frames, as Python shows none of its own above the script."""
     while tb is not None and tb.tb_frame.f_code.co_filename != script_path:
         tb = tb.tb_next
     return tb
 
 
-def run_script(script_argv: list) -> int:
+def run_script(script_argv: list[str]) -> int:
     """Runs SCRIPT as ``__main__`` like ``python SCRIPT ARGS``; returns its exit status."""
     script = script_argv[0]
     path = os.path.abspath(script)
@@ -117,7 +212,19 @@ def run_script(script_argv: list) -> int:
             sys.excepthook(type(exc), exc, tb)
         except Exception:
             traceback.print_exception(type(exc), exc, tb)
+        if under_torchrun():
+            say(_failed(exc, tb))
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
+
+
+def _failed(exc: BaseException, tb: Any) -> RankFailed:
+    """What the script raised, as data: its type, message and the innermost line it came from."""
+    where = traceback.extract_tb(tb)[-1] if tb is not None else None
+    if where is None and isinstance(exc, SyntaxError):
+        file, line = exc.filename or "", exc.lineno or 0
+    else:
+        file, line = (where.filename, where.lineno or 0) if where is not None else ("", 0)
+    return RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
 
 
 def shut_down_like_python() -> None:
@@ -147,25 +254,20 @@ def leave(code: int, finalize: bool) -> None:
     code &= 0xFF
     if not _flush() and code == 0:
         code = 120  # what Python exits with when flushing stdout fails at exit
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        sys.stdout.write("DDPLAUNCH_RANKEXIT_JSON " + json.dumps({"rank": rank, "code": code}) + "\n")
-        sys.stdout.flush()
-    except Exception:
-        pass
+    say(RankExit(int(os.environ.get("RANK", "0")), code))
     if finalize:
         sys.exit(code)
     os._exit(code)
 
 
-def say_restart() -> None:
-    """Under torchrun, a restarted worker says which restart it is (`job.max_restarts`): the
-    launcher counts each node's restarts from these lines. The first start says nothing."""
+def say_start() -> None:
+    """Under torchrun, a worker says it started: its pid (the kernel's OOM killer names pids) and
+    which restart it is (`job.max_restarts`: the launcher counts each node's restarts from these)."""
+    if not under_torchrun():
+        return
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart.isdigit() and int(restart) > 0:
-        rank = int(os.environ.get("RANK", "0"))
-        sys.stdout.write("DDPLAUNCH_RANKSTART_JSON " + json.dumps({"rank": rank, "restart": int(restart)}) + "\n")
-        sys.stdout.flush()
+    say(RankStart(int(os.environ.get("RANK", "0")), os.getpid(), int(os.environ.get("LOCAL_RANK", "0")),
+                  int(restart) if restart.isdigit() else 0, os.environ.get("DDPLAUNCH_HOST", "")))
 
 
 #: Seconds between two progress lines of rank 0 (the first step is said at once).
@@ -185,26 +287,21 @@ class Progress:
     ``DDPLAUNCH_LOADED_JSON {"rank": 0, "path": P, "via": F}``. Nothing imports torch for it:
     the hooks go in when the job imports torch."""
 
-    def __init__(self, timing=None) -> None:
+    def __init__(self, timing: Any = None) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         #: every rank's step timing (steptiming.py), told of each step; None: not timed
         self.timing = timing
         self.steps, self.said, self.said_at = 0, -1, 0.0
         self._optimizer: Optional[int] = None
-        self._patched: set = set()
+        self._patched: set[str] = set()
         self._saved: Optional[str] = None  # what rank 0 saved since its last optimizer step
         self._inside = threading.local()  # within a load said already
 
-    def say(self, kind: str, data: dict) -> None:
-        if self.rank != 0:
-            return
-        try:
-            sys.stdout.write(f"DDPLAUNCH_{kind}_JSON " + json.dumps({"rank": self.rank, **data}) + "\n")
-            sys.stdout.flush()
-        except Exception:
-            pass
+    def say(self, payload: Any) -> None:
+        if self.rank == 0:
+            say(payload)
 
-    def stepped(self, optimizer, *_args) -> None:
+    def stepped(self, optimizer: Any, *_args: Any) -> None:
         if self._optimizer is None:
             self._optimizer = id(optimizer)
         if id(optimizer) != self._optimizer:
@@ -216,7 +313,7 @@ class Progress:
         if self.said < 0 or now - self.said_at >= PROGRESS_EVERY:
             self.flush(now)
 
-    def before_step(self, optimizer, *_args) -> None:
+    def before_step(self, optimizer: Any, *_args: Any) -> None:
         """Rank 0, before an optimizer step that follows a save: hold there if asked (HOLD_FILE),
         saying so, until stopped. The checkpoint is complete (the job's code after its save ran)."""
         if self.rank != 0 or self._saved is None or id(optimizer) != self._optimizer:
@@ -229,13 +326,13 @@ class Progress:
             return
         import signal
         signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # held: a stop ends it at once
-        self.say("HELD", {"steps": self.steps, "path": saved})
+        self.say(Held(self.rank, self.steps, saved))
         while True:
             time.sleep(1)
 
-    def saving(self, via: str, fn):
+    def saving(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a save function) noting on rank 0 what it saved."""
-        def save(*args, **kwargs):
+        def save(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
             target = args[1] if via == "torch.save" and len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
             self._saved = str(target if isinstance(target, (str, os.PathLike)) else type(target).__name__)[:300]
@@ -245,20 +342,20 @@ class Progress:
     def flush(self, now: float = 0.0) -> None:
         if self.steps and self.steps != self.said:
             self.said, self.said_at = self.steps, now or time.monotonic()
-            self.say("PROGRESS", {"steps": self.steps})
+            self.say(StepsDone(self.rank, self.steps))
 
-    def loaded(self, via: str, fn):
+    def loaded(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a load function) saying what it loads; loads inside it (dcp reads with torch.load)
         are its own, not said again."""
-        def load(*args, **kwargs):
+        def load(*args: Any, **kwargs: Any) -> Any:
             if getattr(self._inside, "depth", 0):
                 return fn(*args, **kwargs)
             if via == "torch.load":
                 target = args[0] if args else kwargs.get("f")
             else:
                 target = kwargs.get("checkpoint_id", kwargs.get("storage_reader"))
-            self.say("LOADED", {"path": str(target if isinstance(target, (str, os.PathLike)) else
-                                            type(target).__name__)[:300], "via": via})
+            self.say(Loaded(self.rank, str(target if isinstance(target, (str, os.PathLike)) else
+                                           type(target).__name__)[:300], via))
             self._inside.depth = 1
             try:
                 return fn(*args, **kwargs)
@@ -299,10 +396,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint", "torch.distributed",
              "torch.nn.parallel.distributed")
 
-    def __init__(self, then):
+    def __init__(self, then: Callable[[], None]) -> None:
         self.then = then
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name not in self.NAMES:
             return None
         for finder in sys.meta_path:
@@ -313,10 +410,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 loader, then = spec.loader, self.then
 
                 class _Then(importlib.abc.Loader):
-                    def create_module(self, spec):
+                    def create_module(self, spec: Any) -> Any:
                         return loader.create_module(spec)
 
-                    def exec_module(self, module):
+                    def exec_module(self, module: Any) -> None:
                         loader.exec_module(module)
                         then()
                 spec.loader = _Then()
@@ -329,7 +426,8 @@ def watch_progress() -> Progress:
     progress = Progress()
     if os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0":
         try:
-            progress.timing = load_sibling("steptiming").StepTiming()
+            rank = progress.rank
+            progress.timing = load_sibling("steptiming").StepTiming(lambda steps: payload_line(Timing(rank, steps)))
         except Exception:  # noqa: BLE001 - progress is seen without it
             pass
     try:
@@ -341,10 +439,10 @@ def watch_progress() -> Progress:
     return progress
 
 
-def _said_first(progress: Progress, real_exit):
+def _said_first(progress: Progress, real_exit: Callable[[int], NoReturn]) -> Callable[..., NoReturn]:
     """`os._exit` that first says the last steps and timing: a script that ends with it (to skip
     the interpreter's teardown, as jobs/train.py does) ends before entry.py's own last word."""
-    def _exit(code):
+    def _exit(code: int) -> NoReturn:
         try:
             progress.flush()
             if progress.timing is not None:
@@ -372,9 +470,9 @@ def whole_lines() -> None:
             pass
 
 
-def main(argv: list) -> None:
+def main(argv: list[str]) -> None:
     whole_lines()
-    say_restart()
+    say_start()
     try:
         opts, healthcheck, finalize, script_argv = split_argv(argv)
     except ValueError as exc:
@@ -382,7 +480,7 @@ def main(argv: list) -> None:
         sys.stderr.flush()
         os._exit(2)
     if healthcheck:
-        status = load_healthcheck().run(opts)
+        status = load_sibling("healthcheck").run(opts)
         if status != 0:  # the health check printed the FAIL line; no job code runs
             leave(status, finalize=False)  # nothing to finalize for, maybe a broken group
     progress = watch_progress()

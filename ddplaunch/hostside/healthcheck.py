@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from types import ModuleType
+from typing import Any, Iterable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,7 @@ GATE_MIN_BYTES = 1 << 20  # smaller messages measure latency, not bandwidth
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def load_sibling(name: str):
+def load_sibling(name: str) -> ModuleType:
     """The module ``name``.py beside this file, as ``ddplaunch_hostside_<name>`` (once)."""
     full = f"ddplaunch_hostside_{name}"
     if full not in sys.modules:
@@ -61,7 +63,7 @@ class CheckFailed(Exception):
         culprits: ranks known to be at fault (from monitored_barrier), else empty.
     """
 
-    def __init__(self, check: str, message: str, culprits=()):
+    def __init__(self, check: str, message: str, culprits: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.check = check
         self.culprits = list(culprits)
@@ -70,13 +72,13 @@ class CheckFailed(Exception):
 class _ArgumentError(Exception):
     """argparse wanted to exit; ``run`` turns it into a return value."""
 
-    def __init__(self, status: int):
+    def __init__(self, status: int) -> None:
         super().__init__(status)
         self.status = status
 
 
 class _Parser(argparse.ArgumentParser):
-    def exit(self, status=0, message=None):  # no SystemExit from inside a library call
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:  # no SystemExit from inside a library call
         if message:
             sys.stderr.write(message)
         raise _ArgumentError(status)
@@ -105,7 +107,7 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes} bytes"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parses the options; errors name the cluster.yaml keys they come from.
 
     Raises:
@@ -154,7 +156,7 @@ def host_label() -> str:
     return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
 
 
-def local_facts(backend: str, device: torch.device) -> dict:
+def local_facts(backend: str, device: torch.device) -> dict[str, Any]:
     """Returns what this rank knows about itself, for the facts table."""
     ip = "?"
     try:  # a "connected" UDP socket picks the route to the master; no packet is sent
@@ -195,16 +197,16 @@ def barrier(backend: str, timeout: timedelta) -> None:
 
 # ---------------------------------------------------------------- pair gate
 
-def host_leaders(facts: list) -> dict:
+def host_leaders(facts: list[dict[str, Any]]) -> dict[str, int]:
     """Each host's first rank (LOCAL_RANK 0), by the host's label: the rank that speaks for it."""
-    leaders: dict = {}
+    leaders: dict[str, int] = {}
     for f in facts:
         if f["local_rank"] == 0:
             leaders.setdefault(f["label"], f["rank"])
     return leaders
 
 
-def pair_gate(args, device: torch.device, facts: list) -> dict:
+def pair_gate(args: argparse.Namespace, device: torch.device, facts: list[dict[str, Any]]) -> dict[str, Any]:
     """Disjoint host pairs, then suspects re-paired with known-good hosts (pairs.py).
 
     One rank per host (LOCAL_RANK 0). Every rank takes part in creating every subgroup and
@@ -213,7 +215,7 @@ def pair_gate(args, device: torch.device, facts: list) -> dict:
     leaders = host_leaders(facts)
     slow = os.environ.get(SLOW_ENV, "").strip() == host_label()
 
-    def measure(pairs: list) -> list:
+    def measure(pairs: list[tuple[str, str]]) -> list[dict[str, Any]]:
         waves = _pairs.schedule(pairs, args.pair_parallelism)
         return _collectives.run_round(pairs, leaders, waves, args.pair_size, device, slow)
 
@@ -225,7 +227,7 @@ def pair_gate(args, device: torch.device, facts: list) -> dict:
 
 # ---------------------------------------------------------------- report
 
-def render_table(result: dict) -> str:
+def render_table(result: dict[str, Any]) -> str:
     """Formats the facts, bandwidth and pair tables for humans (rank 0 prints it once)."""
     lines = [f"{'rank':>4}  {'host':<20} {'ip':<15} {'device':<28} torch"]
     for f in result["ranks"]:
@@ -256,13 +258,13 @@ def render_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def describe(failure: dict) -> str:
+def describe(failure: dict[str, Any]) -> str:
     """Formats one failure as ``rank R (host H): message`` (no prefix when no rank is to blame)."""
     where = "" if failure["rank"] is None else f"rank {failure['rank']} (host {failure['host']}): "
     return where + failure["message"]
 
 
-def write_json_atomically(path: str, result: dict) -> None:
+def write_json_atomically(path: str, result: dict[str, Any]) -> None:
     """Writes via a temp file in the same directory and os.replace, so readers never see half."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -274,7 +276,7 @@ def write_json_atomically(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
-def report(result: dict, json_path) -> None:
+def report(result: dict[str, Any], json_path: str | None) -> None:
     """Rank 0 only: table, verdict line, JSON line and the optional JSON file."""
     emit(render_table(result))
     if result["ok"]:
@@ -286,11 +288,11 @@ def report(result: dict, json_path) -> None:
         write_json_atomically(json_path, result)
 
 
-def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
+def run_checks(args: argparse.Namespace, backend: str, device: torch.device, result: dict[str, Any]) -> None:
     """Runs every step, filling ``result``; every rank takes the same collectives."""
     timeout = timedelta(seconds=args.timeout)
     try:
-        facts: list = [None] * dist.get_world_size()
+        facts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(facts, local_facts(backend, device))
     except Exception as exc:
         raise CheckFailed("facts", f"all_gather_object of rank facts failed: {exc}") from exc
@@ -313,11 +315,12 @@ def run_checks(args, backend: str, device: torch.device, result: dict) -> None:
                                        f"host {host} is bad: {result['pairs']['reasons'][host]}"})
 
 
-def _check_results(args, device: torch.device, facts: list, result: dict) -> None:
+def _check_results(args: argparse.Namespace, device: torch.device, facts: list[dict[str, Any]],
+                   result: dict[str, Any]) -> None:
     """Every collective's exact result on every rank; each wrong one a failure naming its rank."""
     try:
         mine = _collectives.check_collectives(device, args.collectives)
-        everyone: list = [None] * dist.get_world_size()
+        everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
     except Exception as exc:
         raise CheckFailed("collectives", f"correctness collectives raised: {exc}") from exc
@@ -329,7 +332,7 @@ def _check_results(args, device: torch.device, facts: list, result: dict) -> Non
                                        "check": check, "message": message})
 
 
-def _check_bandwidth(args, device: torch.device, result: dict) -> None:
+def _check_bandwidth(args: argparse.Namespace, device: torch.device, result: dict[str, Any]) -> None:
     """Every supported collective timed at every size; the gate reads the largest."""
     measured = [c for c in args.collectives if c not in result["unsupported"]]
     try:
@@ -347,7 +350,7 @@ def _check_bandwidth(args, device: torch.device, result: dict) -> None:
                                        f"healthcheck.min_busbw_gbps {gate:g}"})
 
 
-_KEEP: list = []
+_KEEP: list[Any] = []
 
 
 def _init_group(backend: str, timeout: timedelta, rank: int, world: int, device: torch.device) -> None:
@@ -374,7 +377,7 @@ def _init_group(backend: str, timeout: timedelta, rank: int, world: int, device:
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
 
 
-def run(argv: list) -> int:
+def run(argv: list[str]) -> int:
     """Parses ``argv``, runs the health check in this process and returns its exit status.
 
     Never exits the process: the caller (``entry.py``) goes on to the job's own script, which

@@ -15,7 +15,7 @@ import threading
 import time
 
 
-def serve(srv, came, deadline):
+def serve(srv: socket.socket, came: set[str], deadline: float) -> None:
     """Accept connections until the deadline; note each peer address that connected."""
     while time.monotonic() < deadline:
         try:
@@ -28,7 +28,7 @@ def serve(srv, came, deadline):
         conn.close()
 
 
-def reach(peer, port, deadline, reached):
+def reach(peer: str, port: int, deadline: float, reached: set[str]) -> None:
     """Connect to peer:port, retrying while its listener starts, until the deadline."""
     while time.monotonic() < deadline:
         try:
@@ -39,7 +39,7 @@ def reach(peer, port, deadline, reached):
             time.sleep(0.1)
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     nonce, args = argv[0], json.loads(argv[1])
     port, peers, window = int(args["port"]), list(args["peers"]), float(args["window"])
     deadline = time.monotonic() + window
@@ -54,8 +54,8 @@ def main(argv):
         answer["error"] = f"cannot listen on port {port}: {err}"
         print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps(answer), flush=True)
         return
-    came: set = set()
-    reached: set = set()
+    came: set[str] = set()
+    reached: set[str] = set()
     server = threading.Thread(target=serve, args=(srv, came, deadline), daemon=True)
     server.start()
     callers = [threading.Thread(target=reach, args=(p, port, deadline, reached), daemon=True) for p in peers]

@@ -16,13 +16,14 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 KILLED_RE = re.compile(r"(?:Out of memory|Memory cgroup out of memory|oom-kill)[^\n]*?Killed process (\d+) \(")
 #: dmesg's own format: `[ 1234.567890] message`
 DMESG_RE = re.compile(r"^\[\s*(\d+\.\d+)\]\s?(.*)$")
 
 
-def boot_time():
+def boot_time() -> float:
     """Epoch seconds at boot (the kernel log stamps seconds since then)."""
     with open("/proc/stat") as stat:
         for line in stat:
@@ -31,7 +32,7 @@ def boot_time():
     return time.time() - time.monotonic()
 
 
-def kmsg_records():
+def kmsg_records() -> list[tuple[float, str]]:
     """(seconds since boot, message) of every record /dev/kmsg still holds."""
     fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     out = []
@@ -56,14 +57,14 @@ def kmsg_records():
     return out
 
 
-def dmesg_records():
+def dmesg_records() -> list[tuple[float, str]]:
     proc = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=20)
     if proc.returncode != 0:
         raise OSError(proc.stderr.strip() or f"dmesg exited {proc.returncode}")
     return [(float(m.group(1)), m.group(2)) for m in map(DMESG_RE.match, proc.stdout.splitlines()) if m]
 
 
-def pids_of(args):
+def pids_of(args: dict[str, Any]) -> set[int]:
     pids = {int(p) for p in args.get("pids", [])}
     for rel in args.get("pid_files", []):
         try:
@@ -74,7 +75,7 @@ def pids_of(args):
     return pids
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     nonce, args = argv[0], json.loads(argv[1])
     pids, since = pids_of(args), float(args.get("since", 0)) - boot_time()
     killed, error = {}, None

@@ -11,7 +11,7 @@ import statistics
 from typing import Any, Callable, Optional
 
 
-def first_pairs(hosts: list) -> list:
+def first_pairs(hosts: list[str]) -> list[tuple[str, str]]:
     """Disjoint pairs of neighbours; an odd one out pairs with the first host."""
     pairs = [(hosts[i], hosts[i + 1]) for i in range(0, len(hosts) - 1, 2)]
     if len(hosts) % 2 and len(hosts) > 1:
@@ -19,7 +19,7 @@ def first_pairs(hosts: list) -> list:
     return pairs
 
 
-def healthy_median(speeds: list) -> Optional[float]:
+def healthy_median(speeds: list[float]) -> Optional[float]:
     """The median of the faster half of the pairs: what this cluster's links can do.
 
     A plain median is dragged down as soon as half the pairs are slow — with 4 hosts one slow
@@ -32,7 +32,7 @@ def healthy_median(speeds: list) -> Optional[float]:
     return statistics.median(top)
 
 
-def schedule(pairs: list, parallelism: int) -> list:
+def schedule(pairs: list[tuple[str, str]], parallelism: int) -> list[list[int]]:
     """Splits pair indices into waves of disjoint pairs, at most ``parallelism`` each (0: any)."""
     waves, left = [], list(range(len(pairs)))
     while left:
@@ -47,7 +47,8 @@ def schedule(pairs: list, parallelism: int) -> list:
     return waves
 
 
-def judge(hosts: list, measure: Callable[[list], list], min_fraction: float) -> dict:
+def judge(hosts: list[str], measure: Callable[[list[tuple[str, str]]], list[dict[str, Any]]],
+          min_fraction: float) -> dict[str, Any]:
     """Pairs, then re-pairs of the suspects with good hosts, and the verdict.
 
     Args:
@@ -83,7 +84,7 @@ def judge(hosts: list, measure: Callable[[list], list], min_fraction: float) -> 
     return out
 
 
-def _why(probe: dict, med: Optional[float], min_fraction: float) -> str:
+def _why(probe: dict[str, Any], med: Optional[float], min_fraction: float) -> str:
     partner = probe["hosts"][1]
     if probe["busbw_gbps"] is None:
         return f"failed with known-good host {partner}: {probe['detail']}"

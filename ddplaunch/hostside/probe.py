@@ -27,7 +27,7 @@ except ImportError:  # sent to a host as one program: procs.py's source comes fi
 SIOCGIFADDR = 0x8915
 
 
-def torch_facts():
+def torch_facts() -> dict[str, Any]:
     """torch version, CUDA and NCCL versions without importing torch (that takes seconds)."""
     import importlib.metadata
     import importlib.util
@@ -53,13 +53,13 @@ def torch_facts():
     return facts
 
 
-def gpu_facts(need):
+def gpu_facts(need: bool) -> dict[str, Any]:
     if not need:
         return {"gpus": None, "gpu_procs": []}
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"gpus": 0, "gpu_procs": [], "gpu_error": "nvidia-smi not found"}
-    def query(args):
+    def query(args: list[str]) -> list[str]:
         out = subprocess.run([smi, *args, "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     try:
@@ -69,7 +69,7 @@ def gpu_facts(need):
         return {"gpus": 0, "gpu_procs": [], "gpu_error": f"nvidia-smi failed: {err}"}
 
 
-def leftovers(current_run):
+def leftovers(current_run: str) -> dict[str, list[int]]:
     """Other ddplaunch runs of this user still alive here: {run_id: [pids]} (see procs.py)."""
     found: dict[str, list[int]] = {}
     for pid, env in run_processes(None).items():
@@ -79,7 +79,7 @@ def leftovers(current_run):
     return found
 
 
-def iface_of(ip):
+def iface_of(ip: str) -> str | None:
     """The interface that holds `ip`, or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
@@ -92,7 +92,7 @@ def iface_of(ip):
     return None
 
 
-def network_facts(master, port):
+def network_facts(master: str, port: int | None) -> dict[str, Any]:
     facts: dict[str, Any] = {"master_ips": [], "route_ip": None, "route_iface": None}
     try:
         facts["master_ips"] = sorted({a[4][0] for a in socket.getaddrinfo(master, None, socket.AF_INET)})
@@ -110,7 +110,7 @@ def network_facts(master, port):
     return facts
 
 
-def listen(port, expect, deadline, out):
+def listen(port: int, expect: int, deadline: float, out: dict[str, Any]) -> None:
     """Master side: bind the port, then accept until every host said hello or the deadline."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,7 +136,7 @@ def listen(port, expect, deadline, out):
     srv.close()
 
 
-def connect(master, port, deadline, me):
+def connect(master: str, port: int, deadline: float, me: str) -> str | None:
     """Every host: reach master:port over TCP (retrying while the listener starts)."""
     last = None
     while time.time() < deadline:
@@ -150,7 +150,7 @@ def connect(master, port, deadline, me):
     return f"cannot reach {master}:{port} over TCP: {getattr(last, 'strerror', None) or last}"
 
 
-def main():
+def main() -> None:
     nonce, args = sys.argv[1], json.loads(sys.argv[2])
     out: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.version.split()[0],
                            "executable": sys.executable}
@@ -162,7 +162,7 @@ def main():
         if args.get("listen"):
             threads.append(threading.Thread(target=listen, args=(args["port"], args["expect"], deadline, out)))
 
-        def reach():
+        def reach() -> None:
             out["port_error"] = connect(args["master"], args["port"], deadline, args["label"])
         threads.append(threading.Thread(target=reach))
         for t in threads:

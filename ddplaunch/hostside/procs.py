@@ -10,16 +10,16 @@ the hosts ahead of the program that uses it.
 import os
 
 
-def _environ(pid):
+def _environ(pid: int | str) -> list[bytes]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return f.read().split(b"\0")
 
 
-def _netns(pid):
+def _netns(pid: int | str) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-def proc_alive(pid):
+def proc_alive(pid: int | str) -> bool:
     """True while `pid` runs (a zombie counts as dead)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -28,12 +28,12 @@ def proc_alive(pid):
         return False
 
 
-def run_processes(run_id=None, any_netns=False):
+def run_processes(run_id: str | None = None, any_netns: bool = False) -> dict[int, dict[bytes, bytes]]:
     """{pid: environ dict (bytes -> bytes)} of the run's live processes on this host (any run
     when `run_id` is None), owned by this user, in this network namespace (in any, with
     `any_netns`: hosts that share this kernel, seen from outside them), not this process."""
     me, uid, here = os.getpid(), os.getuid(), _netns("self")
-    found = {}
+    found: dict[int, dict[bytes, bytes]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == me:
             continue
@@ -51,6 +51,6 @@ def run_processes(run_id=None, any_netns=False):
     return found
 
 
-def is_run_process(pid, run_id):
+def is_run_process(pid: int, run_id: str) -> bool:
     """Whether `pid` is one of the run's processes here (checked before any signal from a pid file)."""
     return pid in run_processes(run_id)

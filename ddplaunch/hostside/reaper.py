@@ -26,7 +26,7 @@ except ImportError:  # sent to a host as one program: procs.py's source comes fi
 GRACE = 5.0
 
 
-def term_pidfiles(run_id, paths):
+def term_pidfiles(run_id: str, paths: list[str]) -> list[int]:
     """SIGTERM the pid in each file, when that pid is the run's; returns the pids signalled."""
     sent = []
     for path in paths:
@@ -44,7 +44,7 @@ def term_pidfiles(run_id, paths):
     return sent
 
 
-def reap(run_id, grace=GRACE):
+def reap(run_id: str, grace: float = GRACE) -> None:
     """SIGTERM every process of the run, then SIGKILL what is left after `grace` seconds."""
     pids = list(run_processes(run_id))
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -61,7 +61,7 @@ def reap(run_id, grace=GRACE):
             time.sleep(0.1)
 
 
-def clean(run_id):
+def clean(run_id: str) -> None:
     """Remove the run's torchrun log directories and environment files on this host."""
     run_dir = os.path.join(os.path.expanduser("~"), ".ddplaunch", "runs", run_id)
     try:
@@ -79,7 +79,7 @@ def clean(run_id):
                 pass
 
 
-def remove_containers(run_id, runtime):
+def remove_containers(run_id: str, runtime: str | None) -> list[str]:
     """Remove (stopping them) the containers of this run and this user; their ids."""
     if runtime not in ("docker", "podman") or shutil.which(runtime) is None:
         return []
@@ -94,13 +94,13 @@ def remove_containers(run_id, runtime):
     return found
 
 
-def wait_gone(run_id, pids, timeout):
+def wait_gone(run_id: str, pids: list[int], timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and any(proc_alive(p) for p in pids):
         time.sleep(0.1)
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
     kill, tidy = "--kill" in rest, "--clean" in rest
     runtime = rest[rest.index("--containers") + 1] if "--containers" in rest[:-1] else None

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 try:
     from ddplaunch.hostside.procs import run_processes
@@ -20,7 +21,7 @@ except ImportError:  # sent to a host as one program: procs.py's source comes fi
     pass
 
 
-def find_py_spy(python):
+def find_py_spy(python: str) -> tuple[str | None, list[str]]:
     candidates = [os.path.join(os.path.dirname(python), "py-spy"), shutil.which("py-spy")]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None), [c for c in candidates if c]
 
@@ -31,7 +32,7 @@ def find_py_spy(python):
 FROZEN = ("T", "t", "D")
 
 
-def state_of(pid):
+def state_of(pid: int) -> str:
     """The process's state letter from /proc/PID/stat (R, S, D, T, ...), "?" when gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -40,7 +41,7 @@ def state_of(pid):
         return "?"
 
 
-def dump(spy, proc):
+def dump(spy: str, proc: dict[str, Any]) -> dict[str, Any]:
     if proc["state"] in FROZEN:
         proc["error"] = f"not dumped: the process is frozen (state {proc['state']})"
         return proc
@@ -56,7 +57,7 @@ def dump(spy, proc):
     return proc
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     nonce, run_id, python = argv[:3]
     procs = []
     for pid, env in run_processes(run_id).items():

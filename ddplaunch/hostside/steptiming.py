@@ -18,18 +18,18 @@ largest. Waits are measured
   default calls block).
 
 A background thread sends what was recorded at most once a second as one line per batch,
-``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}``, written to the
+``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}`` (entry.py's `Timing`), written to the
 process's stdout file descriptor whole (the training thread never writes it). Nothing is sent
 while no step completes, so a hung job stays silent for the hang watchdog.
 `DDPLAUNCH_STEP_TIMING=0` in the job's environment turns it off (entry.py then does not load it).
 """
 
 import functools
-import json
 import os
 import sys
 import threading
 import time
+from typing import Any, Callable, Optional
 
 #: Seconds between two timing lines of one rank.
 SEND_EVERY = 1.0
@@ -40,25 +40,40 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", 
                "broadcast", "barrier", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 
 
+def _timing_line(rank: int) -> Callable[[list[Any]], str]:
+    """How a batch of steps becomes a line, by the payload schema of entry.py beside this file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddplaunch_hostside_entry_schema",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py"))
+    assert spec is not None and spec.loader is not None
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return lambda steps: entry.payload_line(entry.Timing(rank, steps))
+
+
 class StepTiming:
     """One rank's step and wait times, batched to the launcher off the training thread."""
 
-    def __init__(self):
+    def __init__(self, encode: Optional[Callable[[list[Any]], str]] = None) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
+        #: the line a batch of steps is sent as (entry.py's payload schema: `Timing`)
+        self._encode = encode or _timing_line(self.rank)
         self._lock = threading.Lock()
-        self._last_end = None
-        self._arrived = None      # when this step's last gradient bucket was ready (DDP)
-        self._completed = None    # when the last bucket's collective completed
-        self._waited = 0.0        # seconds inside plain collectives this step
-        self._events = None       # CUDA: (this step's last bucket ready, [its collectives done])
-        self._pending = []        # [step, step_s, wait_s] to send, or with CUDA events still to read
-        self._sender = None
-        self._patched = set()
+        self._last_end: Optional[float] = None
+        self._arrived: Optional[float] = None    # when this step's last gradient bucket was ready (DDP)
+        self._completed: Optional[float] = None  # when the last bucket's collective completed
+        self._waited = 0.0                       # seconds inside plain collectives this step
+        # CUDA: (this step's last bucket ready, [its collectives done])
+        self._events: Optional[tuple[Any, list[Any]]] = None
+        self._pending: list[list[Any]] = []      # [step, step_s, wait_s] to send, or with CUDA events still to read
+        self._sender: Optional[threading.Thread] = None
+        self._patched: set[str] = set()
         self._inside = threading.local()  # in a timed collective (its own Work.wait is not counted twice)
 
     # ------------------------------------------------------------------ what the job does
 
-    def stepped(self, step):
+    def stepped(self, step: int) -> None:
         """Optimizer step `step` ended (entry.py's optimizer hook counts them, on every rank)."""
         now = time.monotonic()
         with self._lock:
@@ -78,33 +93,33 @@ class StepTiming:
             self._sender = threading.Thread(target=self._send_loop, name="ddplaunch-step-timing", daemon=True)
             self._sender.start()
 
-    def _bucket_ready(self, event=None):
+    def _bucket_ready(self, event: Any = None) -> None:
         with self._lock:
             self._arrived = time.monotonic()
             self._events = (event, []) if event is not None else None
 
-    def _bucket_done_on_gpu(self, event):
+    def _bucket_done_on_gpu(self, event: Any) -> None:
         with self._lock:
             if self._events is not None:
                 self._events[1].append(event)
 
-    def _bucket_done(self):
+    def _bucket_done(self) -> None:
         with self._lock:
             now = time.monotonic()
             self._completed = now if self._completed is None else max(self._completed, now)
 
-    def _waited_for(self, seconds):
+    def _waited_for(self, seconds: float) -> None:
         with self._lock:
             self._waited += seconds
 
     # ------------------------------------------------------------------ to the launcher
 
-    def _send_loop(self):
+    def _send_loop(self) -> None:
         while True:
             time.sleep(SEND_EVERY)
             self.flush()
 
-    def flush(self):
+    def flush(self) -> None:
         with self._lock:
             ready = 0
             for entry in self._pending:
@@ -113,7 +128,7 @@ class StepTiming:
                 ready += 1
             batch, self._pending = self._pending[:ready], self._pending[ready:]
         for i in range(0, len(batch), PER_LINE):
-            line = "DDPLAUNCH_TIMING_JSON " + json.dumps({"rank": self.rank, "steps": batch[i:i + PER_LINE]}) + "\n"
+            line = self._encode(batch[i:i + PER_LINE])
             try:
                 os.write(1, line.encode())
             except OSError:
@@ -121,7 +136,7 @@ class StepTiming:
 
     # ------------------------------------------------------------------ hooks
 
-    def patch(self):
+    def patch(self) -> None:
         """Hook what of torch.distributed and DDP is imported by now (each once)."""
         ddp = sys.modules.get("torch.nn.parallel.distributed")
         if ddp is not None and "ddp" not in self._patched and hasattr(ddp, "DistributedDataParallel"):
@@ -140,14 +155,14 @@ class StepTiming:
                 except (AttributeError, TypeError):  # a build whose Work takes no attribute: untimed
                     pass
 
-    def _timed_collective(self, fn):
+    def _timed_collective(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a collective, or `Work.wait`) with the time a call blocks in it counted as wait:
         an async collective returns at once and its wait is timed where the script waits for it;
         a blocking one waits inside its own call (timed once, not again in its Work.wait)."""
         timing, inside = self, self._inside
 
         @functools.wraps(fn)
-        def ddplaunch_timing_wrapper(*args, **kwargs):
+        def ddplaunch_timing_wrapper(*args: Any, **kwargs: Any) -> Any:
             if getattr(inside, "on", False) or kwargs.get("async_op"):
                 return fn(*args, **kwargs)
             inside.on = True
@@ -159,13 +174,13 @@ class StepTiming:
                 timing._waited_for(time.monotonic() - t0)
         return ddplaunch_timing_wrapper
 
-    def _patch_ddp(self, cls):
+    def _patch_ddp(self, cls: Any) -> None:
         """Every DDP built gets our comm hook; one the script registers runs inside it."""
         timing = self
         init, register, builtin = cls.__init__, cls.register_comm_hook, getattr(cls, "_register_builtin_comm_hook", None)
 
         @functools.wraps(init)
-        def __init__(ddp, *args, **kwargs):
+        def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
             init(ddp, *args, **kwargs)
             try:
                 inner = {"state": None, "hook": None}
@@ -175,7 +190,7 @@ class StepTiming:
                 pass
 
         @functools.wraps(register)
-        def register_comm_hook(ddp, state, hook):
+        def register_comm_hook(ddp: Any, state: Any, hook: Any) -> Any:
             inner = getattr(ddp, "_ddplaunch_inner", None)
             if inner is None or inner["hook"] is not None:
                 return register(ddp, state, hook)  # ours is not there, or a second call: DDP's own answer
@@ -185,17 +200,18 @@ class StepTiming:
         cls.__init__, cls.register_comm_hook = __init__, register_comm_hook
         if builtin is not None:
             @functools.wraps(builtin)
-            def _register_builtin_comm_hook(ddp, comm_hook_type):
+            def _register_builtin_comm_hook(ddp: Any, comm_hook_type: Any) -> Any:
                 hook = _builtin_hook(comm_hook_type)
                 if hook is None or getattr(ddp, "_ddplaunch_inner", None) is None:
                     return builtin(ddp, comm_hook_type)
                 return register_comm_hook(ddp, ddp.process_group, hook)
             cls._register_builtin_comm_hook = _register_builtin_comm_hook
 
-    def _comm_hook(self, ddp, inner):
+    def _comm_hook(self, ddp: Any, inner: dict[str, Any]) -> Callable[[Any, Any], Any]:
         timing = self
 
-        def ddplaunch_timed_hook(state, bucket):
+        # typed by a comment: DDP refuses a comm hook annotated with other types than its own
+        def ddplaunch_timed_hook(state, bucket):  # type: (Any, Any) -> Any
             ready = _gpu_event(bucket.buffer())
             timing._bucket_ready(ready)
             if inner["hook"] is not None:
@@ -203,7 +219,7 @@ class StepTiming:
             else:
                 fut = _scaled_sum(getattr(ddp, "process_group", None), bucket)
 
-            def done(_):
+            def done(_: Any) -> None:
                 # on CUDA the callback runs on a stream that waits for the collective's kernels:
                 # an event recorded there completes when the collective has on the GPU
                 event = _gpu_event(bucket.buffer()) if ready is not None else None
@@ -217,7 +233,7 @@ class StepTiming:
         return ddplaunch_timed_hook
 
 
-def _gpu_event(tensor):
+def _gpu_event(tensor: Any) -> Any:
     """A CUDA event recorded now on the current stream when `tensor` is on a GPU, else None
     (timing is a help: any failure means no event, never a failure of the job)."""
     try:
@@ -231,7 +247,7 @@ def _gpu_event(tensor):
         return None
 
 
-def _read_events(entry):
+def _read_events(entry: list[Any]) -> bool:
     """Turn a pending [step, step_s, wait_s, (ready, [done...])] into [step, step_s, wait_s] once
     its events completed (False: not yet); the GPU's wait is from the bucket ready to its last
     collective done, within the step."""
@@ -246,7 +262,7 @@ def _read_events(entry):
     return True
 
 
-def _scaled_sum(group, bucket):
+def _scaled_sum(group: Any, bucket: Any) -> Any:
     """DDP's built-in all-reduce, rounding for rounding: the bucket times 1/size (the reducer's
     own scaling when no hook is set), then summed (torch's Python allreduce_hook divides instead,
     which rounds differently on 3 ranks: the final weights would differ from an untimed run's)."""
@@ -257,7 +273,7 @@ def _scaled_sum(group, bucket):
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def _builtin_hook(comm_hook_type):
+def _builtin_hook(comm_hook_type: Any) -> Any:
     """The Python hook of one of DDP's built-in hooks (None: not known here)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]

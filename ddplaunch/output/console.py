@@ -2,7 +2,7 @@
 
 `Console` writes whole lines, each carrying its host, to a stream and the log file; `note` is a
 line from ddplaunch itself, `block` a table or summary as it is. It only displays: what the
-lines mean (payloads, findings, tails) is read per stage by `StageLines` (stagelines.py), which
+lines mean (payloads, findings, tails) is read per stage by `StageLines` (output/stagelines.py), which
 decides what reaches the terminal — quiet by default, `verbose` shows everything — while the log
 always gets every line. `make_console` adds a live host table (rich) on a terminal.
 
@@ -14,7 +14,6 @@ shows them all as they come.
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -24,14 +23,15 @@ from rich.console import Console as RichConsole
 from rich.live import Live
 from rich.table import Table
 
+from ddplaunch.output.who import who_of
+from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import EventLog, HostState, Shown
+from ddplaunch.record.results import NodeState
 
 #: More hosts than this are summarized as counts per state instead of one row each.
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
 FOLD_S = 0.5
-#: `[host:rank] text` or `[host] text`: who printed a line, and what.
-WHO_RE = re.compile(r"^\[([^\]:]+)(?::(\d+))?\] ?(.*)$", re.S)
 
 
 class _Fold:
@@ -44,8 +44,8 @@ class _Fold:
     def text(self) -> str:
         if len(self.who) < 2:
             return self.first
-        body = WHO_RE.match(self.first)
-        rest = body.group(3) if body else self.first
+        body = who_of(self.first)
+        rest = body.text if body else self.first
         ranks = [r for _, r in self.who if r is not None]
         if len(ranks) == len(self.who):
             by_host: dict[str, list[int]] = {}
@@ -93,12 +93,12 @@ class Console:
                 self._log.flush()
             if not shown:
                 return
-            who = WHO_RE.match(text)
+            who = who_of(text)
             if self.verbose or who is None:
                 self._show(text)
                 return
-            key = (who.group(3), who.group(2) is not None)
-            by = (who.group(1), int(who.group(2)) if who.group(2) is not None else None)
+            key = (who.text, who.rank is not None)
+            by = (who.host, who.rank)
             fold = self._folds.get(key)
             if fold is not None and by in fold.who:  # the same one again: a new line, after the others
                 self.flush()
@@ -150,11 +150,16 @@ class Console:
                 self._log.write(text.rstrip("\n") + "\n")
                 self._log.flush()
 
-    def state(self, host: str, text: str) -> None:
-        """A host's current state (connecting, running a stage, exited): shown live on a
-        terminal by `LiveConsole`; plain output has the log lines for it."""
+    def state(self, host: str, stage: Stage, state: NodeState, exit_code: Optional[int] = None) -> None:
+        """A host's current state in a launch (connecting, running, how its node ended): to the
+        event log, and shown live on a terminal by `LiveConsole`; plain output has the log lines."""
+        event = HostState(host, stage, state, exit_code)
         if self._events is not None:
-            self._events.append(HostState(host, text))
+            self._events.append(event)
+        self.show_state(event)
+
+    def show_state(self, event: HostState) -> None:
+        """Show a host's state (a follower of the event log calls this for each HostState)."""
 
     def close(self) -> None:
         """Show what waits; end live output, if any."""
@@ -183,15 +188,14 @@ class LiveConsole(Console):
     def __init__(self, stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,
                  events: Optional[EventLog] = None):
         super().__init__(stream, log, verbose, events)
-        self.states = {h: "waiting" for h in hosts}
+        self.states: dict[str, Optional[HostState]] = {h: None for h in hosts}
         self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
         self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
         self.live.start()
 
-    def state(self, host: str, text: str) -> None:
-        super().state(host, text)
+    def show_state(self, event: HostState) -> None:
         with self._lock:
-            self.states[host] = text
+            self.states[event.host] = event
             self.live.update(self._table())
 
     def close(self) -> None:
@@ -205,16 +209,37 @@ class LiveConsole(Console):
         table = Table(box=None, show_header=False, pad_edge=False)
         if len(self.states) > MAX_ROWS:
             counts: dict[str, int] = {}
-            for s in self.states.values():
-                word = s.split(" (")[0]
+            for event in self.states.values():
+                word = "waiting" if event is None else state_word(event)
                 counts[word] = counts.get(word, 0) + 1
             table.add_row("hosts", ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
             return table
-        for host, text in self.states.items():
-            style = "red" if ("failed" in text or "lost" in text or "unreachable" in text) else \
-                "green" if text.startswith(("ok", "running")) else ""
+        for host, event in self.states.items():
+            text = "waiting" if event is None else state_text(event)
+            style = "" if event is None else STATE_STYLE.get(event.state, "")
             table.add_row(f"[bold]{host}[/]", f"[{style}]{text}[/]" if style else text)
         return table
+
+
+#: How the live table colours a host's state.
+STATE_STYLE = {NodeState.FAILED: "red", NodeState.LOST: "red", NodeState.UNREACHABLE: "red",
+               NodeState.OK: "green", NodeState.RUNNING: "green"}
+
+
+def state_word(event: HostState) -> str:
+    """One word for a host's state: `connecting`, `running`, or how its node ended."""
+    return "connecting" if event.state == NodeState.NOT_STARTED else str(event.state)
+
+
+def state_text(event: HostState) -> str:
+    """A host's state as the live table shows it: `connecting (job)`, `running job`, `ok (exit 0)`."""
+    if event.state == NodeState.NOT_STARTED:
+        return f"connecting ({event.stage})"
+    if event.state == NodeState.RUNNING:
+        return f"running {event.stage}"
+    if event.exit_code is None and event.state == NodeState.UNREACHABLE:
+        return str(event.state)
+    return f"{event.state} (exit {event.exit_code})"
 
 
 def make_console(stream: IO[str], log: Optional[IO[str]], hosts: list[str], verbose: bool = False,

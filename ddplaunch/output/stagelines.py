@@ -17,18 +17,22 @@ import json
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
+from ddplaunch.hostside.entry import Held, Loaded, RankExit, RankFailed, RankStart, StepsDone, Timing, read_payload
 from ddplaunch.output.console import Console
-from ddplaunch.output.torchrun import (FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE,
-                                       rank_of)
-from ddplaunch.record.results import Progress, StageResult
+from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
+from ddplaunch.output.who import rank_of
+from ddplaunch.plan.launch import Stage
+from ddplaunch.record.diagnosis import HealthVerdict
+from ddplaunch.record.results import NodeState, Progress, StageResult
 from ddplaunch.spec.values import SECRET_SHOWN
 
 TAIL_LINES = 40
 #: Payloads handed to the run loop as they come (`on_report`): every rank's step timing
 #: (hostside/steptiming.py), rank 0 holding after a checkpoint (entry.py's HOLD_FILE).
-REPORTS = ("TIMING", "HELD")
+Report = Union[Timing, Held]
+REPORTS = (Timing.KIND, Held.KIND)
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
 
@@ -36,11 +40,12 @@ MASKED_MIN = 4
 class StageLines:
     """Every line of one launch, from every node."""
 
-    def __init__(self, console: Console, on_first_step: Optional[Callable[[Progress], None]] = None,
-                 secrets: Sequence[str] = (), on_report: Optional[Callable[[str, str, dict[str, Any]], None]] = None):
-        self.console = console
+    def __init__(self, console: Console, stage: Stage = Stage.JOB,
+                 on_first_step: Optional[Callable[[Progress], None]] = None, secrets: Sequence[str] = (),
+                 on_report: Optional[Callable[[str, Report], None]] = None):
+        self.console, self.stage = console, stage
         self._on_first_step = on_first_step
-        #: gets the ranks' REPORTS (kind, host, payload): passed on, not kept here
+        #: gets the ranks' REPORTS (host, payload): passed on, not kept here
         self._on_report = on_report
         #: Secret values to mask in every line, longest first (one inside another is masked whole).
         self._secrets = sorted({s for s in secrets if len(s) >= MASKED_MIN}, key=len, reverse=True)
@@ -50,7 +55,8 @@ class StageLines:
         self._muted: set[int] = set()
         #: Nodes whose torchrun agent began its own error report (the summary has the cause).
         self._agent_failing: set[int] = set()
-        self._payloads: dict[str, list[tuple[int, str]]] = {}
+        #: the ranks' payloads the result keeps, each with the node that printed it
+        self._payloads: dict[str, list[tuple[int, Any]]] = {}
         self.findings: list[str] = []
         #: When the last line from any node arrived (the hang watchdog's clock), and from any rank;
         #: when each node was last heard from: all on the monotonic clock (durations, not dates).
@@ -90,8 +96,7 @@ class StageLines:
             if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(line)
             if marker:  # machine-readable: kept and logged, not shown
-                self._payloads.setdefault(marker.group(1), []).append((node_rank, marker.group(2)))
-                self._reported(marker.group(1), marker.group(2), now)
+                self._kept(node_rank, marker.group(1), marker.group(2), now)
                 shown = False
             else:
                 self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
@@ -119,38 +124,33 @@ class StageLines:
         self._start_said = True
         return True
 
-    def _report(self, node_rank: int, host: str, kind: str, payload: str, mono: float) -> None:
+    def _report(self, node_rank: int, host: str, kind: str, text: str, mono: float) -> None:
         """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
         rank's timing comes only while it steps); the payload goes to `on_report`."""
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
-        if self._on_report is None:
-            return
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return
-        if isinstance(data, dict):
-            self._on_report(kind, host, data)
+        payload = read_payload(kind, text) if self._on_report is not None else None
+        if isinstance(payload, (Timing, Held)) and self._on_report is not None:
+            self._on_report(host, payload)
 
-    def _reported(self, kind: str, payload: str, now: float) -> None:
-        """Rank 0's own report of its optimizer steps or a checkpoint load."""
-        if kind not in ("PROGRESS", "LOADED"):
+    def _kept(self, node_rank: int, kind: str, text: str, now: float) -> None:
+        """A payload for the result (the health check's verdict, each rank's start, exit and
+        exception), or rank 0's word of its optimizer steps or a checkpoint load."""
+        if kind == "HEALTHCHECK":
+            payload: Any = _verdict(text)
+        else:
+            payload = read_payload(kind, text)
+        if payload is None:
             return
-        try:
-            data = json.loads(payload)
-        except ValueError:
-            return
-        if kind == "LOADED":  # before the first step, or after it: the progress shares the list
-            self._loaded.append(str(data.get("path", "?"))[:300])
-            return
-        steps = data.get("steps")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            return
-        self._step(now, steps if self.progress is None or self.progress.optimizer_steps is not None
-                   else self.progress.last_step)
-        assert self.progress is not None
-        self.progress.optimizer_steps = steps
+        if isinstance(payload, Loaded):  # before the first step, or after it: the progress shares the list
+            self._loaded.append(payload.path[:300])
+        elif isinstance(payload, StepsDone) and payload.steps >= 1:
+            self._step(now, payload.steps if self.progress is None or self.progress.optimizer_steps is not None
+                       else self.progress.last_step)
+            assert self.progress is not None
+            self.progress.optimizer_steps = payload.steps
+        else:
+            self._payloads.setdefault(kind, []).append((node_rank, payload))
 
     def _step(self, now: float, step: int) -> None:
         """A completed step at `now`."""
@@ -182,8 +182,9 @@ class StageLines:
     def note(self, text: str) -> None:
         self.console.note(text)
 
-    def state(self, host: str, text: str) -> None:
-        self.console.state(host, text)
+    def state(self, host: str, state: NodeState, exit_code: Optional[int] = None) -> None:
+        """A host's state in this launch, for the live table and the event log."""
+        self.console.state(host, self.stage, state, exit_code)
 
     def mute(self, node_ranks: set[int]) -> None:
         """Keep these nodes' further lines off the terminal (ddplaunch is stopping them on
@@ -219,19 +220,10 @@ class StageLines:
         with self._lock:
             return list(self._rank_tails.get(rank, ()))
 
-    def payloads(self, name: str) -> list[tuple[int, dict[str, Any]]]:
-        """Every `DDPLAUNCH_<NAME>_JSON` payload seen, parsed, with the node that printed it."""
+    def payloads(self, kind: str) -> list[tuple[int, Any]]:
+        """Every payload of `kind` seen (its schema's type), with the node that printed it."""
         with self._lock:
-            raw = list(self._payloads.get(name, ()))
-        out = []
-        for node, text in raw:
-            try:
-                value = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                out.append((node, value))
-        return out
+            return list(self._payloads.get(kind, ()))
 
     def fill(self, result: StageResult) -> StageResult:
         """Hand the stage's reports to its result: the health check's verdict, the ranks' exits,
@@ -240,11 +232,21 @@ class StageLines:
         self.console.flush()  # the stage's last lines come before anything said about it
         verdicts = self.payloads("HEALTHCHECK")
         result.healthcheck = verdicts[-1][1] if verdicts else None
-        result.rank_exits = [p for _, p in self.payloads("RANKEXIT")]
+        result.rank_exits = [p for _, p in self.payloads(RankExit.KIND)]
+        result.rank_starts = [p for _, p in self.payloads(RankStart.KIND)]
+        result.rank_failures = [p for _, p in self.payloads(RankFailed.KIND)]
         result.findings = list(self.findings)
         result.progress = self.progress
-        for node, start in self.payloads("RANKSTART"):
-            restart = start.get("restart")
-            if isinstance(restart, int) and 0 <= node < len(result.outcomes):
-                result.outcomes[node].restarts = max(result.outcomes[node].restarts, restart)
+        for node, start in self.payloads(RankStart.KIND):
+            if 0 <= node < len(result.outcomes):
+                result.outcomes[node].restarts = max(result.outcomes[node].restarts, start.restart)
         return result
+
+
+def _verdict(text: str) -> Optional[HealthVerdict]:
+    """Rank 0's health-check verdict from its payload's JSON (None: not one)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return HealthVerdict.from_payload(data) if isinstance(data, dict) else None

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Optional
+from typing import Callable, Optional
+
+from ddplaunch.output.who import rank_of, who_of, without_rank
 
 PAYLOAD_RE = re.compile(r"\bDDPLAUNCH_([A-Z]+)_JSON (\{.*\})\s*$")
-#: `[host:rank] text`, the prefix torchrun puts on every worker line (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE).
-RANK_PREFIX_RE = re.compile(r"^\[([^\]:]+):(\d+)\] ?")
 _RANK_RE = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
 _EXIT_RE = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
 #: Lines worth repeating in the summary however far they scrolled: PyTorch's collective
@@ -57,7 +57,8 @@ def parse_torchrun_failures(lines: list[str]) -> list[tuple[int, int, Optional[i
     return out
 
 
-def culprit(failures: list[tuple[int, int, Optional[int]]], own_lines) -> Optional[tuple[int, int, Optional[int]]]:
+def culprit(failures: list[tuple[int, int, Optional[int]]],
+            own_lines: Callable[[int], list[str]]) -> Optional[tuple[int, int, Optional[int]]]:
     """The failed rank that failed first in fact: torchrun's root cause has one-second resolution
     and often names a rank that only saw its peer die; prefer a rank whose own last lines do not
     say so (`own_lines(rank)` gives them), nor was ended by torchrun itself (it SIGTERMs a
@@ -74,12 +75,6 @@ def is_victim(lines: list[str]) -> bool:
     return any(VICTIM_RE.search(line) for line in lines)
 
 
-def rank_of(line: str) -> Optional[tuple[str, int]]:
-    """(host, global rank) of a worker line, None for torchrun's or the shell's own lines."""
-    m = RANK_PREFIX_RE.match(line)
-    return (m.group(1), int(m.group(2))) if m else None
-
-
 #: torch's trailer of an error raised in a Future's callback (a DDP comm hook's, ours included):
 #: `At:` and the callback's Python frames, after the error itself.
 #: torch's own prefix of a rank's error lines (`[rank0]: `, sometimes twice).
@@ -91,7 +86,7 @@ _AT_FRAME_RE = re.compile(r"^(\[rank\d+\]: )*(\s+\S.*\(\d+\): \S.*)?\s*$")
 def rank_cause(lines: list[str], keep: int = 12) -> list[str]:
     """A rank's own account of its failure: its last traceback (prefix stripped), else its last
     lines; never the frame list a callback's error ends with (the error is above it)."""
-    text = [RANK_PREFIX_RE.sub("", line, count=1) for line in lines]
+    text = [without_rank(line) for line in lines]
     at = max((i for i, line in enumerate(text) if _AT_RE.match(line)), default=None)
     if at is not None:
         end = next((j for j in range(at + 1, len(text)) if not _AT_FRAME_RE.match(text[j])), len(text))
@@ -116,8 +111,8 @@ def mismatch_lines(findings: list[str]) -> list[str]:
     for line in findings:
         if "Detected mismatch between collectives" not in line:
             continue
-        prefix = RANK_PREFIX_RE.match(line)
-        who = f"{prefix.group(1)} rank {prefix.group(2)}" if prefix else "?"
+        prefix = rank_of(line)
+        who = f"{prefix[0]} rank {prefix[1]}" if prefix else "?"
         sides = []
         for rank, fp in _FP_RE.findall(line):
             fields = {}
@@ -138,12 +133,11 @@ def store_errors(findings: list[str]) -> list[str]:
     out = []
     for line in findings:
         m = re.search(r"(torch\.distributed\.)?(DistStoreError|DistNetworkError): (.*)", line)
-        prefix = RANK_PREFIX_RE.match(line)
-        if m and prefix is None and line.startswith("["):
-            host = line[1:line.index("]")]
-            text = f"{host}: {m.group(2)}: {m.group(3).strip()}"
-        elif m and prefix is not None:
-            text = f"{prefix.group(1)} rank {prefix.group(2)}: {m.group(2)}: {m.group(3).strip()}"
+        who = who_of(line)
+        if m and who is not None and who.rank is None:
+            text = f"{who.host}: {m.group(2)}: {m.group(3).strip()}"
+        elif m and who is not None:
+            text = f"{who.host} rank {who.rank}: {m.group(2)}: {m.group(3).strip()}"
         else:
             continue
         if text not in out:

@@ -1,11 +1,13 @@
 """Words of a command line whose value only the host knows, resolved there by the backend's
-renderer (shellword.py for a shell): the plan and the container wrapper hold them as data."""
+renderer (plan/shellword.py for a shell): the plan and the container wrapper hold them as data."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HostWord(str):
-    """A value only the host knows, resolved there by the backend's renderer (shellword.py)."""
+    """A value only the host knows, resolved there by the backend's renderer (plan/shellword.py)."""
 
 
 class HostPath(HostWord):
@@ -35,7 +37,7 @@ class HostFlags(HostWord):
         obj.test = test
         return obj
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (HostFlags, (str(self), self.test))
 
 

@@ -1,7 +1,9 @@
-"""Pure launch planning: spec + run id -> per-node commands, as data.
+"""Launch planning: spec + run id -> per-node commands, as data.
 
-Nothing here touches the network, the file system or the clock, and nothing here is shell:
-`make_plan` returns a frozen `LaunchPlan` — per node, the working directory, the user's setup
+Nothing here touches the network or the clock, writes anything or runs anything, and nothing
+here is shell. What it reads besides its arguments: where the shipped example jobs are (a
+`job.script: example:NAME` is found there) and, unless `environ` is given, this process's
+environment (`env: {X: {from_env: Y}}`). `make_plan` returns a frozen `LaunchPlan` — per node, the working directory, the user's setup
 lines, the environment and ONE structured invocation (`TorchrunArgs`, the script and its
 arguments as fields) — and each backend renders it for what it drives (backends/shell.py: a
 `bash -c` line, an env file and a pid file; the Slurm backend: one srun step for every node).
@@ -15,6 +17,7 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
@@ -35,7 +38,15 @@ ENTRY_SOURCE = HOSTSIDE / "entry.py"
 ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "steptiming.py")
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
-STAGES = ("healthcheck", "job")
+class Stage(StrEnum):
+    """A launch of the run: the health check on its own (`healthcheck.launch: separate`, `check`),
+    or the job (with the health check inline before it, by default)."""
+
+    HEALTHCHECK = "healthcheck"
+    JOB = "job"
+
+
+STAGES = tuple(Stage)
 #: torchrun forwards these to its workers; SIGUSR2 is Slurm's preemption warning (NCCL owns SIGUSR1).
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
 
@@ -82,7 +93,7 @@ class TorchrunArgs:
 class NodeCommand:
     """What runs on one node: in `workdir`, with `env`, after `setup`: python [torchrun] script args."""
 
-    stage: str
+    stage: Stage
     node_rank: int
     host_label: str
     workdir: str
@@ -97,7 +108,7 @@ class NodeCommand:
     host: Optional[HostSpec] = None
     #: Processes on this node: a count, or "auto" (its GPUs, found there).
     nproc: Union[int, str] = 1
-    #: The container torchrun runs in (container.py), if any.
+    #: The container torchrun runs in (plan/container.py), if any.
     container: Optional[ContainerRun] = None
 
     def env_dict(self) -> dict[str, str]:
@@ -115,7 +126,7 @@ class LaunchPlan:
     """One stage (health check or job) of one run, for every node."""
 
     run_id: str
-    stage: str
+    stage: Stage
     backend: str
     master_addr: str
     master_port: int
@@ -226,7 +237,7 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
                     (*((str(src), src.name) for src in ENTRY_SOURCES), *healthcheck, *uploads), spec.job.max_restarts)
 
 
-def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
+def make_plan(spec: ClusterSpec, run_id: str, stage: Union[Stage, str], port: int,
               job_args: Optional[list[str]] = None, direct: bool = False,
               environ: Optional[Mapping[str, str]] = None, inline_healthcheck: bool = False,
               pairwise: bool = False, recovery: int = 0) -> LaunchPlan:
@@ -249,8 +260,7 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: str, port: int,
     Returns:
         The plan; a backend's `render(plan).text()` is its dry-run text.
     """
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}")
+    stage = Stage(stage)  # ValueError for an unknown one
     program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise, recovery)
     addr = master_addr(spec)
     user_env = spec.env_values(os.environ if environ is None else environ)

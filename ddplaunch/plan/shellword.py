@@ -1,7 +1,7 @@
 """Words for bash: the one place that quotes a value for a shell on a host.
 
 User data is always quoted (`shlex.quote`); `Raw` fragments, built by ddplaunch itself, pass as
-they are; the plan's typed words (hostwords.py) are resolved on the host: `HostPath` under `$HOME`,
+they are; the plan's typed words (plan/hostwords.py) are resolved on the host: `HostPath` under `$HOME`,
 `GpuCount` by asking the host's torch, `CpuShare` from the host's cores, `HostFlags` by a test
 there, `HomeBind` and `HostUser` from its home and the user's ids. Pure.
 """

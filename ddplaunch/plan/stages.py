@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.launch import LaunchPlan, make_plan
+from ddplaunch.plan.launch import LaunchPlan, Stage, make_plan
 from ddplaunch.spec.model import ClusterSpec
 
 
@@ -33,17 +33,17 @@ def healthcheck_wanted(spec: ClusterSpec, opts: UpOptions) -> bool:
     return spec.healthcheck.enabled and not opts.skip_healthcheck
 
 
-def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[str]:
+def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[Stage]:
     """The launches `up` makes, in order: one ("job", the health check inline) unless the spec
     asks for the health check as a launch of its own (`healthcheck.launch: separate`)."""
     if opts.healthcheck_only:
         if not healthcheck_wanted(spec, opts):
             raise PlanError("nothing to run: the health check is disabled (healthcheck.enabled: false) "
                             "and `check` runs no job")
-        return ["healthcheck"]
+        return [Stage.HEALTHCHECK]
     if healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "separate":
-        return ["healthcheck", "job"]
-    return ["job"]
+        return [Stage.HEALTHCHECK, Stage.JOB]
+    return [Stage.JOB]
 
 
 def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions,
@@ -55,7 +55,7 @@ def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOp
     second time on every host, about 40 % of a 4-host check here, to start one process. The
     pre-flight has already checked torch and the master's port; `up` always runs torchrun.
     """
-    inline = stage == "job" and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
+    inline = stage == Stage.JOB and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
     direct = opts.healthcheck_only and spec.nproc_per_node == 1
     return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
                      pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery)

@@ -2,8 +2,9 @@
 
 `to_data` turns a dataclass (nested ones, enums, tuples) into JSON-ready values; `from_data`
 rebuilds the dataclass from them, each field as its annotation says (an enum's value becomes the
-enum again, a nested dataclass its class, a `dict[str, NodeState]` its enum values), so a reader
-of the log gets the same types the writer had. Unknown keys are ignored (a newer writer); a
+enum again, a nested dataclass its class, a `dict[str, NodeState]` its enum values, a field that
+may hold one of several classes the one its `kind` names), so a reader of the log gets the same
+types the writer had. Unknown keys are ignored (a newer writer); a
 missing field with no default, or a value of the wrong shape, raises `ValueError`.
 """
 
@@ -20,9 +21,12 @@ T = TypeVar("T")
 
 
 def to_data(value: Any) -> Any:
-    """JSON-ready values: dataclasses as dicts, enums as their values, tuples as lists."""
+    """JSON-ready values: dataclasses as dicts (with `kind`, where the class names its KIND: one
+    of several classes a field may hold), enums as their values, tuples as lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        kind = getattr(type(value), "KIND", None)
+        return {**({"kind": kind} if isinstance(kind, str) and kind else {}),
+                **{f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, dict):
@@ -50,8 +54,18 @@ def _dataclass(cls: type, data: Any) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: not an object")
     hints = _hints(cls)
-    kwargs = {f.name: _convert(hints[f.name], data[f.name]) for f in dataclasses.fields(cls)
-              if f.init and f.name in data}
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"key {f.name!r} is missing")
+            continue
+        try:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name])
+        except ValueError as err:
+            raise ValueError(f"key {f.name!r}: {err}") from None
     try:
         return cls(**kwargs)
     except TypeError as err:
@@ -65,6 +79,10 @@ def _convert(hint: Any, value: Any) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if isinstance(value, dict) and "kind" in value:  # one of several classes, named by its KIND
+            named = [a for a in args if getattr(a, "KIND", None) == value["kind"]]
+            if named:
+                return _convert(named[0], value)
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(arg, value)
@@ -92,7 +110,9 @@ def _convert(hint: Any, value: Any) -> Any:
 
 
 def _scalar(hint: Any, value: Any) -> Any:
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if hint is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a number")
         return float(value)
     if isinstance(hint, type) and hint in (int, str, bool) and not isinstance(value, hint):
         raise ValueError(f"{value!r} is not {hint.__name__}")

@@ -1,12 +1,15 @@
-"""A run's event log: typed events appended to `events.jsonl` in the run directory, one per line.
+"""A run's event log, its one memory: typed events appended to `events.jsonl` in the run directory.
 
 The process that runs the run loop (the supervisor, or `ddplaunch.up` in-process) appends every
-line the screen shows (`Shown`), each host's live state (`HostState`), stage boundaries, recoveries
-each rank's step timing (`RankSteps`), a straggler named (`StragglerNamed`) and the end (`RunEnded`:
-state, exit code, summary). Readers (`attach`, `up` in the foreground,
-`ddplaunch.submit(...).events()`) replay the file and follow it; it is fsynced at stage boundaries,
-recoveries and the end. Each event carries the wall time (`t`) and the writer's monotonic clock
-(`mono`, for intervals). Data and file I/O only: no backend, no console.
+fact the run establishes, once, as it happens: the run taken (`RunStarted`), what the backend
+executed (`Requested`), the pre-flight's table, each launch's start and its whole result
+(`StageStarted`, `StageEnded`), every host's state, the gates' decisions (`HostsExcluded`,
+`GateStopped`), a localization, recoveries and their resumption, each rank's step timing, a
+straggler named, a spare dropped, a requeued allocation, every line the screen shows (`Shown`)
+and the end (`RunEnded`). Everything that reads a run — the summary, `status`, `top`, `attach`,
+the page, the Python API — folds these events (record/view.py); nothing keeps a second copy.
+Each event carries the wall time (`t`) and the writer's monotonic clock (`mono`, for intervals);
+the log is fsynced after the events in `DURABLE`. Data and file I/O only: no backend, no console.
 """
 
 from __future__ import annotations
@@ -15,11 +18,16 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, ClassVar, Iterator, Optional, Union
+from typing import IO, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
-from ddplaunch.record.results import NodeState
+from ddplaunch.plan.launch import Stage
+from ddplaunch.record.codec import from_data, to_data
+from ddplaunch.record.diagnosis import Localization, PreflightReport
+from ddplaunch.record.incidents import Recovery, Straggler
+from ddplaunch.record.results import NodeState, RunState, StageResult
 
 EVENTS_FILE = "events.jsonl"
 #: Seconds between reads of a log that has nothing new (a line reaches a follower within this).
@@ -35,7 +43,8 @@ class _Event:
 
 @dataclass
 class RunStarted(_Event):
-    """The supervisor took the run: where it runs (pid and host), on which backend and hosts."""
+    """The supervisor took the run: where it runs (pid and host), on which backend and hosts, and
+    the launch that ends it (`job`, or `healthcheck` for `check`)."""
 
     KIND: ClassVar[str] = "run-started"
     run_id: str
@@ -43,11 +52,21 @@ class RunStarted(_Event):
     hosts: list[str]
     supervisor_pid: int
     supervisor_host: str
+    final_stage: Stage = Stage.JOB
+
+
+@dataclass
+class Requested(_Event):
+    """What the backend executed (or was asked to: an allocation, a stage's request, a detached
+    run's batch job), as the dry run prints it."""
+
+    KIND: ClassVar[str] = "requested"
+    text: str
 
 
 @dataclass
 class Shown(_Event):
-    """A line the screen showed (a rank's line, folded lines, a note, a table)."""
+    """A line the screen showed (a rank's line, folded lines, a note, a table): display only."""
 
     KIND: ClassVar[str] = "shown"
     text: str
@@ -55,17 +74,27 @@ class Shown(_Event):
 
 @dataclass
 class HostState(_Event):
-    """A host's current state, as the live table shows it (connecting, running job, ok (exit 0))."""
+    """A host's state in a launch: connecting (not started), running, or how its node ended."""
 
     KIND: ClassVar[str] = "host-state"
     host: str
-    text: str
+    stage: Stage
+    state: NodeState
+    exit_code: Optional[int] = None
+
+
+@dataclass
+class PreflightChecked(_Event):
+    """The pre-flight's table of every host and check."""
+
+    KIND: ClassVar[str] = "preflight"
+    report: PreflightReport
 
 
 @dataclass
 class StageStarted(_Event):
     KIND: ClassVar[str] = "stage-started"
-    stage: str
+    stage: Stage
     master: str
     port: int
     hosts: list[str]
@@ -73,29 +102,62 @@ class StageStarted(_Event):
 
 @dataclass
 class StageEnded(_Event):
-    """A launch ended: every node's state and whether the stage passed."""
+    """A launch ended: every node's outcome and everything its ranks reported."""
 
     KIND: ClassVar[str] = "stage-ended"
-    stage: str
-    ok: bool
-    states: dict[str, NodeState]
-    host_failure: bool = False
-    #: each node's torchrun exit code, where it ended with one (older logs: none)
-    exit_codes: dict[str, Optional[int]] = field(default_factory=dict)
+    result: StageResult
 
-    def __post_init__(self) -> None:  # read back from the log: the values as the enum again
-        self.states = {host: NodeState(state) for host, state in self.states.items()}
+
+@dataclass
+class Localized(_Event):
+    """A health check that failed (or a pair gate) was narrowed down to hosts."""
+
+    KIND: ClassVar[str] = "localized"
+    localization: Localization
+
+
+@dataclass
+class HostsExcluded(_Event):
+    """A gate dropped these hosts (`healthcheck.on_fail: exclude`); the run goes on without them."""
+
+    KIND: ClassVar[str] = "hosts-excluded"
+    hosts: list[str]
+    gate: str
+
+
+@dataclass
+class GateStopped(_Event):
+    """A gate ("pre-flight", "health check") stopped the run before its last launch."""
+
+    KIND: ClassVar[str] = "gate-stopped"
+    gate: str
 
 
 @dataclass
 class RecoveryStarted(_Event):
-    """Hosts were lost and the run relaunches on `hosts` (spares at the lost node ranks)."""
+    """Hosts were lost and the run relaunches on `hosts` (spares at the lost node ranks); the same
+    recovery again when a spare it put in could not be reached and the next one takes its place."""
 
     KIND: ClassVar[str] = "recovery"
-    number: int
-    lost: list[str]
-    replaced: dict[str, str]
+    recovery: Recovery
     hosts: list[str]
+
+
+@dataclass
+class RecoveryUpdated(_Event):
+    """A recovery as it stands now: its relaunch started, its job's start known (when and from
+    which step training resumed), its relaunch ended."""
+
+    KIND: ClassVar[str] = "recovery-updated"
+    recovery: Recovery
+
+
+@dataclass
+class NotRecovered(_Event):
+    """A host failure the run could not survive, and why."""
+
+    KIND: ClassVar[str] = "not-recovered"
+    why: str
 
 
 @dataclass
@@ -113,63 +175,75 @@ class RankSteps(_Event):
 
 @dataclass
 class StragglerNamed(_Event):
-    """A host whose ranks compute slower than their peers (stragglers.Straggler's fields)."""
+    """A host whose ranks compute slower than their peers, with the evidence."""
 
     KIND: ClassVar[str] = "straggler"
+    straggler: Straggler
+
+
+@dataclass
+class SpareDropped(_Event):
+    """A spare that stopped answering while it waited, dropped at no cost to the budget."""
+
+    KIND: ClassVar[str] = "spare-dropped"
     host: str
-    ranks: list[int]
-    slowdown: float
-    since_step: int
-    compute_s: float
-    peers_compute_s: float
-    peers_wait_s: float
+    why: str
+
+
+@dataclass
+class Requeued(_Event):
+    """The scheduler took the allocation away and gave it back: every stage runs again."""
+
+    KIND: ClassVar[str] = "requeued"
+    restart: int
 
 
 @dataclass
 class RunEnded(_Event):
-    """The run's end: its final state and exit code, the summary people read, `--json`'s object;
-    `error` when it ended on an error before or between stages (what `ddplaunch: error:` says)."""
+    """The run's end: its final state and exit code; `error` when it ended on an error before or
+    between stages (what `ddplaunch: error:` says); `by_scheduler` when the scheduler, not the
+    supervisor, ended it (a detached run's job ended whole)."""
 
     KIND: ClassVar[str] = "run-ended"
-    state: str
+    state: RunState
     exit_code: int
-    summary: str = ""
-    summary_json: str = ""
     error: str = ""
+    by_scheduler: bool = False
 
 
-Event = Union[RunStarted, Shown, HostState, StageStarted, StageEnded, RecoveryStarted, RankSteps, StragglerNamed,
-              RunEnded]
-KINDS: dict[str, type] = {c.KIND: c for c in (RunStarted, Shown, HostState, StageStarted, StageEnded,
-                                                RecoveryStarted, RankSteps, StragglerNamed, RunEnded)}
+Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
+              HostsExcluded, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, RankSteps, StragglerNamed,
+              SpareDropped, Requeued, RunEnded]
+KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
-DURABLE = (RunStarted, StageStarted, StageEnded, RecoveryStarted, StragglerNamed, RunEnded)
+DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, GateStopped,
+           RecoveryStarted, RecoveryUpdated, NotRecovered, StragglerNamed, SpareDropped, Requeued, RunEnded)
 
 
 def to_line(event: Event) -> str:
-    return json.dumps({"kind": event.KIND, **asdict(event)}, sort_keys=True)
+    return json.dumps({"kind": event.KIND, **to_data(event)}, sort_keys=True)
 
 
 def from_line(line: str) -> Optional[Event]:
     """The event a log line holds; None for a line that is not one (torn, or of a newer kind)."""
     try:
         data = json.loads(line)
-        cls = KINDS[data.pop("kind")]
-        names = {f.name for f in fields(cls)}
-        event: Event = cls(**{k: v for k, v in data.items() if k in names})
+        event: Event = from_data(KINDS[data.pop("kind")], data)
         return event
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 class EventLog:
-    """The writer: appends events to the run's `events.jsonl` (0600), thread-safe."""
+    """The writer: appends events to the run's `events.jsonl` (0600), thread-safe; `listeners`
+    get each event as it is appended (the run loop's own fold)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, listeners: Sequence[Callable[[Event], None]] = ()):
         self.path = run_dir / EVENTS_FILE
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._file: IO[str] = os.fdopen(fd, "a")
         self._lock = threading.Lock()
+        self._listeners = list(listeners)
 
     def append(self, event: Event) -> None:
         with self._lock:
@@ -179,6 +253,8 @@ class EventLog:
             self._file.flush()
             if isinstance(event, DURABLE):
                 os.fsync(self._file.fileno())
+            for listener in self._listeners:
+                listener(event)
 
     def close(self) -> None:
         with self._lock:
@@ -192,6 +268,32 @@ def read_events(run_dir: Path) -> list[Event]:
             return [e for e in map(from_line, f) if e is not None]
     except FileNotFoundError:
         return []
+
+
+def first_event(run_dir: Path) -> Optional[Event]:
+    """The log's first event (`RunStarted` once the supervisor took the run), from its first line."""
+    try:
+        with open(run_dir / EVENTS_FILE) as f:
+            return from_line(f.readline())
+    except FileNotFoundError:
+        return None
+
+
+def last_event(run_dir: Path, tail_bytes: int = 1 << 16) -> Optional[Event]:
+    """The newest complete event of the log (the end of a finished run), read from its last
+    `tail_bytes`: what `ddplaunch runs` needs of each run, without reading whole logs."""
+    try:
+        with open(run_dir / EVENTS_FILE, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        event = from_line(line)
+        if event is not None:
+            return event
+    return None
 
 
 def follow(run_dir: Path, alive: Callable[[], bool]) -> Iterator[Event]:
@@ -220,9 +322,9 @@ def follow(run_dir: Path, alive: Callable[[], bool]) -> Iterator[Event]:
             if not alive():
                 rest = f.read() if f is not None else ""
                 for line in (pending + rest).splitlines():
-                    last_event = from_line(line)
-                    if last_event is not None:
-                        yield last_event
+                    last = from_line(line)
+                    if last is not None:
+                        yield last
                 return
             time.sleep(FOLLOW_POLL)
     finally:

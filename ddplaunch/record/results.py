@@ -1,18 +1,41 @@
-"""What a stage left behind: one `NodeOutcome` per node, gathered in a `StageResult`.
+"""What a stage left behind: one `NodeOutcome` per node, gathered in a `StageResult`; the run's
+and its nodes' states as values (`RunState`, `NodeState`).
 
 Every backend returns these, whatever it drives: the nodes' outcomes and everything the stage's
-ranks reported (the health check's verdict, each rank's exit, PyTorch's findings). The report,
-the gates and the run record read them; nothing reads the console. Data only: no I/O, no backend.
+ranks reported (the health check's verdict, each rank's exit, PyTorch's findings). The gates, the
+run loop and the event log read them; nothing reads the console. Data only: no I/O, no backend.
 """
 
 from __future__ import annotations
 
 import signal
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
+
+from ddplaunch.hostside.entry import RankExit, RankFailed, RankStart
+from ddplaunch.plan.launch import Stage
+from ddplaunch.record.codec import to_data
+from ddplaunch.record.diagnosis import HealthVerdict
+
+
+class RunState(StrEnum):
+    """Where a run stands: handed to a scheduler whose job has not started it, running, or how it
+    ended (its scheduler's word when its supervisor could not say: cancelled, unknown). A str:
+    the event log and `--json` hold its value."""
+
+    SUBMITTED = "submitted"
+    RUNNING = "running"
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"
+
+    @property
+    def active(self) -> bool:
+        return self in (RunState.SUBMITTED, RunState.RUNNING)
 
 
 class NodeState(StrEnum):
@@ -52,12 +75,17 @@ class NodeOutcome:
     cause: list[str] = field(default_factory=list)
     #: The failing rank only saw a peer die (its own words say so): it did not fail by itself.
     victim: bool = False
+    #: What the failing rank's script raised (its type, message and line), as the rank said it.
+    failure: Optional[RankFailed] = None
     #: Times torchrun restarted this node's workers (`job.max_restarts`).
     restarts: int = 0
     #: The run ended before this node's torchrun started (its setup lines were still running).
     never_started: bool = False
     #: For a lost host: when it was last heard from (its last heartbeat or line).
     last_heard_at: Optional[float] = None
+    #: The node's command ended without an exit status on a host that answers: a signal ended it
+    #: there (a SIGKILLed or OOM-killed torchrun, srun's "Killed").
+    signalled: bool = False
 
     def describe(self) -> str:
         """One line: host, node, state, exit code or signal, failing rank."""
@@ -81,7 +109,7 @@ class NodeOutcome:
 class StageResult:
     """Every node's outcome of one stage, and what its ranks reported."""
 
-    stage: str
+    stage: Stage
     outcomes: list[NodeOutcome]
     interrupted: bool = False
     started_at: float = field(default_factory=time.time)
@@ -94,9 +122,13 @@ class StageResult:
     #: Whether this launch ran the health check (the plan said so), and rank 0's verdict if it
     #: reported one (`DDPLAUNCH_HEALTHCHECK_JSON`).
     ran_healthcheck: bool = False
-    healthcheck: Optional[dict[str, Any]] = None
+    healthcheck: Optional[HealthVerdict] = None
     #: Each rank's `DDPLAUNCH_RANKEXIT_JSON` report: its script returned with this code.
-    rank_exits: list[dict[str, Any]] = field(default_factory=list)
+    rank_exits: list[RankExit] = field(default_factory=list)
+    #: Each rank's start (`DDPLAUNCH_RANKSTART_JSON`): its pid and host, its restart count.
+    rank_starts: list[RankStart] = field(default_factory=list)
+    #: Each rank's exception that ended its script (`DDPLAUNCH_RANKFAILED_JSON`): type, message, where.
+    rank_failures: list[RankFailed] = field(default_factory=list)
     #: Lines worth repeating however far they scrolled (collective mismatches, store errors).
     findings: list[str] = field(default_factory=list)
     #: The job's progress as its ranks printed it (torchrun_logs.STEP_RE), if they did.
@@ -131,7 +163,10 @@ class StageResult:
         return all(o.state != FAILED or o.never_started or o.victim for o in self.outcomes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stage as `--json` shows it."""
+        data: dict[str, Any] = to_data(self)
+        data["healthcheck"] = self.healthcheck.to_dict() if self.healthcheck is not None else None
+        return data
 
 
 @dataclass
@@ -165,30 +200,3 @@ def describe_exit(code: Optional[int]) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-class StopEvent(threading.Event):
-    """The event that ends a run early; `cause` says why when ddplaunch itself stopped it (a hang):
-    such a run failed, while a stop without a cause is the user's interrupt."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.cause: Optional[str] = None
-        #: Hosts ddplaunch found at fault while stopping (label -> why, e.g. its ranks are frozen):
-        #: the watcher counts them lost, so a run with recovery replaces them.
-        self.lost: dict[str, str] = {}
-
-    def stop(self, cause: str, lost: Optional[dict[str, str]] = None) -> None:
-        self.cause = cause
-        self.lost = dict(lost or {})
-        self.set()
-
-    def reset(self) -> None:
-        """Clear a stop ddplaunch made (a hang whose frozen host the run then replaced)."""
-        self.cause, self.lost = None, {}
-        self.clear()
-
-    @property
-    def by_user(self) -> bool:
-        """Set, and by the user (Ctrl-C, SIGTERM), not by ddplaunch."""
-        return self.is_set() and self.cause is None

@@ -1,9 +1,9 @@
-"""Run records: one JSON file per `up`, written atomically under `$DDPLAUNCH_HOME/runs/<id>/`.
-
-A record holds the spec (secrets redacted), the requests that were executed, the hosts, who
-launched it (pid, its start time, host), each stage's per-node outcome and the run's state — so
-`status`, `logs` and `down` work after ddplaunch has exited. Data only: no backend is imported
-here. Run directories are 0700 and every file in them 0600.
+"""Run records: a run's identity and where its supervisor runs, one JSON file per run, written
+atomically under `$DDPLAUNCH_HOME/runs/<id>/` beside its event log (record/events.py: what the run did)
+and its output log — so `status`, `logs` and `down` work after ddplaunch has exited. Where the
+supervisor runs is a value (`Placement`: a process here or elsewhere, a scheduler's job, a process
+on `supervisor.host`). Data and file I/O only: no backend is imported here. Run directories are
+0700 and every file in them 0600.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import secrets
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, ClassVar, Optional, Union
 
 from ddplaunch.errors import PlanError, RunNotFoundError
+from ddplaunch.record.codec import from_data, to_data
 
 #: Every run id, wherever it comes from (generated, --run-id, status/logs/down arguments).
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-ACTIVE_STATES = ("starting", "running", "submitted")
-#: The record's key naming the host its supervisor runs on (`supervisor.host`), when not this machine.
-REMOTE_HOST = "supervisor_host"
 
 
 def home() -> Path:
@@ -61,24 +59,65 @@ def process_start_time(pid: int) -> Optional[int]:
         return None
 
 
+@dataclass(frozen=True)
+class Local:
+    """The run's supervisor is a process on a machine: its pid, its start time (a pid reused by
+    another process is not taken for it) and the machine's name."""
+
+    pid: int
+    start: Optional[int]
+    host: str
+    KIND: ClassVar[str] = "local"
+
+    @classmethod
+    def this_process(cls) -> "Local":
+        return cls(os.getpid(), process_start_time(os.getpid()), socket.gethostname())
+
+    def alive(self) -> Optional[bool]:
+        """Whether it still runs (None: it runs on another machine, which this one cannot see)."""
+        if self.host != socket.gethostname():
+            return None
+        start = process_start_time(self.pid)
+        return start is not None and (self.start is None or start == self.start)
+
+
+@dataclass(frozen=True)
+class InJob:
+    """The run's supervisor runs inside its scheduler's job (Slurm's `up --detach`); `where` says
+    where it went and how to follow it."""
+
+    job_id: str
+    where: str
+    KIND: ClassVar[str] = "in-job"
+
+
+@dataclass(frozen=True)
+class OnHost:
+    """The run's supervisor runs on `supervisor.host`, as `pid` there."""
+
+    host: str
+    pid: int
+    KIND: ClassVar[str] = "on-host"
+
+
+Placement = Union[Local, InJob, OnHost]
+PLACEMENTS: dict[str, type] = {cls.KIND: cls for cls in (Local, InJob, OnHost)}
+
+
 @dataclass
 class RunRecord:
-    """What is known about one run; `save()` after every change."""
+    """A run's identity — its id, the spec it runs (secrets redacted), the backend, the hosts it
+    was planned on, where relative paths of the spec are taken from — and where its supervisor
+    runs. What the run did is its event log's (record/events.py), never the record's."""
 
     run_id: str
     spec_path: str
     backend: str
     hosts: list[str]
     spec: dict[str, Any]
-    plan_text: str
+    placement: Placement
+    base_dir: str = "."
     started_at: float = field(default_factory=time.time)
-    state: str = "starting"
-    launcher_pid: int = field(default_factory=os.getpid)
-    launcher_start: Optional[int] = field(default_factory=lambda: process_start_time(os.getpid()))
-    launcher_host: str = field(default_factory=socket.gethostname)
-    stages: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-    ended_at: Optional[float] = None
 
     @property
     def dir(self) -> Path:
@@ -99,22 +138,7 @@ class RunRecord:
     def save(self) -> None:
         """Write the record atomically (0600 temp file + rename): a reader never sees half of it."""
         self.make_dir()
-        write_private(self.dir / "record.json", json.dumps(asdict(self), indent=2, sort_keys=True))
-
-    def launcher_alive(self) -> Optional[bool]:
-        """Whether the launching process still runs (None: launched on another machine)."""
-        if self.launcher_host != socket.gethostname():
-            return None
-        start = process_start_time(self.launcher_pid)
-        return start is not None and (self.launcher_start is None or start == self.launcher_start)
-
-    def shown_state(self) -> str:
-        """The state, with a launcher that died without writing a final state said plainly."""
-        if self.extra.get(REMOTE_HOST) and self.state == "submitted":
-            return f"supervised on {self.extra[REMOTE_HOST]} (ddplaunch status {self.run_id})"
-        if self.state in ACTIVE_STATES and self.state != "submitted" and self.launcher_alive() is False:
-            return f"launcher died (pid {self.launcher_pid} gone; last state {self.state})"
-        return self.state
+        write_private(self.dir / "record.json", json.dumps(to_data(self), indent=2, sort_keys=True))
 
 
 def write_private(path: Path, text: str) -> None:
@@ -127,7 +151,7 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def open_private(path: Path, mode: str = "a"):
+def open_private(path: Path, mode: str = "a") -> IO[str]:
     """Open a file of a run directory, created 0600."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o600)
     return os.fdopen(fd, mode)
@@ -151,48 +175,15 @@ def load_run(run_id: str) -> RunRecord:
                                f"{str(err)[:200]}); remove the directory or pass another run id") from None
 
 
-#: What each field of a record must be; a record that says otherwise is corrupt (never half-read).
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "run_id": (str,), "spec_path": (str,), "backend": (str,), "hosts": (list,), "spec": (dict,),
-    "plan_text": (str,), "started_at": (int, float), "state": (str,), "launcher_pid": (int,),
-    "launcher_start": (int, type(None)), "launcher_host": (str,), "stages": (list,), "extra": (dict,),
-    "ended_at": (int, float, type(None))}
-_OUTCOME_TYPES: dict[str, tuple[type, ...]] = {"host": (str,), "node_rank": (int,), "state": (str,),
-                                               "exit_code": (int, type(None))}
-
-
 def _record(data: Any) -> RunRecord:
     """A RunRecord from a record file's JSON, every field of the type it must have.
 
     Raises:
-        TypeError: naming the first key that is missing or of the wrong type.
+        ValueError: naming what is missing or of the wrong type.
     """
     if not isinstance(data, dict):
-        raise TypeError("not a JSON object")
-    for key, types in _FIELD_TYPES.items():
-        if key in data and not isinstance(data[key], types) or isinstance(data.get(key), bool):
-            raise TypeError(f"key {key!r} is {type(data[key]).__name__}, not {' or '.join(t.__name__ for t in types)}")
-    for i, stage in enumerate(data.get("stages") or []):
-        _check_stage(stage, f"stages[{i}]")
-    if not all(isinstance(h, str) for h in data.get("hosts") or []):
-        raise TypeError("key 'hosts' holds something other than host names")
-    for i, rec in enumerate((data.get("extra") or {}).get("recoveries") or []):
-        if not isinstance(rec, dict):
-            raise TypeError(f"key 'extra.recoveries[{i}]' is not an object")
-    known = {f.name for f in fields(RunRecord)}
-    return RunRecord(**{k: v for k, v in data.items() if k in known})
-
-
-def _check_stage(stage: Any, where: str) -> None:
-    if not isinstance(stage, dict) or not isinstance(stage.get("stage"), str) \
-            or not isinstance(stage.get("outcomes"), list):
-        raise TypeError(f"key {where!r} is not a stage (an object with 'stage' and 'outcomes')")
-    for j, outcome in enumerate(stage["outcomes"]):
-        for key, types in _OUTCOME_TYPES.items():
-            value = outcome.get(key) if isinstance(outcome, dict) else None
-            if not isinstance(outcome, dict) or not isinstance(value, types) or isinstance(value, bool):
-                raise TypeError(f"key '{where}.outcomes[{j}].{key}' is missing or not "
-                                f"{' or '.join(t.__name__ for t in types)}")
+        raise ValueError("not a JSON object")
+    return from_data(RunRecord, data)
 
 
 def list_runs() -> list[RunRecord]:
@@ -223,20 +214,3 @@ def latest_run(project_dir: Optional[Path] = None) -> tuple[RunRecord, str]:
         if mine:
             return mine[0], f"latest run of {here}: {mine[0].run_id}"
     return runs[0], f"latest run (none of {project_dir or '?'}; newest of all): {runs[0].run_id}"
-
-
-def status_lines(record: RunRecord) -> list[str]:
-    """A run's state and every host's outcome per stage."""
-    lines = [f"{record.run_id}: {record.shown_state()} ({record.backend}; hosts {', '.join(record.hosts)})"]
-    for r in record.extra.get("recoveries") or []:
-        replaced = ", ".join(f"{lost} -> {spare}" for lost, spare in (r.get("replaced") or {}).items())
-        resumed = r.get("resumed_after_s")
-        lines.append(f"  recovery {r.get('number')}: lost {', '.join(r.get('lost') or [])}"
-                     + (f"; replaced {replaced}" if replaced else f"; went on with {r.get('hosts_after')} hosts")
-                     + (f"; resumed after {resumed:.0f}s" if isinstance(resumed, (int, float)) else ""))
-    for stage in record.stages:
-        lines.append(f"  stage {stage['stage']}:")
-        for o in stage["outcomes"]:
-            code = "" if o["exit_code"] is None else f" exit {o['exit_code']}"
-            lines.append(f"    {o['host']} (node {o['node_rank']}): {o['state']}{code}")
-    return lines

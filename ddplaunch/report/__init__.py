@@ -1,3 +1,3 @@
 """Readers of a run's record, each rendering the one fold of its events (record/view.py): the
-summary (summary.py), `status` (status.py), `top` (top.py) and the run page (page.py).
+summary (summary.py), `status` (status.py), `top` (report/top.py) and the run page (page.py).
 """

@@ -1,66 +1,19 @@
-"""A run's outcome as data (`RunReport`), its summary and its exit code, computed in one place.
-
-`summarize` turns stage results into the text users read after a run: the first failing host
-and rank with its last lines, then every host's outcome. `exit_code` maps results to 0/1/130;
-`summary_json` is what `--json` prints.
+"""A run's summary, from the one fold of its events (record/view.py): the text people read after
+a run — the first failing host and rank with its own last lines, then every host's outcome, the
+recoveries, stragglers and dropped spares, the training time — and `--json`'s object. What a
+launch's end says of it (`stage_verdict`) is said the same way here and on the run page.
+Pure: a view in, text out.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any, Optional
 
-from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
-from ddplaunch.record.incidents import Recovery
-from ddplaunch.record.incidents import Straggler
 from ddplaunch.record.results import STATE_ORDER, StageResult
+from ddplaunch.record.view import RunView
 
 
-@dataclass
-class RunReport:
-    """The outcome of one `up` or `check`."""
-
-    run_id: str
-    final_stage: str = "job"
-    stages: list[StageResult] = field(default_factory=list)
-    healthcheck: Optional[dict[str, Any]] = None
-    preflight: Optional[dict[str, Any]] = None
-    localization: Optional[dict[str, Any]] = None
-    excluded: list[str] = field(default_factory=list)
-    #: What stopped the run before its last stage ("pre-flight", "health check"), if anything.
-    blocked: Optional[str] = None
-    #: Host failures the run survived (recovery.Recovery), and why it did not survive one.
-    recoveries: list[Recovery] = field(default_factory=list)
-    unrecovered: Optional[str] = None
-    #: Hosts named slower than their peers while the job ran (stragglers.Straggler).
-    stragglers: list[Straggler] = field(default_factory=list)
-    #: Spares that stopped answering while they waited, dropped (label -> why).
-    spares_dropped: dict[str, str] = field(default_factory=dict)
-    #: Wall time of the run.
-    wall_s: float = 0.0
-    #: A dry run's text: exactly what `up` would execute (ddplaunch.up(..., dry_run=True)).
-    plan_text: Optional[str] = None
-
-    @property
-    def exit_code(self) -> int:
-        """0, 1 or 130, as `ddplaunch up` exits (a dry run: 0, it ran nothing)."""
-        if self.plan_text is not None:
-            return 0
-        return exit_code(self.stages, self.final_stage, self.blocked)
-
-
-def exit_code(stages: list[StageResult], final_stage: str = "job", blocked: Optional[str] = None) -> int:
-    """130 when the user interrupted; 0 when the last stage ran and passed and no gate stopped
-    the run (a failed health check whose bad hosts were excluded does not count); else 1."""
-    if any(s.interrupted for s in stages):
-        return EXIT_INTERRUPTED
-    if blocked or not stages or stages[-1].stage != final_stage:
-        return EXIT_FAILURE
-    return EXIT_OK if stages[-1].ok else EXIT_FAILURE
-
-
-def summarize(report: RunReport, tail_lines: int = 10) -> str:
+def summarize(report: RunView, tail_lines: int = 10) -> str:
     """The human summary of a run, worst news first."""
     out = [f"stopped by the {report.blocked} gate: no job was started"] if report.blocked else []
     for stage in report.stages:
@@ -85,6 +38,16 @@ def summarize(report: RunReport, tail_lines: int = 10) -> str:
     return "\n".join(out)
 
 
+def stage_verdict(stage: StageResult) -> str:
+    """How a launch ended: `ok`, `recovered (recovery N)`, `INTERRUPTED` or `FAILED` — the
+    summary's word and the run page's alike."""
+    if stage.ok:
+        return "ok"
+    if stage.recovered:
+        return f"recovered (recovery {stage.recovered})"
+    return "INTERRUPTED" if stage.interrupted else "FAILED"
+
+
 def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
     """One stage's part of the summary: one line when it went well (or was recovered)."""
     took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
@@ -94,10 +57,9 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
         return [f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}{restarts}"]
     if stage.recovered:
         lost = ", ".join(f"{o.host} (node {o.node_rank})" for o in stage.lost_hosts)
-        return [f"stage {stage.stage}: lost {lost}{took}: recovered (recovery {stage.recovered})"]
+        return [f"stage {stage.stage}: lost {lost}{took}: {stage_verdict(stage)}"]
     bad = [o for o in stage.outcomes if o.state != "ok"]
-    verdict = "INTERRUPTED" if stage.interrupted else "FAILED"
-    out = [f"stage {stage.stage}: {verdict} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
+    out = [f"stage {stage.stage}: {stage_verdict(stage)} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
     out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
     out += [f"  {line}" for line in stage.diagnosis]
     first = stage.first_failure
@@ -126,12 +88,14 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def summary_json(report: RunReport) -> str:
-    """The machine-readable summary printed by `--json`."""
+def summary_json(report: RunView) -> str:
+    """The machine-readable summary printed by `--json` (docs/check-schema.json)."""
+    health = report.healthcheck
     return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
-                       "preflight": report.preflight, "healthcheck": report.healthcheck,
-                       "localization": report.localization, "excluded": report.excluded,
-                       "recoveries": [r.to_dict() for r in report.recoveries], "unrecovered": report.unrecovered,
-                       "stragglers": [s.to_dict() for s in report.stragglers],
+                       "preflight": report.preflight.to_dict() if report.preflight is not None else None,
+                       "healthcheck": health.to_dict() if health is not None else None,
+                       "localization": report.localization.to_dict() if report.localization is not None else None,
+                       "excluded": report.excluded, "recoveries": [r.to_dict() for r in report.recoveries],
+                       "unrecovered": report.unrecovered, "stragglers": [s.to_dict() for s in report.stragglers],
                        "spares_dropped": report.spares_dropped,
                        "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import Launcher, StopEvent
+from ddplaunch.hostside.entry import Held
 from ddplaunch.output.console import Console
 from ddplaunch.plan.launch import LaunchPlan, in_run_dir
 from ddplaunch.plan.shellword import word
 from ddplaunch.record.incidents import Straggler
-from ddplaunch.record.results import StopEvent
 
 #: entry.py's HOLD_FILE (the host side cannot import this package).
 HOLD_FILE = "hold-at-checkpoint"
@@ -50,12 +50,12 @@ class Eviction:
                                   f"{self.pending.host if self.pending else 'the straggler'} stays")
                 self.pending = None
 
-    def held(self, payload: dict[str, Any]) -> None:
+    def held(self, payload: Held) -> None:
         """Rank 0 holds after its checkpoint: stop the launch, the straggler lost."""
         found = self.pending
         if found is None:
             return
-        step = payload.get("steps")
+        step = payload.steps
         why = (f"evicted as a straggler at the checkpoint after step {step}: computed {found.slowdown:.0%} slower "
                f"than its peers since step {found.since_step}")
         self.stop.stop(f"straggler {found.host} evicted at the checkpoint after step {step}", lost={found.host: why})

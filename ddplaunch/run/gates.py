@@ -11,13 +11,13 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.localize import Localization, localize, render_html
 from ddplaunch.diagnose.preflight import PreflightReport, render_table, run_preflight
 from ddplaunch.errors import PlanError
 from ddplaunch.output.console import Console
 from ddplaunch.plan.stages import exclude_hosts
-from ddplaunch.record.results import StageResult, StopEvent
+from ddplaunch.record.results import StageResult
 from ddplaunch.record.runs import write_private
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
@@ -54,9 +54,9 @@ def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, res
     `healthcheck`); only a health check that failed without naming hosts is localized by launches
     of their own: each host alone, then pairs, then suspects with known-good hosts.
     """
-    pairs = (result.healthcheck or {}).get("pairs")
-    if pairs and (pairs.get("pairs") or pairs.get("bad_hosts")):
-        loc = Localization.from_dict(pairs)
+    pairs = result.healthcheck.pairs if result.healthcheck is not None else None
+    if pairs is not None and (pairs.pairs or pairs.bad_hosts):
+        loc = pairs
     elif result.ok or result.interrupted or stop.is_set() or len(spec.hosts) < 2:
         return (spec if result.ok else None), None
     else:

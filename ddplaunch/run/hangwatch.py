@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.links import broken_links
 from ddplaunch.diagnose.stacks import DUMP_TIMEOUT, collect_stacks, frozen_hosts, save_stacks, summarize_stacks
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
-from ddplaunch.record.results import StopEvent
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 

@@ -1,11 +1,12 @@
-"""`up` and `check`: spec -> plans -> backend requests -> report, the one sentence of ddplaunch.
+"""`up` and `check` in this process: spec -> plans -> backend requests -> events, the one sentence
+of ddplaunch.
 
-`begin` records the run and opens its event log; `run_begun` makes the spec's backend for it and
-hands the stages to the run loop (runloop.py): pre-flight gate, then each stage planned (pure),
-rendered and launched, the health check followed by its gate. `up` is both, in this process; the
-command line runs them in the run's supervisor (supervisor.py). `dry_run` prints every request
-`up` would execute; `detach` hands the whole run to a backend that is a Scheduler. Ctrl-C/SIGTERM
-stop every host in order. The code here never asks which backend it drives.
+`begin` records the run (its identity, this process as its supervisor) and opens its event log
+with the run's own fold listening (record/view.py); `run_begun` makes the spec's backend and hands
+the stages to the run loop (loop.py), then says how the run ended — the summary rendered from the
+fold. `run_here` is both; the command line runs them in the run's supervisor (supervise/daemon.py).
+`dry_run` is every request `up` would execute, `detached_request` what hands a whole run to a
+scheduler. Ctrl-C/SIGTERM stop every host in order. The code here never asks which backend it drives.
 """
 
 from __future__ import annotations
@@ -17,25 +18,24 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
-from ddplaunch.backends.contract import Launcher, Request, RunContext, Scheduler
+from ddplaunch.backends.contract import Launcher, Request, RunContext, Scheduler, StopEvent
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, PlanError, RunNotFoundError
 from ddplaunch.output.console import make_console
 from ddplaunch.plan.launch import LaunchPlan, derive_port, stage_port_key
-from ddplaunch.plan.stages import exclude_hosts
-from ddplaunch.plan.stages import UpOptions, plan_stage, stages_of
-from ddplaunch.record.events import EVENTS_FILE, EventLog, RunEnded, RunStarted
-from ddplaunch.record.results import StopEvent
-from ddplaunch.record.runs import RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
-from ddplaunch.report.summary import RunReport, summarize, summary_json
+from ddplaunch.plan.stages import UpOptions, exclude_hosts, plan_stage, stages_of
+from ddplaunch.record.events import EVENTS_FILE, EventLog, RunEnded, RunStarted, read_events
+from ddplaunch.record.results import RunState
+from ddplaunch.record.runs import Local, RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
+from ddplaunch.record.view import RunView, run_state
+from ddplaunch.report.summary import summarize
 from ddplaunch.run.loop import RunLoop
 from ddplaunch.spec.model import ClusterSpec
 
-__all__ = ["UpOptions", "detach", "dry_run", "up"]
+__all__ = ["UpOptions", "dry_run", "run_here"]
 
 
 def prepared(spec: ClusterSpec, opts: UpOptions, fresh: bool) -> tuple[ClusterSpec, str]:
@@ -66,12 +66,12 @@ def dry_run(spec: ClusterSpec, opts: UpOptions, spec_path: str = "<spec>") -> st
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
     scheduler = scheduler_of(backend)
     if opts.detach and scheduler is not None:
-        return _detached(spec, scheduler, backend, run_id, spec_path, opts)[1]
+        return detached_request(spec, scheduler, backend, run_id, spec_path, opts)[1]
     return backend.allocation_text() + "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
 
 
-def _detached(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
-              opts: UpOptions) -> tuple[Request, str]:
+def detached_request(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
+                     opts: UpOptions) -> tuple[Request, str]:
     """The request that hands the run to the scheduler, and its text with what the supervisor
     then runs inside the job."""
     request = scheduler.render_detached(str(spec_path), dataclasses.asdict(opts))
@@ -89,133 +89,95 @@ def before_stages(spec: ClusterSpec) -> str:
         backend.close()
 
 
-def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Optional[RunRecord]:
-    """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run
-    (its supervisor runs in the scheduler's job), record it, return the record once the scheduler
-    has it (`extra["detached"]` says where); None when the backend has none (a supervisor on this
-    machine takes the run then: supervisor.py).
-
-    Raises:
-        PlanError: bad --run-id or --exclude. BackendError: the scheduler refused the job (the
-        record ends "failed").
-    """
-    spec, run_id = prepared(spec, opts, fresh=True)
-    backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
-    scheduler = scheduler_of(backend)
-    if scheduler is None:
-        backend.close()
-        return None
-    request, text = _detached(spec, scheduler, backend, run_id, spec_path, opts)
-    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(), plan_text=text)
-    record.extra["base_dir"] = spec.base_dir
-    record.state = "submitted"
-    record.save()
-    try:
-        where = scheduler.submit(request, record)
-    except BaseException:
-        record.state, record.ended_at = "failed", time.time()
-        record.save()
-        raise
-    record.extra["detached"] = where
-    record.save()
-    return record
-
-
 @dataclass
 class Begun:
-    """A run recorded and ready for its loop: the spec (without --exclude'd hosts), its record
-    (whose launcher is this process) and its event log."""
+    """A run recorded and ready for its loop: the spec (without --exclude'd hosts), its record,
+    its event log and the fold of it (what the log held already, and each event appended)."""
 
     spec: ClusterSpec
     record: RunRecord
     events: EventLog
+    view: RunView
 
 
 def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = False) -> Begun:
-    """Record a new run (state "running", this process its launcher) and open its event log.
-    With `take_over`, a run recorded already (by `up --detach`, on a file system its scheduler's
-    job shares, or by this job before a requeue) is this one: its record is taken over.
+    """Record a new run (this process its supervisor) and open its event log. With `take_over`,
+    a run recorded already (by `up --detach`, on a file system its scheduler's job shares, or by
+    this job before a requeue) is this one: its record is kept.
 
     Raises:
         PlanError: bad --exclude or --run-id, or a run with that id exists (nothing is recorded).
     """
     spec, run_id = prepared(spec, opts, fresh=not take_over)
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
-    record.extra["base_dir"] = spec.base_dir
+                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), placement=Local.this_process(),
+                       base_dir=spec.base_dir)
     if take_over:
-        _take_over(record)
-    record.state = "running"
+        record = _take_over(record)
     record.save()
-    events = EventLog(record.dir)
-    events.append(RunStarted(run_id, spec.backend, record.hosts, os.getpid(), socket.gethostname()))
-    return Begun(spec, record, events)
+    view = RunView.of(read_events(record.dir))
+    events = EventLog(record.dir, listeners=[view.add])
+    events.append(RunStarted(run_id, spec.backend, [h.label for h in spec.hosts], os.getpid(), socket.gethostname(),
+                             stages_of(spec, opts)[-1]))
+    return Begun(spec, record, events, view)
 
 
-def _take_over(record: RunRecord) -> None:
-    """`record` continues the run recorded under its id, if one is: what `up --detach` recorded
-    (the job, the plan shown) stays; the event log of an earlier try (a requeued job's) is kept
-    beside, so that `attach` follows this one from its start."""
+def _take_over(record: RunRecord) -> RunRecord:
+    """The run recorded under `record`'s id, if one is (what `up --detach` recorded stays: the
+    job, its request in the event log); the event log of an earlier try (a requeued job's) is
+    kept beside, so that `attach` follows this one from its start."""
     with contextlib.suppress(RunNotFoundError):
-        before = load_run(record.run_id)
-        record.extra, record.started_at, record.plan_text = before.extra, before.started_at, before.plan_text
+        record = load_run(record.run_id)
     events = record.dir / EVENTS_FILE
-    tries = 1
-    while events.exists():
-        kept = events.with_name(f"events-try{tries}.jsonl")
-        if not kept.exists():
-            events.rename(kept)
-        tries += 1
+    if any(isinstance(e, RunStarted) for e in read_events(record.dir)):
+        tries = 1
+        while events.exists():
+            kept = events.with_name(f"events-try{tries}.jsonl")
+            if not kept.exists():
+                events.rename(kept)
+            tries += 1
+    return record
 
 
-def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunReport:
+def run_here(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunView:
     """Launch in this process: pre-flight, health check (and its gate), then the job, through the
     spec's backend (`run_begun` of a fresh `begin`).
 
     Returns:
-        The report; `report.exit_code` is the process exit code. Failures of hosts and ranks
-        are in the report, not raised.
+        The fold of the run's events; `exit_code` is the process exit code. Failures of hosts and
+        ranks are in it, not raised.
     Raises:
         PlanError: no free master port, bad --exclude or --run-id. BackendError: the backend
-        cannot start. The run's record ends in a final state either way.
+        cannot start. The run's event log ends either way.
     """
     return run_begun(begin(spec, spec_path, opts), opts, stream)
 
 
-def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunReport:
-    """The run loop of a begun run; its record and event log end in a final state whatever
-    happens (an error is raised after `RunEnded` says it)."""
+def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunView:
+    """The run loop of a begun run; its event log ends whatever happens (an error is raised after
+    `RunEnded` says it), and the summary of its fold is written to `stream`."""
     stream = stream or sys.stdout
-    spec, record, events = begun.spec, begun.record, begun.events
-    report = RunReport(run_id=record.run_id, final_stage=stages_of(spec, opts)[-1])
+    spec, record, events, view = begun.spec, begun.record, begun.events, begun.view
     try:
         with open_private(record.log_path) as log, _stop_on_signals() as stop, \
                 contextlib.closing(make_console(stream, log, [h.label for h in spec.hosts], opts.verbose,
                                                 events)) as console:
             console.note(f"run {record.run_id}: {spec.backend} backend, {_procs(spec)}; record in {record.dir}")
             with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
-                RunLoop(spec, backend, opts, console, stop, record, report, events).run()
+                RunLoop(spec, backend, opts, console, stop, record.run_id, record.dir, events, view).run()
     except BaseException as err:
         interrupted = isinstance(err, KeyboardInterrupt)
-        record.state = "interrupted" if interrupted else "failed"
-        record.ended_at = time.time()
-        record.save()
         code = EXIT_INTERRUPTED if interrupted else getattr(err, "exit_code", EXIT_FAILURE)
-        events.append(RunEnded(record.state, code, error=str(err) if isinstance(err, DdplaunchError) else
-                               f"{type(err).__name__}: {err}"))
+        events.append(RunEnded(RunState.INTERRUPTED if interrupted else RunState.FAILED, code,
+                               error=str(err) if isinstance(err, DdplaunchError) else f"{type(err).__name__}: {err}"))
         events.close()
         raise
-    record.state = {0: "ok", EXIT_INTERRUPTED: "interrupted"}.get(report.exit_code, "failed")
-    record.ended_at = time.time()
-    record.save()
-    report.wall_s = time.time() - record.started_at
-    summary = summarize(report)
-    events.append(RunEnded(record.state, report.exit_code, summary, summary_json(report)))
+    code = view.exit_code
+    events.append(RunEnded(run_state(code), code))
     events.close()
-    stream.write(summary + "\n")
+    stream.write(summarize(view) + "\n")
     stream.flush()
-    return report
+    return view
 
 
 def _procs(spec: ClusterSpec) -> str:

@@ -1,12 +1,12 @@
-"""One `up` in progress: the stages, their gates, and the run's record kept up to date.
+"""One run in progress: the stages, their gates, and every fact appended to the run's event log.
 
 `RunLoop` asks the backend for its hosts (Slurm: the allocation), runs the pre-flight gate, then
-each stage: plan (pure) -> `backend.render` -> `backend.launch`, the job under the hang watchdog,
+each stage: plan (pure) -> `backend.render` -> `backend.launch`, the job under the hang watch,
 the health check followed by its gate (which may stop the run or drop hosts). Everything a stage
-produced comes back in its `StageResult`; the console only displays. Hosts given back by a
-scheduler (a requeued allocation) run every stage again. A launch that lost hosts is launched
-again on the survivors and spares while `recovery.max_host_failures` lasts (recovery.py). The
-stage planning `up`, `check` and the dry run share is here too.
+produced comes back in its `StageResult`, and everything the run establishes is appended to its
+event log, once (record/events.py): the loop keeps no record or report of its own. Hosts given
+back by a scheduler (a requeued allocation) run every stage again. A launch that lost hosts is
+launched again on the survivors and spares while `recovery.max_host_failures` lasts (run/recovery.py).
 """
 
 from __future__ import annotations
@@ -16,23 +16,26 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
-from ddplaunch.diagnose.stragglers import StragglerWatch
+from ddplaunch.diagnose.stragglers import StragglerJudge
 from ddplaunch.errors import PlanError
+from ddplaunch.hostside.entry import Held
 from ddplaunch.output.console import Console
-from ddplaunch.output.stagelines import StageLines
+from ddplaunch.output.stagelines import Report, StageLines
 from ddplaunch.output.torchrun import mismatch_lines, store_errors
 from ddplaunch.plan.hostwords import CpuShare
-from ddplaunch.plan.launch import LaunchPlan, derive_port, master_addr, stage_port_key
+from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
 from ddplaunch.plan.stages import UpOptions, plan_stage, preflight_wanted, stages_of
-from ddplaunch.record.events import (Event, EventLog, RankSteps, RecoveryStarted, StageEnded, StageStarted,
-                                     StragglerNamed)
-from ddplaunch.record.results import Progress, StageResult, StopEvent, describe_exit
-from ddplaunch.record.runs import RunRecord, write_private
-from ddplaunch.report.summary import RunReport
+from ddplaunch.record.events import (Event, EventLog, GateStopped, HostsExcluded, Localized, NotRecovered,
+                                     PreflightChecked, RankSteps, RecoveryStarted, RecoveryUpdated, Requested, Requeued,
+                                     StageEnded, StageStarted, StragglerNamed)
+from ddplaunch.record.results import Progress, StageResult, describe_exit
+from ddplaunch.record.runs import write_private
+from ddplaunch.record.view import RunView
 from ddplaunch.run.eviction import Eviction
 from ddplaunch.run.gates import healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
@@ -42,18 +45,18 @@ from ddplaunch.spec.model import ClusterSpec
 
 PORT_ATTEMPTS = 20
 #: The hang watchdog's timeout when the spec sets none and recovery is on: a host whose ranks
-#: froze is found (watchdog.frozen_hosts) and replaced, not waited for until the job's timeout.
+#: froze is found (diagnose/stacks.frozen_hosts) and replaced, not waited for until the job's timeout.
 RECOVERY_HANG_S = 60.0
 
 
 class RunLoop:
-    """One `up` in progress: the stages, their gates, and the record kept up to date."""
+    """One run in progress: the stages and their gates; what happens goes to `events`, whose
+    fold (`view`) is all the loop reads back."""
 
     def __init__(self, spec: ClusterSpec, backend: Launcher[Any], opts: UpOptions, console: Console,
-                 stop: StopEvent, record: RunRecord, report: RunReport, events: Optional[EventLog] = None):
+                 stop: StopEvent, run_id: str, run_dir: Path, events: EventLog, view: RunView):
         self.spec, self.backend, self.opts, self.console, self.stop = spec, backend, opts, console, stop
-        self.record, self.report, self.run_id = record, report, record.run_id
-        self.events = events
+        self.run_id, self.run_dir, self.events, self.view = run_id, run_dir, events, view
         self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
         #: (stage, master, port) the pre-flight just found free (the master listened on it): that
         #: launch takes it without probing it again
@@ -63,6 +66,10 @@ class RunLoop:
         names = spec.secret_names()
         self._secrets = [v for k, v in spec.env_values(os.environ).items() if k in names]
 
+    def say(self, event: Event) -> None:
+        """Append `event` to the run's log (the fold `view` takes it too)."""
+        self.events.append(event)
+
     def run(self) -> None:
         rescheduled = 0
         while True:
@@ -71,18 +78,17 @@ class RunLoop:
                 return
             rescheduled += 1
             self.console.note(f"allocation requeued (restart {rescheduled}): every stage runs again")
-            self.report.stages = []
+            self.say(Requeued(rescheduled))
 
     def _gated_spec(self) -> Optional[ClusterSpec]:
         """The spec on the backend's hosts, through the pre-flight gate (None: stop)."""
         hosts = self.backend.hosts()
         spec = self.spec.model_copy(update={"hosts": hosts})
-        if [h.label for h in hosts] != self.record.hosts:
-            self.record.hosts = [h.label for h in hosts]
-            self.console.note(f"hosts: {', '.join(self.record.hosts)}")
+        if [h.label for h in hosts] != self.view.hosts:
+            self.console.note(f"hosts: {', '.join(h.label for h in hosts)}")
         text = self.backend.allocation_text()
-        if text and not self.record.plan_text:
-            self.record.plan_text = text
+        if text and not self.view.requested:
+            self.say(Requested(text))
         spares = self.backend.spares()
         self.budget.spares = spares
         if not preflight_wanted(spec, self.opts.healthcheck_only):
@@ -92,10 +98,10 @@ class RunLoop:
         stage = stages_of(spec, self.opts)[0]
         first = spec.master.port or self._free_port(spec, stage)
         gated, self.budget.spares, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console,
-                                                       self.record.dir, spares)
-        self.report.preflight = pf.to_dict()
+                                                       self.run_dir, spares)
+        self.say(PreflightChecked(pf))
         if gated is None:
-            self.report.blocked = "pre-flight"
+            self.say(GateStopped("pre-flight"))
             return None
         self._proven = (stage, master_addr(gated), first)
         return gated
@@ -121,13 +127,14 @@ class RunLoop:
                 # the new set is checked as the first was: a separate health check launches again first
                 spec, stages = recovered, stages_of(recovered, self.opts)
                 continue
-            if result.ran_healthcheck and not (stage == "job" and result.healthcheck and result.healthcheck.get("ok")):
+            passed = stage == Stage.JOB and result.healthcheck is not None and result.healthcheck.ok
+            if result.ran_healthcheck and not passed:
                 gated = self._healthcheck_gate(spec, result)
                 if gated is None:
                     return False
                 if gated is not spec:
                     spec = gated
-                    if stage == "job":  # the job never started: launch it again on the hosts left
+                    if stage == Stage.JOB:  # the job never started: launch it again on the hosts left
                         continue
             elif not result.ok:
                 return False
@@ -140,126 +147,101 @@ class RunLoop:
         hosts, why = self.budget.next_hosts(spec.hosts, result, spec.master.addr)
         if hosts is None:
             self.console.note(f"not recovering: {why}")
-            self.report.unrecovered = why
+            self.say(NotRecovered(why))
             return None
         recovery = self.budget.done[-1]
-        result.recovered = recovery.number
         if recovery.steps_before is None and result.progress is not None:
             recovery.steps_before = result.progress.optimizer_steps
         recovery.stopped_at = recovery.stopped_at or result.ended_at
         if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
             self.stop.reset()
-        self.record.stages[-1] = result.to_dict()
         self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
                           f"relaunching on {', '.join(h.label for h in hosts)}")
-        if not self.report.recoveries or self.report.recoveries[-1] is not recovery:  # not a dead spare's retry
-            self.report.recoveries.append(recovery)
-        self._event(RecoveryStarted(recovery.number, list(recovery.lost), dict(recovery.replaced),
-                                    [h.label for h in hosts]))
-        self.record.hosts = [h.label for h in hosts]
-        self._save_recoveries()
+        self.say(RecoveryStarted(recovery, [h.label for h in hosts]))
         return spec.model_copy(update={"hosts": hosts})
 
     def _resumed(self, result: StageResult) -> None:
-        """The launch after a recovery: when its job completed its first step, from which step."""
+        """The launch after a recovery ended: when its job completed its first step, from which step."""
         if result.progress is not None:  # said already, unless it ended before its start was known
             self._first_step(result.progress)
-        self._save_recoveries()
-
-    def _save_recoveries(self) -> None:
-        self.record.extra["recoveries"] = [r.to_dict() for r in self.report.recoveries]
-        self.record.save()
+        self.say(RecoveryUpdated(self.budget.done[-1]))
 
     def _healthcheck_gate(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
         """After a launch that ran the health check: the spec to go on with (None: stop)."""
         gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.console,
-                                      self.record.dir)
-        self.report.localization = loc.to_dict() if loc else self.report.localization
+                                      self.run_dir)
+        if loc is not None:
+            self.say(Localized(loc))
         if gated is None:
-            self.report.blocked = self.report.blocked or "health check"
+            self.say(GateStopped("health check"))
         elif gated is not spec:
-            self.report.excluded += [h.label for h in spec.hosts if h not in gated.hosts]
-            self.record.plan_text += "# re-planned without excluded hosts\n"
+            self.say(HostsExcluded([h.label for h in spec.hosts if h not in gated.hosts], "health check"))
+            self.say(Requested("# re-planned without excluded hosts\n"))
         return gated
 
     def _launch(self, spec: ClusterSpec, plan: LaunchPlan) -> StageResult:
-        """Render and launch one stage (the job under the hang watchdog); record what it produced."""
+        """Render and launch one stage (the job under the hang watchdog); log what it produced."""
         request = self.backend.render(plan)
-        self.record.plan_text += request.text()
-        self.record.save()
+        self.say(Requested(request.text()))
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
-        self._event(StageStarted(plan.stage, plan.master_addr, plan.master_port, [n.host_label for n in plan.nodes]))
+        self.say(StageStarted(plan.stage, plan.master_addr, plan.master_port, [n.host_label for n in plan.nodes]))
         omp = plan.nodes[0].env_dict().get("OMP_NUM_THREADS")
         if self.console.verbose and isinstance(omp, CpuShare) and self.console.first_time("omp"):
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
                               "set 1 and say so on every launch); env.OMP_NUM_THREADS in the spec chooses")
-        lines = StageLines(self.console, on_first_step=self._first_step if self.budget.done else None,
-                           secrets=self._secrets, on_report=self._reports_of(spec, plan) if plan.stage == "job" else None)
+        job = plan.stage == Stage.JOB
+        lines = StageLines(self.console, plan.stage, on_first_step=self._first_step if self.budget.done else None,
+                           secrets=self._secrets, on_report=self._reports_of(spec, plan) if job else None)
         watchdog = None
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
-        if plan.stage == "job" and hang_timeout:
-            watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.record.dir / "stacks",
+        if job and hang_timeout:
+            watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.run_dir / "stacks",
                                     hang_timeout, witnesses=self.budget.spares)
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
-        spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console) \
-            if plan.stage == "job" and self.budget.spares else contextlib.nullcontext()
+            self.say(RecoveryUpdated(self.budget.done[-1]))
+        spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say) \
+            if job and self.budget.spares else contextlib.nullcontext()
         with watchdog or contextlib.nullcontext(), spares:
             result = self.backend.launch(request, lines, self.stop)
-        self.report.spares_dropped = dict(self.budget.dropped)
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
         result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)
         result.diagnosis += self._oom_kills(spec, plan, result)
-        if result.ran_healthcheck:
-            self.report.healthcheck = result.healthcheck
-            if result.healthcheck is not None:
-                write_private(self.record.dir / "healthcheck.json",
-                              json.dumps(result.healthcheck, indent=2, sort_keys=True))
-        self.report.stages.append(result)
-        self.record.stages.append(result.to_dict())
-        self.record.save()
-        self._event(StageEnded(result.stage, result.ok, {o.host: o.state for o in result.outcomes},
-                               result.host_failure, {o.host: o.exit_code for o in result.outcomes}))
+        if result.ran_healthcheck and result.healthcheck is not None:  # the evidence, for people
+            write_private(self.run_dir / "healthcheck.json",
+                          json.dumps(result.healthcheck.to_dict(), indent=2, sort_keys=True))
+        self.say(StageEnded(result))
         return result
 
     def _oom_kills(self, spec: ClusterSpec, plan: LaunchPlan, result: StageResult) -> list[str]:
-        """What the kernel's OOM killer ended (oomkill.py); a failed read costs the report nothing."""
+        """What the kernel's OOM killer ended (diagnose/oom.py); a failed read costs the report nothing."""
         try:
             return name_oom_kills(self.backend, spec, plan, result)
         except Exception as err:  # noqa: BLE001 - the failure is reported without it
             self.console.note(f"kernel log not read: {type(err).__name__}: {err}")
             return []
 
-    def _event(self, event: Event) -> None:
-        if self.events is not None:
-            self.events.append(event)
-
-    def _reports_of(self, spec: ClusterSpec, plan: LaunchPlan) -> Callable[[str, str, dict[str, Any]], None]:
+    def _reports_of(self, spec: ClusterSpec, plan: LaunchPlan) -> Callable[[str, Report], None]:
         """What takes a job launch's rank reports: each rank's step timing is an event; a host
-        the straggler watch names is said once (screen, event log, record, summary) and, where
+        the straggler judge names is said once (screen and event log) and, where
         recovery.evict_stragglers, a spare and the budget allow, evicted at the next checkpoint."""
-        watch = StragglerWatch(plan.world_size, spec.stragglers.threshold, spec.stragglers.window)
+        judge = StragglerJudge(plan.world_size, spec.stragglers.threshold, spec.stragglers.window)
         eviction = Eviction(self.backend, plan, self.stop, self.console)
-        # filled from a line reader's thread, saved with the record by this one (stage ends, the end)
-        named: list[dict[str, Any]] = self.record.extra.setdefault("stragglers", [])
 
-        def report(kind: str, host: str, payload: dict[str, Any]) -> None:
-            if kind == "HELD":
+        def report(host: str, payload: Report) -> None:
+            if isinstance(payload, Held):
                 eviction.held(payload)
                 return
-            steps = [s for s in payload.get("steps") or [] if isinstance(s, list) and len(s) == 3]
-            if steps and isinstance(payload.get("rank"), int):
-                self._event(RankSteps(host, payload["rank"], int(steps[-1][0]), statistics.median(s[1] for s in steps),
-                                      statistics.median(s[2] for s in steps)))
-            found = watch.feed(host, payload)
+            steps = [s for s in payload.steps if isinstance(s, list) and len(s) == 3]
+            if steps:
+                self.say(RankSteps(host, payload.rank, int(steps[-1][0]), statistics.median(s[1] for s in steps),
+                                   statistics.median(s[2] for s in steps)))
+            found = judge.feed(host, payload)
             if found is None:
                 return
             self.console.note(f"straggler: {found.describe()}")
-            self.report.stragglers.append(found)
-            self._event(StragglerNamed(found.host, found.ranks, found.slowdown, found.since_step, found.compute_s,
-                                       found.peers_compute_s, found.peers_wait_s))
-            named.append(found.to_dict())
+            self.say(StragglerNamed(found))
             if spec.recovery.evict_stragglers and self.budget.spares and \
                     len(self.budget.lost) < spec.recovery.max_host_failures:
                 eviction.start(found)
@@ -270,6 +252,7 @@ class RunLoop:
         recovery = self.budget.done[-1]
         if recovery.resumed_after_s is None:
             recovery.resumed(progress)
+            self.say(RecoveryUpdated(recovery))
             step = f" at step {recovery.resumed_from}" if recovery.resumed_from is not None else ""
             loaded = f" (it loaded {recovery.loaded[-1]})" if recovery.loaded else ""
             self.console.note(f"training {'restarted from scratch' if recovery.from_scratch else 'resumed'}{step}"
@@ -303,7 +286,7 @@ class RunLoop:
 def _aborted_after_return(result: StageResult) -> list[str]:
     """Ranks whose script had returned (the entry script said so) yet died by a signal: the job
     finished, the process did not (torch's threads at interpreter exit)."""
-    finished = {e.get("rank"): e.get("code") for e in result.rank_exits}
+    finished = {e.rank: e.code for e in result.rank_exits}
     out = []
     for o in result.outcomes:
         if o.failed_rank is not None and o.rank_exit_code is not None and o.rank_exit_code < 0 \

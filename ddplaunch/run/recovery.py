@@ -7,7 +7,7 @@ bitwise), or, without a spare left, left behind while at least `recovery.min_hos
 world shrinks; the job must reshard). A spare that the relaunch could not even reach died while
 it waited: it is named and skipped, the next spare takes its place, and it costs the budget
 nothing (the host that was lost is what counts). A job's own failure is never recovered. Pure:
-the run loop (runloop.py) relaunches; this module decides and keeps the record.
+the run loop (run/loop.py) relaunches; this module decides and keeps the record.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RecoveryBudget:
         self.spares = list(spares)
         self.done: list[Recovery] = []
         self.lost: list[str] = []
-        #: spares dropped while they waited (sparewatch.py): label -> why
+        #: spares dropped while they waited (run/spares.py): label -> why
         self.dropped: dict[str, str] = {}
 
     def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None

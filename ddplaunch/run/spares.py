@@ -12,10 +12,11 @@ answer either counts for nothing: this machine's own network may be what failed.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.output.console import Console
+from ddplaunch.record.events import SpareDropped
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.spec.model import HostSpec
 
@@ -31,8 +32,11 @@ class SpareWatch:
     """A background thread for the length of one job launch (a context manager)."""
 
     def __init__(self, backend: Launcher[Any], budget: RecoveryBudget, control: Optional[HostSpec],
-                 console: Console, every: float = EVERY_S):
+                 console: Console, say: Callable[[SpareDropped], None] = lambda event: None,
+                 every: float = EVERY_S):
         self.backend, self.budget, self.control, self.console = backend, budget, control, console
+        #: a dropped spare is said to the run's event log through this
+        self.say = say
         self.every = every
         self.strikes: dict[str, int] = {}
         self._done = threading.Event()
@@ -75,6 +79,7 @@ class SpareWatch:
                 if self.strikes[spare.label] >= STRIKES:
                     self.budget.spares = [s for s in self.budget.spares if s.label != spare.label]
                     self.budget.dropped[spare.label] = str(why)
+                    self.say(SpareDropped(spare.label, str(why)))
                     dropped.append(spare.label)
                     left = len(self.budget.spares)
                     self.console.note(f"spare {spare.label} does not answer ({why}): dropped while it waited, at no "

@@ -1,7 +1,7 @@
 """Slurm hostlists, expanded as `scontrol show hostnames` does, bounded before they expand.
 
 `expand_hostlist("gpu[01-03,07],cpu1")` -> gpu01, gpu02, gpu03, gpu07, cpu1; `expand_hosts` does
-it for the entries of `hosts:` and `recovery.spares:` (spec.py), on every backend.
+it for the entries of `hosts:` and `recovery.spares:` (spec/model.py), on every backend.
 
 The grammar is Slurm's: names separated by commas; a name is literal text (letters, digits,
 `. _ -`, and the `: %` of addresses) around any number of `[...]` groups of comma-separated
@@ -34,7 +34,7 @@ from ddplaunch.spec.yamlsafe import char_name, show
 #: Hosts a hostlist, or a whole `hosts:` list, may name: Slurm's MAX_SLURM_NODES (64K), also the
 #: most hosts one Slurm range may hold. Far above any cluster ddplaunch launches on.
 MAX_HOSTS = 65_536
-#: Characters in one host name: a DNS name's limit, as for `addr:` in spec.py.
+#: Characters in one host name: a DNS name's limit, as for `addr:` in spec/model.py.
 MAX_NAME = 253
 #: Digits (leading zeros aside) of a number: Slurm reads numbers past 2**64-1 as 2**64-1.
 MAX_DIGITS = 18

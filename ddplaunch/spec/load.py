@@ -1,7 +1,7 @@
 """Reading a cluster.yaml into a `ClusterSpec`: any bytes under any path end in a spec or one line.
 
-`load_spec(path)` reads the file through the bounded loader of yamlsafe.py, validates it with
-the models of spec.py and maps every problem to one `SpecError` line under 4 kB,
+`load_spec(path)` reads the file through the bounded loader of spec/yamlsafe.py, validates it with
+the models of spec/model.py and maps every problem to one `SpecError` line under 4 kB,
 `file:line: key.path: problem (hint)` — pydantic's errors with the YAML line they come from,
 values YAML would silently coerce, keys the backend cannot honour (from its registration), local
 paths that do not exist. With several problems: the first and `(and N more problems)`.
@@ -56,7 +56,7 @@ def _backend_limit_problems(spec: ClusterSpec, root: Optional[Node], shown: str)
     return problems
 
 
-def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple, int]]:
+def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple[Any, ...], int]]:
     """(loc, line) of every key the YAML sets along `key_path`; a section expands to its keys."""
     out = []
     for loc, line, node in nodes_along(root, key_path):
@@ -67,13 +67,13 @@ def _set_keys(root: Optional[Node], key_path: str) -> list[tuple[tuple, int]]:
     return out
 
 
-def _section(loc: tuple) -> bool:
+def _section(loc: tuple[Any, ...]) -> bool:
     """Whether `loc` names a whole section of the spec (`ssh`, `slurm`, ...)."""
     field = ClusterSpec.model_fields.get(str(loc[0])) if len(loc) == 1 else None
     return field is not None and typing.get_origin(field.annotation) is None and _model_in(field.annotation) is not None
 
 
-def _value_and_default(spec: ClusterSpec, loc: tuple) -> tuple[Any, Any]:
+def _value_and_default(spec: ClusterSpec, loc: tuple[Any, ...]) -> tuple[Any, Any]:
     obj: Any = spec
     owner: Any = spec
     for part in loc:
@@ -145,8 +145,8 @@ def _load(doc: LoadedYaml, base_dir: Path) -> ClusterSpec:
     return spec
 
 
-def _hosts_from_file(data: dict, root: Optional[Node], shown: str, base_dir: Path) -> dict:
-    """`hosts: {file: PATH}` replaced by the hosts of that hostfile (hostfile.py); PATH is taken
+def _hosts_from_file(data: dict[str, Any], root: Optional[Node], shown: str, base_dir: Path) -> dict[str, Any]:
+    """`hosts: {file: PATH}` replaced by the hosts of that hostfile (spec/hostfile.py); PATH is taken
     from the spec file's directory."""
     hosts = data.get("hosts")
     if not isinstance(hosts, dict) or "file" not in hosts:
@@ -173,7 +173,7 @@ def _hosts_from_file(data: dict, root: Optional[Node], shown: str, base_dir: Pat
 COERCION_CHECKED = {"env.*": False, "env.*.value": False, "slurm.time": True, "job.args[]": False}
 
 
-def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, str]]:
+def _coercions(root: Optional[Node], data: dict[str, Any], shown: str) -> list[tuple[int, str]]:
     """Unquoted values that YAML would turn into something else (`010` -> 8, `on` -> true):
     refused with the quoted form to write. Their text replaces them so each is reported once."""
     problems = []
@@ -193,14 +193,14 @@ def _coercions(root: Optional[Node], data: dict, shown: str) -> list[tuple[int, 
     return problems
 
 
-def _secret_env(data: dict, name: str) -> bool:
+def _secret_env(data: dict[str, Any], name: str) -> bool:
     """Whether env entry `name` holds a secret: by its name, or marked so (`secret: true`, `from_env`)."""
     entry = (data.get("env") or {}).get(name) if isinstance(data.get("env"), dict) else None
     marked = isinstance(entry, dict) and (entry.get("secret") is True or "from_env" in entry)
     return is_secret_name(name) or marked
 
 
-def _quoted(loc: tuple, node: Any) -> str:
+def _quoted(loc: tuple[Any, ...], node: Any) -> str:
     """`KEY: "TEXT"` (or `"TEXT"` for a list item): how to write a plain scalar as a string."""
     key = "" if isinstance(loc[-1], int) else f"{show(loc[-1])}: "
     return key + show(json.dumps(node.value, ensure_ascii=False), 120)
@@ -241,7 +241,7 @@ def _check_paths(spec: ClusterSpec, root: Optional[Node], shown: str) -> None:
                         f"not found in workdir {show(workdir)}; fix the path (relative to workdir)")
 
 
-def _dotted(loc: tuple) -> str:
+def _dotted(loc: tuple[Any, ...]) -> str:
     return show(".".join(str(p) for p in loc) or "(top level)")
 
 
@@ -276,7 +276,7 @@ def _describe(shown: str, root: Optional[Node], err: ValidationError) -> list[tu
     return out
 
 
-def _fields_at(loc: tuple) -> list[str]:
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     """The allowed keys of the spec section at `loc` (for "did you mean")."""
     model: Any = ClusterSpec
     skip = False

@@ -1,10 +1,10 @@
 """The cluster spec: validated data, nothing else.
 
 The pydantic v2 models of a cluster.yaml (a frozen `ClusterSpec`) and the checks of single
-values; specfile.py reads a file into one, mapping every problem to `file:line: key.path:
+values; spec/load.py reads a file into one, mapping every problem to `file:line: key.path:
 problem (hint)`. After loading, ddplaunch trusts the spec. Secrets in `env:` are data too:
 `secret_names()`, `env_values(environ)` and `redacted()`. Which backends exist, and what each
-cannot honour, is the registry's (registry.py).
+cannot honour, is the registry's (spec/registry.py).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class HealthcheckSpec(_Strict):
 
 
 class PreflightSpec(_Strict):
-    """Host checks before anything starts (see ddplaunch/preflight.py)."""
+    """Host checks before anything starts (see ddplaunch/diagnose/preflight.py)."""
 
     enabled: Optional[bool] = None
     max_clock_skew: float = Field(default=5.0, gt=0)
@@ -160,7 +160,7 @@ class JobSpec(_Strict):
 
 
 class ContainerSpec(_Strict):
-    """Every rank inside the user's image (container.py renders each runtime's command)."""
+    """Every rank inside the user's image (plan/container.py renders each runtime's command)."""
 
     #: an image name (registry or local); apptainer: a .sif path or docker://...; enroot: a .sqsh or a name
     image: Line
@@ -172,7 +172,7 @@ class ContainerSpec(_Strict):
 
 
 class RecoverySpec(_Strict):
-    """Self-healing: how many host losses a run survives, and with what (runloop.py, recovery.py)."""
+    """Self-healing: how many host losses a run survives, and with what (run/loop.py, run/recovery.py)."""
 
     #: host losses a run survives; 0: the run fails and names the lost host
     max_host_failures: int = Field(default=0, ge=0)
@@ -217,7 +217,7 @@ class SupervisorSpec(_Strict):
 
 
 class StragglerSpec(_Strict):
-    """Stragglers named while the job runs, from every rank's step timing (stragglers.py)."""
+    """Stragglers named while the job runs, from every rank's step timing (diagnose/stragglers.py)."""
 
     #: a host is named when its ranks compute this much longer than their peers' median
     threshold: float = Field(default=0.15, gt=0, le=10)
@@ -289,14 +289,14 @@ class ClusterSpec(_Strict):
     """A whole cluster.yaml. See the annotated `cluster.yaml` at the repository root."""
 
     name: str = Field(default="ddp", pattern=r"^[A-Za-z0-9._-]{1,100}$")
-    #: One of the registered backends (registry.py).
+    #: One of the registered backends (spec/registry.py).
     backend: str = "local"
     hosts: list[HostSpec] = Field(default_factory=lambda: [HostSpec(addr="localhost")])
 
     @field_validator("hosts", mode="before")
     @classmethod
     def _hostlists(cls, hosts: Any) -> Any:
-        """`gpu[01-04,07]` stands for gpu01..gpu04 and gpu07, as in Slurm, on every backend (hostlist.py)."""
+        """`gpu[01-04,07]` stands for gpu01..gpu04 and gpu07, as in Slurm, on every backend (spec/hostlist.py)."""
         return expand_hosts(hosts) if isinstance(hosts, list) else hosts
     nproc_per_node: Nproc = 1
     master: MasterSpec = Field(default_factory=MasterSpec)
@@ -409,7 +409,7 @@ class ClusterSpec(_Strict):
             raise SpecError(summarize_problems(missing))
         return values
 
-    def redacted(self) -> dict:
+    def redacted(self) -> dict[str, Any]:
         """`model_dump(mode="json")` with every secret value shown as `<secret>` and `from_env`
         entries as `{from_env: NAME}`: what `validate` prints and run records store."""
         data = self.model_dump(mode="json")

@@ -1,7 +1,7 @@
-"""`ddplaunch init`: write a first, annotated cluster spec into an empty directory.
+"""The specs `ddplaunch init` writes: a first, annotated cluster spec for an empty directory.
 
 `render_init_spec` is pure (kind + hosts -> YAML text with a comment on every key that matters
-for that kind); `init_cmd` is the thin Click command that renders, validates and writes it.
+for that kind); `write_init_spec` renders, validates and writes it (the command is in cli.py).
 The job is the shipped example `example:toy_ddp.py`, so nothing else has to be written first.
 """
 
@@ -12,8 +12,7 @@ import re
 from pathlib import Path
 from typing import Optional, Sequence
 
-import click
-
+from ddplaunch.errors import SpecError
 from ddplaunch.spec.examples import EXAMPLE_PREFIX
 
 KINDS = ("local", "ssh", "slurm")
@@ -216,50 +215,39 @@ def _pad(value: str, prefix: str, column: int = 28) -> str:
     return " " * max(1, column - len(prefix) - len(value))
 
 
-# --------------------------------------------------------------------------- the command
+# --------------------------------------------------------------------------- writing it
 
 
-@click.command("init")
-@click.option("--ssh", "ssh_hosts", multiple=True, metavar="HOST",
-              help="A host of an SSH cluster: addr, user@addr or user@addr:port. Repeatable.")
-@click.option("--slurm", is_flag=True, help="A Slurm cluster (one sbatch job).")
-@click.option("--nodes", type=click.IntRange(1), default=None, help="Slurm: nodes to allocate [default: 2].")
-@click.option("--partition", default=None, help="Slurm: the partition [default: the cluster's default].")
-@click.option("--time", "time_limit", default=None, metavar="HH:MM:SS", help="Slurm: the time limit [default: 00:30:00].")
-@click.option("--gpus-per-node", type=click.IntRange(0), default=None, help="Slurm: GPUs per node [default: none].")
-@click.option("--out", "out", default="cluster.yaml", show_default=True, type=click.Path(dir_okay=False),
-              help="Where to write the spec.")
-@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-def init_cmd(ssh_hosts: tuple[str, ...], slurm: bool, nodes: Optional[int], partition: Optional[str],
-             time_limit: Optional[str], gpus_per_node: Optional[int], out: str, force: bool) -> None:
-    """Write an annotated cluster spec: this machine (default), --ssh HOST... or --slurm.
+def write_init_spec(out: str, force: bool, ssh_hosts: Sequence[str] = (), slurm: bool = False,
+                    nodes: Optional[int] = None, partition: Optional[str] = None, time_limit: Optional[str] = None,
+                    gpus_per_node: Optional[int] = None) -> str:
+    """Render, validate and write the spec `ddplaunch init` writes; the line that says so.
 
-    The job is the shipped example `example:toy_ddp.py`, so `ddplaunch up cluster.yaml`
-    works right after. Exit 2 (one line) when OUT exists and --force is not given.
+    Raises:
+        SpecError: contradictory options, a bad host, OUT exists without `force`, or cannot be written.
     """
     if ssh_hosts and slurm:
-        _fail("--ssh and --slurm cannot be combined; pick one backend")
+        raise SpecError("--ssh and --slurm cannot be combined; pick one backend")
     if (nodes or partition or time_limit or gpus_per_node is not None) and not slurm:
-        _fail("--nodes, --partition, --time and --gpus-per-node are Slurm options; add --slurm")
+        raise SpecError("--nodes, --partition, --time and --gpus-per-node are Slurm options; add --slurm")
     kind = "slurm" if slurm else "ssh" if ssh_hosts else "local"
     try:
         text = render_init_spec(kind, list(ssh_hosts), nodes=nodes, partition=partition,
                                 time=time_limit or "00:30:00", gpus_per_node=gpus_per_node)
     except ValueError as err:
-        _fail(str(err))
+        raise SpecError(str(err)) from None
     _check_valid(text)
-    path = Path(out)
     try:
         # "x" creates the file only if it does not exist: no window between a check and the write.
-        with open(path, "w" if force else "x", encoding="utf-8") as fh:
+        with open(Path(out), "w" if force else "x", encoding="utf-8") as fh:
             fh.write(text)
     except FileExistsError:
-        _fail(f"{out} exists; pass --force to overwrite it (or --out OTHER.yaml)")
+        raise SpecError(f"{out} exists; pass --force to overwrite it (or --out OTHER.yaml)") from None
     except OSError as err:
-        _fail(f"{out}: cannot write: {err.strerror or err}")
+        raise SpecError(f"{out}: cannot write: {err.strerror or err}") from None
     what = {"local": "this machine, 2 processes", "ssh": f"{len(ssh_hosts)} host(s) over SSH",
             "slurm": "a Slurm batch job"}[kind]
-    click.echo(f"wrote {out} ({what}); next: ddplaunch validate {out} && ddplaunch up {out}")
+    return f"wrote {out} ({what}); next: ddplaunch validate {out} && ddplaunch up {out}"
 
 
 def _check_valid(text: str) -> None:
@@ -272,14 +260,5 @@ def _check_valid(text: str) -> None:
     try:
         ClusterSpec.model_validate(yaml.safe_load(text))
     except ValidationError as err:
-        _fail("the rendered spec is invalid: " + "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()))
-
-
-def _fail(message: str) -> None:
-    click.echo(f"ddplaunch: error: {message}", err=True)
-    raise SystemExit(2)
-
-
-if __name__ == "__main__":  # `python -m ddplaunch.initspec` until the CLI registers `init`
-    init_cmd(prog_name="ddplaunch init")
+        raise SpecError("the rendered spec is invalid: " + "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())) from None

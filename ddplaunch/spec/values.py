@@ -1,6 +1,6 @@
 """The spec's value types: the checks of single values (printable lines, environment names,
 host names and addresses, Slurm names and times, interpreters) as annotated types, and which
-environment names and values are secret. Pure; spec.py builds its models from these."""
+environment names and values are secret. Pure; spec/model.py builds its models from these."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where things are in a composed YAML document: lines of key paths, the nodes along a pattern,
-and which unquoted scalars YAML would turn into something else. Used by specfile.py to name
+and which unquoted scalars YAML would turn into something else. Used by spec/load.py to name
 the line of every problem."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ddplaunch.spec.yamlsafe import CORE_TAG, Constructor, Problem, show
 
 
-def node_at(root: Optional[Node], loc: tuple) -> tuple[int, Optional[Node]]:
+def node_at(root: Optional[Node], loc: tuple[Any, ...]) -> tuple[int, Optional[Node]]:
     """The 1-based line of the deepest node along `loc` (the key itself when present) and the
     node reached at the end of `loc` (None when `loc` leaves the document)."""
     node, line = root, 1
@@ -33,13 +33,13 @@ def node_at(root: Optional[Node], loc: tuple) -> tuple[int, Optional[Node]]:
     return line, node
 
 
-def nodes_along(root: Optional[Node], pattern: str) -> list[tuple[tuple, int, Node]]:
+def nodes_along(root: Optional[Node], pattern: str) -> list[tuple[tuple[Any, ...], int, Node]]:
     """(loc, line, node) of every node the document has along a dotted `pattern`: `*` is every
     key of a mapping, `name[]` every item of the list at `name`; line is the key's (or item's)."""
-    found: list[tuple[tuple, int, Node]] = [((), 1, root)] if root is not None else []
+    found: list[tuple[tuple[Any, ...], int, Node]] = [((), 1, root)] if root is not None else []
     for part in pattern.split("."):
         name, each = part.removesuffix("[]"), part.endswith("[]")
-        step: list[tuple[tuple, int, Node]] = []
+        step: list[tuple[tuple[Any, ...], int, Node]] = []
         for loc, _, node in found:
             if not isinstance(node, MappingNode):
                 continue
@@ -52,7 +52,7 @@ def nodes_along(root: Optional[Node], pattern: str) -> list[tuple[tuple, int, No
     return found
 
 
-def replace_at(data: Any, loc: tuple, value: Any) -> None:
+def replace_at(data: Any, loc: tuple[Any, ...], value: Any) -> None:
     """Put `value` at `loc` in constructed data, where that place exists (else do nothing)."""
     for part in loc[:-1]:
         try:

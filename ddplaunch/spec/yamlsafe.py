@@ -3,7 +3,7 @@
 `load_yaml(path)` reads at most `MAX_BYTES`, insists on UTF-8 without control characters, and
 composes the document with libyaml's parser (pure-Python fallback) under limits on nesting depth
 and alias expansion, rejecting duplicate keys, unknown tags, NUL in strings and huge integers.
-It returns the constructed data together with the composed node tree, which spec.py uses to
+It returns the constructed data together with the composed node tree, which spec/model.py uses to
 name lines (`node_at`) and to spot plain scalars that YAML coerced (`coercion`).
 """
 
@@ -392,7 +392,7 @@ def parse_yaml(text: str, shown: str) -> LoadedYaml:
 
 def _key_at(root: Node, mark: Any) -> Optional[str]:
     """The dotted key path of the value that starts at `mark` (`healthcheck.enabled`), if any."""
-    stack: list[tuple[Node, tuple]] = [(root, ())]
+    stack: list[tuple[Node, tuple[Any, ...]]] = [(root, ())]
     seen: set[int] = set()
     while stack:
         node, loc = stack.pop()
@@ -412,7 +412,7 @@ def _key_at(root: Node, mark: Any) -> Optional[str]:
 def _check_keys(loader: Any, root: Node, shown: str) -> None:
     """Reject duplicate keys in every mapping (each node visited once), naming both lines."""
     seen: set[int] = set()
-    stack: list[tuple[Node, tuple]] = [(root, ())]
+    stack: list[tuple[Node, tuple[Any, ...]]] = [(root, ())]
     while stack:
         node, loc = stack.pop()
         if id(node) in seen:

@@ -1,25 +1,29 @@
-"""`status`, `logs` and `down` of a recorded run: the record (data) plus what its backend says.
+"""`status`, `logs`, `down` and `runs` of a recorded run: the fold of its event log, plus what its
+backend and the placement of its supervisor say.
 
-The record names its backend; the backend answers from the record alone (a Scheduler: the job
-it was given), so these work after the launcher has exited — or died.
+The record names the backend and where the supervisor runs; the backend answers from the record
+alone (a Scheduler: the job it was given), so these work after the launcher has exited — or died.
+A run supervised on another host (`supervisor.host`) is asked there, over SSH.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
-from ddplaunch.backends.contract import Launcher, RunContext
-from ddplaunch.errors import DdplaunchError
-from ddplaunch.output.console import WHO_RE
-from ddplaunch.record.events import read_events
-from ddplaunch.record.results import StopEvent
-from ddplaunch.record.runs import ACTIVE_STATES, REMOTE_HOST, RunRecord, load_run, status_lines
-from ddplaunch.report.status import RunStatus
+from ddplaunch.backends.contract import Launcher, RunContext, StopEvent
+from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, DdplaunchError
+from ddplaunch.output.who import who_of
+from ddplaunch.record.events import EventLog, RunEnded, RunStarted, first_event, last_event, read_events
+from ddplaunch.record.results import RunState
+from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
+from ddplaunch.record.view import RunView
+from ddplaunch.report.status import shown_state, status_lines
 from ddplaunch.spec.model import ClusterSpec
-from ddplaunch.supervise import daemon as supervisor
+from ddplaunch.supervise import daemon
 
 #: Seconds between two questions to the scheduler whether a detached run's job has ended.
 JOB_POLL = 2.0
@@ -29,86 +33,129 @@ FOLLOW_POLL = 0.2
 def record_backend(record: RunRecord) -> Launcher[Any]:
     """The backend of a recorded run, configured from the record's (redacted) spec."""
     spec = ClusterSpec.model_validate(record.spec)
-    spec = spec.model_copy(update={"base_dir": record.extra.get("base_dir", ".")})
+    spec = spec.model_copy(update={"base_dir": record.base_dir})
     return make_backend(spec, RunContext(record.run_id, record.dir, StopEvent()))
 
 
-def settle(record: RunRecord, backend: Launcher[Any]) -> RunRecord:
-    """A detached run whose record its supervisor did not end (it never saw the record, or was
-    killed with its job) takes its final state from the scheduler once the job has ended, and
-    keeps it in the record."""
-    scheduler = scheduler_of(backend)
-    if record.state not in ACTIVE_STATES or not record.extra.get("detached") or scheduler is None:
-        return record
+def settle(record: RunRecord, backend: Optional[Launcher[Any]] = None) -> Optional[RunEnded]:
+    """The end of a detached run whose supervisor could not log it (it never started, or was
+    killed with its job): once the scheduler has ended the job, its word is appended to the run's
+    event log (`RunEnded`, by the scheduler). None while the job runs, or for another run."""
+    if not isinstance(record.placement, InJob):
+        return None
+    last = last_event(record.dir)
+    if isinstance(last, RunEnded):
+        return last
+    scheduler = scheduler_of(backend or record_backend(record))
+    if scheduler is None:
+        return None
     try:
-        state = scheduler.final_state(record)
-    except DdplaunchError:  # the scheduler does not answer: the record stays as it is
-        return record
-    if state is not None:
-        record.state, record.ended_at = state, time.time()
-        record.save()
-    return record
+        end = scheduler.final_state(record)
+    except DdplaunchError:  # the scheduler does not answer: the run's log stays as it is
+        return None
+    if end is None:
+        return None
+    code = {RunState.OK: EXIT_OK, RunState.CANCELLED: EXIT_INTERRUPTED}.get(end.state, EXIT_FAILURE)
+    ended = RunEnded(end.state, code, error=end.detail, by_scheduler=True)
+    log = EventLog(record.make_dir())
+    try:
+        log.append(ended)
+    finally:
+        log.close()
+    return ended
 
 
-def _elsewhere(record: RunRecord, args: list[str]) -> Optional[list[str]]:
+def supervisor_alive(record: RunRecord, backend: Optional[Launcher[Any]] = None) -> Optional[bool]:
+    """Whether the run's supervisor still runs (None: not known from here)."""
+    placement = record.placement
+    if isinstance(placement, Local):
+        return placement.alive()
+    if isinstance(placement, InJob):
+        scheduler = scheduler_of(backend or record_backend(record))
+        return scheduler.job_running(record) if scheduler is not None else None
+    return None
+
+
+def view_of(record: RunRecord) -> RunView:
+    """The fold of the run's event log, its identity filled from the record before the log has any."""
+    view = RunView.of(read_events(record.dir))
+    view.run_id = view.run_id or record.run_id
+    view.hosts = view.hosts or list(record.hosts)
+    return view
+
+
+def _where(record: RunRecord) -> str:
+    """Where the supervisor runs, for a run whose log does not say yet."""
+    placement = record.placement
+    if isinstance(placement, InJob):
+        return placement.where
+    if isinstance(placement, OnHost):
+        return f"supervised on {placement.host} (ddplaunch status {record.run_id})"
+    return f"supervisor pid {placement.pid} on {placement.host}"
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """What ddplaunch's command printed on the host a run's supervisor runs on; `answered` is
+    False when the host did not answer (the lines say why)."""
+
+    lines: list[str]
+    answered: bool
+
+
+def elsewhere(record: RunRecord, args: list[str]) -> Optional[Elsewhere]:
     """ddplaunch's `args` on the host the run's supervisor runs on, when that is not this machine
-    (None); its lines, or the reason the host did not answer."""
-    if not record.extra.get(REMOTE_HOST):
+    (None)."""
+    if not isinstance(record.placement, OnHost):
         return None
     from ddplaunch.supervise import remote  # Fabric: only for such a run
 
     host = remote.host_of(record)
-    if host is None:
-        return None
     try:
-        return list(host.lines(args))
+        return Elsewhere(list(host.lines(args)), True)
     except DdplaunchError as err:
-        return [f"{record.run_id}: its supervisor's host {host.label} did not answer: {err}"]
+        return Elsewhere([f"{record.run_id}: its supervisor's host {host.label} did not answer: {err}"], False)
     finally:
         host.close()
 
 
 def status(record: RunRecord) -> list[str]:
-    """What the run's event log says (runstatus.py; the record, for a run that has none yet), then
-    the backend's live view (Slurm: the job); of a run supervised on another host, what `status`
-    says there."""
-    there = _elsewhere(record, ["status", record.run_id])
+    """What the run's event log says (report/status.py), then the backend's live view (Slurm: the
+    job); of a run supervised on another host, what `status` says there."""
+    there = elsewhere(record, ["status", record.run_id])
     if there is not None:
-        return there
+        return there.lines
     backend = record_backend(record)
     scheduler = scheduler_of(backend)
     job = scheduler.describe(record) if scheduler else []
-    view = RunStatus.of(read_events(record.dir))
-    if view.started is None:  # not started yet (a queued job), or an older ddplaunch's run: its record
-        return status_lines(settle(record, backend)) + job
-    return view.lines(*liveness(record, view, backend)) + job
+    settle(record, backend)
+    view = view_of(record)
+    return status_lines(view, record.backend, supervisor_alive(record, backend), _where(record)) + job
 
 
-def liveness(record: RunRecord, view: RunStatus,
-             backend: Optional[Launcher[Any]] = None) -> tuple[Optional[bool], Optional[str]]:
-    """What the event log cannot say of itself: whether its writer (the supervisor) still runs
-    (None: not known here), and the final state a scheduler gave a detached run whose log has no
-    end (its job was ended whole; the record's backend is asked, `backend` when given)."""
-    final = None
-    if view.ended is None and record.extra.get("detached"):
-        settled = settle(record, backend or record_backend(record))
-        final = settled.state if settled.state not in ACTIVE_STATES else None
-    return record.launcher_alive(), final
+def state_of(record: RunRecord) -> str:
+    """The run's state in words for `runs`, from the ends of its event log alone (no whole log read)."""
+    last = last_event(record.dir)
+    if isinstance(last, RunEnded):
+        return str(last.state)
+    first = first_event(record.dir)
+    if not isinstance(first, RunStarted):
+        return _where(record) if isinstance(record.placement, OnHost) else str(RunState.SUBMITTED)
+    view = RunView.of([first])
+    return shown_state(view, record.placement.alive() if isinstance(record.placement, Local) else None)
 
 
 def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
          rank: Optional[int] = None) -> Iterator[str]:
     """A run's log lines (only `host`'s, only global rank `rank`'s, when given); with `follow`,
-    until the run has ended (or its launcher died)."""
+    until the run has ended (or its supervisor died)."""
     def mine(line: str) -> bool:
         if host is None and rank is None:
             return True
-        who = WHO_RE.match(line)
-        if who is None or host is not None and who.group(1) != host:
-            return False
-        return rank is None or who.group(2) == str(rank)
+        who = who_of(line)
+        return who is not None and (host is None or who.host == host) and (rank is None or who.rank == rank)
 
-    if record.extra.get(REMOTE_HOST):
+    if isinstance(record.placement, OnHost):
         yield from _logs_there(record, host, follow, rank)
         return
     backend = record_backend(record)
@@ -120,23 +167,25 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
         return
     if not record.log_path.exists():
         return
+    yield from filter(mine, _follow_log(record, backend, follow))
+
+
+def _follow_log(record: RunRecord, backend: Launcher[Any], follow: bool) -> Iterator[str]:
     asked = time.monotonic()
     with open(record.log_path) as f:
         while True:
             line = f.readline()
             if line:
-                if mine(line):
-                    yield line.rstrip("\n")
+                yield line.rstrip("\n")
                 continue
             if not follow:
                 return
-            current = load_run(record.run_id)
-            if current.extra.get("detached") and time.monotonic() - asked >= JOB_POLL:
-                current, asked = settle(current, backend), time.monotonic()  # its job was ended whole
-            if current.state not in ACTIVE_STATES or current.launcher_alive() is False:
+            ended = isinstance(last_event(record.dir), RunEnded)
+            if not ended and isinstance(record.placement, InJob) and time.monotonic() - asked >= JOB_POLL:
+                ended, asked = settle(record, backend) is not None, time.monotonic()  # its job was ended whole
+            if ended or supervisor_alive(record, backend) is False:
                 for rest in f:  # what was written between the last read and the end
-                    if mine(rest):
-                        yield rest.rstrip("\n")
+                    yield rest.rstrip("\n")
                 return
             time.sleep(FOLLOW_POLL)
 
@@ -145,7 +194,6 @@ def _logs_there(record: RunRecord, host: Optional[str], follow: bool, rank: Opti
     from ddplaunch.supervise import remote  # Fabric: only for such a run
 
     there = remote.host_of(record)
-    assert there is not None
     args = ["logs", record.run_id, *(["--host", host] if host else []), *(["--rank", str(rank)] if rank is not None
                                                                          else []), *(["-f"] if follow else [])]
     try:
@@ -156,20 +204,19 @@ def _logs_there(record: RunRecord, host: Optional[str], follow: bool, rank: Opti
 
 def down(record: RunRecord) -> list[str]:
     """End the run: its supervisor first, when it still runs here (it stops every host in order
-    and ends the record), then every process left of the run, on every host, by the run's tag. A
-    frozen supervisor (SIGSTOP) is not waited for: the hosts are cleaned, then it is killed."""
-    there = _elsewhere(record, ["down", record.run_id])
-    if there is not None and not any(" did not answer: " in line for line in there):
-        return there
-    lines = there or []  # its host is gone: what is left on the run's hosts is ended from here
-    supervised = supervisor.of_record(record)
+    and ends the run's log), then every process left of the run, on every host, by the run's tag.
+    A frozen supervisor (SIGSTOP) is not waited for: the hosts are cleaned, then it is killed."""
+    there = elsewhere(record, ["down", record.run_id])
+    if there is not None and there.answered:
+        return there.lines
+    lines = there.lines if there is not None else []  # its host is gone: the run's hosts are cleaned from here
+    supervised = daemon.of_record(record)
     frozen = supervised is not None and supervised.frozen()
     if supervised is not None and not frozen:
         grace = float(record.spec.get("job", {}).get("stop_grace") or 30)
-        gone = supervisor.stop(supervised, grace)
+        gone = daemon.stop(supervised, grace)
         lines.append(f"supervisor (pid {supervised.pid}): " + ("stopped the run" if gone else
                      "still running after it was asked to stop; ending what is left on the hosts"))
-        record = load_run(record.run_id)
     backend = record_backend(record)
     lines += backend.down(record)
     settle(record, backend)

@@ -1,11 +1,12 @@
 """The supervisor: the process that runs a run's loop, apart from the terminal that started it.
 
-`submit` forks it as a daemon (its own session, no terminal, its standard streams on /dev/null, a
-second fork so it can never take a terminal back) and returns once it has taken the run: the
-run's record names it as the launcher and its event log (events.py) is open. It runs the one run
-loop (`launch.run_begun`: pre-flight, gates, the job, watcher, recovery, teardown) and writes every
-line the screen shows to the event log; whoever started it follows that log (attach.py) and may
-go away — a closed terminal, a SIGKILLed `ddplaunch up` — without ending the run. SIGTERM or
+`start_daemon` forks it as a daemon (its own session, no terminal, its standard streams on
+/dev/null, a second fork so it can never take a terminal back) and returns once it has taken the
+run: the run's record places its supervisor in it (`Local`) and its event log (record/events.py)
+is open. It runs the one run loop (`run/launch.run_begun`: pre-flight, gates, the job, watcher,
+recovery, teardown) and appends everything the run establishes to the event log; whoever started
+it follows that log (supervise/follow.py) and may go away — a closed terminal, a SIGKILLed
+`ddplaunch up` — without ending the run. SIGTERM or
 SIGINT to the supervisor stops the run as Ctrl-C always did; SIGHUP is ignored.
 
 A fork, not a new interpreter: the run starts without a second import of ddplaunch, and what the
@@ -29,11 +30,11 @@ from typing import Any, MutableMapping, NoReturn, Optional
 from ddplaunch.errors import EXIT_FAILURE, BackendError, DdplaunchError
 from ddplaunch.plan.handoff import SUPERVISE_ENV, HandedOver, decode_run
 from ddplaunch.plan.stages import UpOptions
-from ddplaunch.record.runs import RunRecord, process_start_time, run_dir
+from ddplaunch.record.runs import Local, RunRecord, process_start_time, run_dir
 from ddplaunch.run import launch
 from ddplaunch.spec.model import ClusterSpec
 
-#: Seconds `submit` waits for the supervisor to take the run (record and log written) before
+#: Seconds `start_daemon` waits for the supervisor to take the run (record and log written) before
 #: saying it did not start; a hang guard on a loaded machine.
 TAKE_TIMEOUT = 60.0
 #: Seconds `stop` waits for a stopped supervisor to end the run (its job's stop_grace comes on top).
@@ -51,9 +52,9 @@ class Supervised:
     start: Optional[int]
 
     @classmethod
-    def of(cls, record: RunRecord) -> "Supervised":
-        """The supervisor a run's record names (its launcher), alive or not."""
-        return cls(record.run_id, record.launcher_pid, record.launcher_start)
+    def of(cls, run_id: str, placement: Local) -> "Supervised":
+        """The supervisor process a run's placement names, alive or not."""
+        return cls(run_id, placement.pid, placement.start)
 
     @property
     def dir(self) -> Path:
@@ -84,7 +85,7 @@ class Supervised:
         return True
 
 
-def submit(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Supervised:
+def start_daemon(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Supervised:
     """Start the run's supervisor and return once it has taken the run.
 
     Args:
@@ -192,8 +193,9 @@ def _answer(fd: int, answer: dict[str, Any]) -> None:
 
 
 def of_record(record: RunRecord) -> Optional[Supervised]:
-    """The supervisor of a recorded run, when it runs on this machine and is still alive."""
-    return Supervised.of(record) if record.launcher_alive() is True else None
+    """The supervisor process of a recorded run, when it runs on this machine and is still alive."""
+    placement = record.placement
+    return Supervised.of(record.run_id, placement) if isinstance(placement, Local) and placement.alive() else None
 
 
 def stop(supervised: Supervised, grace: float) -> bool:
@@ -211,7 +213,7 @@ def stop(supervised: Supervised, grace: float) -> bool:
 
 
 def supervise_here(environ: MutableMapping[str, str]) -> int:
-    """`ddplaunch supervise`: run the run handed over in `environ` (handoff.py) in this process,
+    """`ddplaunch supervise`: run the run handed over in `environ` (plan/handoff.py) in this process,
     in the foreground, its screen on stdout (the batch script of a detached Slurm run: the job's
     output); the run's exit code. The run's record, when the launcher's file system is this one's
     (or a requeued job's first try wrote it), is taken over; the hand-over leaves the environment
@@ -224,9 +226,9 @@ def supervise_here(environ: MutableMapping[str, str]) -> int:
 
 def supervise_daemon(environ: MutableMapping[str, str]) -> Supervised:
     """`ddplaunch supervise --daemon`: the run handed over in `environ` taken by a supervisor
-    forked here (`submit`), once it has taken it."""
+    forked here (`start_daemon`), once it has taken it."""
     run = handed_over(environ)
-    return submit(run.spec, run.spec_path, UpOptions(**run.opts))
+    return start_daemon(run.spec, run.spec_path, UpOptions(**run.opts))
 
 
 def handed_over(environ: MutableMapping[str, str]) -> HandedOver:

@@ -1,12 +1,14 @@
 """Following a supervised run: what `up` shows in the foreground and what `attach RUN_ID` shows.
 
-Both replay the run's event log from its first line and follow it live (events.py): every line
-the screen showed, each host's state (a live table on a terminal), then the summary, and return
-the run's exit code. They differ only in what Ctrl-C means: in `up` it stops the run (SIGTERM to
-the supervisor, which stops every host in order; a second Ctrl-C leaves without waiting), in
-`attach` it only detaches. A closed terminal or a killed follower never touches the run. The
-supervisor is a process on this machine, the job of a detached Slurm run (alive while the job is
-queued or running), or on `supervisor.host`, where `attach` itself runs over SSH (remote.py).
+Both replay the run's event log from its first line and follow it live (record/events.py):
+every line the screen showed, each host's state (a live table on a terminal), then the summary
+rendered from the fold of the events, and return the run's exit code. They differ only in what
+Ctrl-C means: in `up` it stops the run (SIGTERM to the supervisor, which stops every host in
+order; a second Ctrl-C leaves without waiting), in `attach` it only detaches. A closed terminal
+or a killed follower never touches the run. The supervisor is where the run's placement says
+(`supervisor_of`): a process on this machine, the job of a detached Slurm run (alive while the
+job is queued or running), or on `supervisor.host`, where `attach` itself runs over SSH
+(supervise/remote.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from ddplaunch.output.console import make_console
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import (EVENTS_FILE, Event, HostState, RunEnded, RunStarted, Shown, follow, from_line,
                                      read_events)
-from ddplaunch.record.runs import REMOTE_HOST, RunRecord
-from ddplaunch.run import launch
+from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
+from ddplaunch.record.view import RunView
+from ddplaunch.report.summary import summarize, summary_json
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise.commands import JOB_POLL, record_backend
-from ddplaunch.supervise.daemon import Supervised, submit
+from ddplaunch.supervise.daemon import Supervised, start_daemon
+from ddplaunch.supervise.handover import hand_over
 
 
 class Followed(Protocol):
@@ -69,22 +73,23 @@ class Scheduled:
         return "its scheduler's job"
 
 
-def supervised_of(record: RunRecord) -> Followed:
-    """The supervisor a recorded run names (alive or not): a process on this machine, or the
-    scheduler's job of a detached Slurm run.
+def supervisor_of(record: RunRecord) -> Followed:
+    """The supervisor a recorded run's placement names (alive or not): a process on this machine,
+    or the scheduler's job of a detached Slurm run.
 
     Raises:
-        RunNotFoundError: the run has no event log to follow (an older ddplaunch's run:
-            `ddplaunch logs -f RUN_ID` follows those).
+        RunNotFoundError: the run has no event log to follow here (it is supervised on another
+            host, or has no log yet: `ddplaunch logs -f RUN_ID` follows its job's output).
     """
-    if record.extra.get("detached"):
+    placement = record.placement
+    if isinstance(placement, InJob):
         scheduler = scheduler_of(record_backend(record))
         if scheduler is not None:
             return Scheduled(record, lambda: scheduler.job_running(record))
-    if not (record.dir / EVENTS_FILE).is_file():
-        raise RunNotFoundError(f"run {record.run_id} has no event log to attach to (started by an older ddplaunch, "
-                               f"or by the scheduler): `ddplaunch logs -f {record.run_id}` follows its log")
-    return Supervised.of(record)
+    if isinstance(placement, Local) and (record.dir / EVENTS_FILE).is_file():
+        return Supervised.of(record.run_id, placement)
+    raise RunNotFoundError(f"run {record.run_id} has no event log to follow here: `ddplaunch logs -f "
+                           f"{record.run_id}` follows its log")
 
 
 class _Interrupts:
@@ -106,15 +111,18 @@ class _Interrupts:
 
 def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: Optional[IO[str]] = None,
                as_json: bool = False) -> int:
-    """Show a supervised run from its first line to its end; its exit code (130 when left by
-    Ctrl-C, 1 when the supervisor died without ending the run)."""
+    """Show a supervised run from its first line to its end, then its summary (rendered from the
+    fold of its events, as its supervisor rendered it); its exit code (130 when left by Ctrl-C, 1
+    when the supervisor died without ending the run)."""
     err = err or sys.stderr
     out = err if as_json else stream
     console = None
+    view = RunView()
     interrupts = _Interrupts(supervised, stops_run, lambda text: print(text, file=out, flush=True))
     old = _install(interrupts)
     try:
         for event in follow(supervised.dir, supervised.alive):
+            view.add(event)
             if isinstance(event, RunStarted) and console is None:
                 console = make_console(out, None, event.hosts)
                 if stops_run:
@@ -123,11 +131,11 @@ def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: O
             elif isinstance(event, Shown) and console is not None:
                 console.block(event.text)
             elif isinstance(event, HostState) and console is not None:
-                console.state(event.host, event.text)
+                console.show_state(event)
             elif isinstance(event, RunEnded):
                 if console is not None:
                     console.close()
-                return _ended(event, stream, err, as_json)
+                return _ended(view, event, stream, err, as_json)
     except KeyboardInterrupt:
         if console is not None:
             console.close()
@@ -145,15 +153,16 @@ def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: O
     return EXIT_FAILURE
 
 
-def _ended(event: RunEnded, stream: IO[str], err: IO[str], as_json: bool) -> int:
+def _ended(view: RunView, event: RunEnded, stream: IO[str], err: IO[str], as_json: bool) -> int:
     if event.error:
         print(f"ddplaunch: error: {event.error}", file=err, flush=True)
         return event.exit_code
+    summary = summarize(view)
     if as_json:
-        print(event.summary, file=err, flush=True)
-        print(event.summary_json, file=stream, flush=True)
+        print(summary, file=err, flush=True)
+        print(summary_json(view), file=stream, flush=True)
     else:
-        print(event.summary, file=stream, flush=True)
+        print(summary, file=stream, flush=True)
     return event.exit_code
 
 
@@ -168,8 +177,8 @@ def _restore(old: dict[int, Any]) -> None:
         signal.signal(sig, h)
 
 
-def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False,
-       stream: Optional[IO[str]] = None) -> int:
+def foreground(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False,
+               stream: Optional[IO[str]] = None) -> int:
     """`ddplaunch up` in the foreground: a supervisor takes the run, this process shows it and
     returns its exit code; Ctrl-C stops the run, anything that ends this process leaves it going.
 
@@ -180,28 +189,26 @@ def up(spec: ClusterSpec, spec_path: str, opts: UpOptions, as_json: bool = False
         if as_json:
             raise PlanError("--json with supervisor.host: the summary is shown on the supervisor's host; "
                             "`ddplaunch status RUN_ID` there, or run without supervisor.host")
-        from ddplaunch.supervise import remote  # Fabric: only for such a run
-
-        record = remote.submit(spec, spec_path, opts)
-        return elsewhere(record, ["attach", record.run_id], stream or sys.stdout, stops_run=True)
-    return follow_run(submit(spec, spec_path, opts), stream or sys.stdout, stops_run=True, as_json=as_json)
+        record = hand_over(spec, spec_path, opts)
+        return follow_elsewhere(record, ["attach", record.run_id], stream or sys.stdout, stops_run=True)
+    supervised = start_daemon(spec, spec_path, opts)
+    return follow_run(supervised, stream or sys.stdout, stops_run=True, as_json=as_json)
 
 
 def attach(record: RunRecord, stream: IO[str]) -> int:
     """`ddplaunch attach RUN_ID`: follow the run to its end, wherever its supervisor runs; its
     exit code (130 when left by Ctrl-C, which leaves the run going)."""
-    if record.extra.get(REMOTE_HOST):
-        return elsewhere(record, ["attach", record.run_id], stream)
-    return follow_run(supervised_of(record), stream, stops_run=False)
+    if isinstance(record.placement, OnHost):
+        return follow_elsewhere(record, ["attach", record.run_id], stream)
+    return follow_run(supervisor_of(record), stream, stops_run=False)
 
 
-def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bool = False) -> int:
+def follow_elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bool = False) -> int:
     """Show ddplaunch's `args` (`attach`, `top`) on the host a run's supervisor runs on, over SSH;
     its exit code. Ctrl-C detaches, or with `stops_run` stops the run there."""
     from ddplaunch.supervise import remote  # Fabric: only for such a run
 
     host = remote.host_of(record)
-    assert host is not None
     try:
         return host.stream(args, stream, stops_run, record.run_id)
     finally:
@@ -209,14 +216,13 @@ def elsewhere(record: RunRecord, args: list[str], stream: IO[str], stops_run: bo
 
 
 def run_events(record: RunRecord, live: bool = False, timeout: Optional[float] = None) -> Iterator[Event]:
-    """The run's events (events.py), oldest first; with `live`, each new one as it comes until the
-    run ends, its supervisor is gone or `timeout` seconds have passed. Of a run supervised on
-    another host, what `ddplaunch events` prints there (over SSH), read back."""
-    if record.extra.get(REMOTE_HOST):
+    """The run's events (record/events.py), oldest first; with `live`, each new one as it comes
+    until the run ends, its supervisor is gone or `timeout` seconds have passed. Of a run
+    supervised on another host, what `ddplaunch events` prints there (over SSH), read back."""
+    if isinstance(record.placement, OnHost):
         from ddplaunch.supervise import remote  # Fabric: only for such a run
 
         host = remote.host_of(record)
-        assert host is not None
         try:
             lines = host.lines(["events", record.run_id, *(["--follow"] if live else []),
                                 *(["--timeout", str(timeout)] if timeout is not None else [])])
@@ -227,40 +233,9 @@ def run_events(record: RunRecord, live: bool = False, timeout: Optional[float] =
     if not live:
         yield from read_events(record.dir)
         return
-    supervised = supervised_of(record)
+    supervised = supervisor_of(record)
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def going() -> bool:
         return supervised.alive() and (deadline is None or time.monotonic() < deadline)
     yield from follow(supervised.dir, going)
-
-
-def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> tuple[str, str]:
-    """Hand the run to its supervisor and return once it has taken it: the scheduler's job where
-    the backend has one (Slurm's batch job), the daemon on `supervisor.host`, else a daemon on this
-    machine. The run id, and the line that says where it runs and how to follow it.
-
-    Raises:
-        PlanError: what `launch.begin` refuses. BackendError: the supervisor did not take the run.
-    """
-    if spec.supervisor.host is not None:
-        from ddplaunch.supervise import remote  # Fabric: only for such a run
-
-        record = remote.submit(spec, spec_path, opts)
-        rid, host = record.run_id, record.extra[REMOTE_HOST]
-        return rid, (f"run {rid}: supervised by pid {record.extra['supervisor_pid']} on {host}; ddplaunch attach "
-                     f"{rid} follows it, ddplaunch down {rid} stops it")
-    scheduled = launch.detach(spec, spec_path, opts)
-    if scheduled is not None:
-        return scheduled.run_id, f"run {scheduled.run_id}: {scheduled.extra['detached']}"
-    supervised = submit(spec, spec_path, opts)
-    rid = supervised.run_id
-    return rid, (f"run {rid}: supervised by pid {supervised.pid} on this machine; ddplaunch attach {rid} follows "
-                 f"it, ddplaunch down {rid} stops it")
-
-
-def detach(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optional[IO[str]] = None) -> str:
-    """`ddplaunch up --detach`: `hand_over`, then the line that says where the run went."""
-    _, line = hand_over(spec, spec_path, opts)
-    print(line, file=stream or sys.stdout, flush=True)
-    return line

@@ -2,10 +2,10 @@
 with ddplaunch installed runs the run loop, so the run outlives this machine, its terminal and
 its network.
 
-`submit` hands the run over SSH — the validated spec, the options and the spec's `from_env`
+`start_there` hands the run over SSH — the validated spec, the options and the spec's `from_env`
 values on the command's stdin, never its command line — to `ddplaunch supervise --stdin --daemon`
 there, which forks the supervisor as `up --detach` does here and answers with a nonce-marked
-line; this machine keeps a record that names the host. `attach`, `status`, `logs`, `down` and `top`
+line; this machine keeps a record whose placement names the host (`OnHost`). `attach`, `status`, `logs`, `down` and `top`
 of that run run ddplaunch's own command there over SSH and show what it prints: the host is
 reached as the run's hosts are (routes, keys, verified host keys), and nothing listens on a port.
 """
@@ -33,7 +33,7 @@ from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, BackendError, Ddpla
 from ddplaunch.plan.handoff import encode_run, supervisor_opts
 from ddplaunch.plan.shellword import word
 from ddplaunch.plan.stages import UpOptions
-from ddplaunch.record.runs import REMOTE_HOST, RunRecord
+from ddplaunch.record.runs import OnHost, RunRecord
 from ddplaunch.run.launch import prepared
 from ddplaunch.spec.model import ClusterSpec
 
@@ -193,7 +193,7 @@ def _their_error(code: int, where: str, text: str) -> DdplaunchError:
     return cls(where + text.removeprefix("ddplaunch: ").removeprefix("error: "))
 
 
-def submit(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
+def start_there(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
     """Hand the run to a supervisor on `spec.supervisor.host` and record it here; the record once
     the supervisor there has taken the run.
 
@@ -219,9 +219,8 @@ def submit(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
         raise _refused(host, code, out)
     answer = json.loads(found[-1])
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), plan_text="")
-    record.extra.update({"base_dir": spec.base_dir, REMOTE_HOST: host.label, "supervisor_pid": answer["pid"]})
-    record.state = "submitted"
+                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(),
+                       placement=OnHost(host.label, int(answer["pid"])), base_dir=spec.base_dir)
     record.save()
     return record
 
@@ -237,9 +236,13 @@ def _refused(host: SupervisorHost, code: int, out: str) -> DdplaunchError:
     return BackendError(f"supervisor.host {host.label}: the supervisor did not take the run (exit {code}): {last}")
 
 
-def host_of(record: RunRecord) -> Optional[SupervisorHost]:
-    """The supervisor's host of a recorded run, when it is not this machine."""
-    if not record.extra.get(REMOTE_HOST):
-        return None
-    spec = ClusterSpec.model_validate(record.spec).model_copy(update={"base_dir": record.extra.get("base_dir", ".")})
-    return SupervisorHost(spec) if spec.supervisor.host is not None else None
+def host_of(record: RunRecord) -> SupervisorHost:
+    """The host a run's supervisor runs on (`supervisor.host`), reached as the spec says.
+
+    Raises:
+        ValueError: the run's supervisor does not run on another host.
+    """
+    if not isinstance(record.placement, OnHost):
+        raise ValueError(f"run {record.run_id} is not supervised on another host")
+    spec = ClusterSpec.model_validate(record.spec).model_copy(update={"base_dir": record.base_dir})
+    return SupervisorHost(spec)

@@ -22,9 +22,8 @@ def _record(home: Path, run_id: str) -> None:
     d = home / "state" / "runs" / run_id
     d.mkdir(parents=True)
     (d / "record.json").write_text(json.dumps({
-        "run_id": run_id, "spec_path": "x", "backend": "local", "hosts": ["localhost"],
-        "spec": {"backend": "local"}, "plan_text": "", "state": "running", "launcher_pid": 1,
-        "launcher_start": 1, "launcher_host": socket.gethostname()}))
+        "run_id": run_id, "spec_path": "x", "backend": "local", "hosts": ["localhost"], "spec": {"backend": "local"},
+        "placement": {"kind": "local", "pid": 1, "start": 1, "host": socket.gethostname()}}))
 
 
 @pytest.mark.root

@@ -92,19 +92,18 @@ def test_ssh_run_leaves_no_secret_on_any_host(sim_cluster, tmp_path, mode, code)
 
 
 CORRUPT = {
-    "stages": {"stage": "job"},
+    "placement": {"kind": "nowhere"},
     "hosts": ["a", 3],
     "started_at": "yesterday",
-    "extra": [],
+    "spec": [],
 }
 
 
 @pytest.mark.parametrize("key", sorted(CORRUPT))
 def test_a_corrupt_record_is_one_line_naming_the_file_and_the_key(tmp_path, key):
     record = {"run_id": "bad", "spec_path": "x", "backend": "local", "hosts": ["localhost"],
-              "spec": {"backend": "local"}, "plan_text": "", "state": "ok", "started_at": 1.0,
-              "stages": [{"stage": "job", "outcomes": [{"host": "h", "node_rank": 0, "state": "ok",
-                                                        "exit_code": 0}]}], key: CORRUPT[key]}
+              "spec": {"backend": "local"}, "started_at": 1.0,
+              "placement": {"kind": "local", "pid": 1, "start": 1, "host": "h"}, key: CORRUPT[key]}
     path = tmp_path / "state" / "runs" / "bad" / "record.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(record))

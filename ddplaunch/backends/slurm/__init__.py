@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ddplaunch.backends.contract import CommandFor, HostResult, Request, RunContext
+from ddplaunch.backends.contract import CommandFor, HostResult, JobEnd, Request, RunContext, StopEvent
 from ddplaunch.backends.failfast import follow, unanswered, unstarted
 from ddplaunch.backends.shell import pid_file, reaper_command, runtime_of, stage_bundle
 from ddplaunch.backends.slurm.allocation import Allocation
@@ -27,8 +27,8 @@ from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.hostprogram import port_probe
 from ddplaunch.plan.launch import LaunchPlan, tool_python
 from ddplaunch.plan.shellword import word
-from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
-from ddplaunch.record.runs import RunRecord
+from ddplaunch.record.results import UNREACHABLE, StageResult
+from ddplaunch.record.runs import InJob, RunRecord
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: How long a probe step may take beyond its command's own timeout (step launch).
@@ -204,7 +204,7 @@ class SlurmBackend:
         return render_detached(self.spec, self.alloc.run.run_id, spec_path, opts, self.alloc.output_path(), nodelist,
                                nodes, os.environ)
 
-    def submit(self, request: Request, record: RunRecord) -> str:
+    def submit(self, request: Request, record: RunRecord) -> InJob:
         """Submit the detached job: sbatch with the script on stdin and only the job's environment."""
         assert isinstance(request, DetachedRequest)
         output = self.alloc.output_path()
@@ -216,10 +216,10 @@ class SlurmBackend:
             raise BackendError(describe_sbatch_error(proc.stderr or proc.stdout))
         SlurmJob(job_id=job_id, owned=True, slurm_conf=self.client.conf,
                  output_path=output.replace("%j", job_id)).save(record.dir)
-        return (f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {record.run_id} -f`, "
-                f"`ddplaunch status {record.run_id}`; stop it with `ddplaunch down {record.run_id}`")
+        return InJob(job_id, f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {record.run_id} -f`, "
+                             f"`ddplaunch status {record.run_id}`; stop it with `ddplaunch down {record.run_id}`")
 
-    def final_state(self, record: RunRecord) -> Optional[str]:
+    def final_state(self, record: RunRecord) -> Optional[JobEnd]:
         job, client = self._recorded_job(record, detached=True)
         if job is None:
             return None
@@ -235,7 +235,7 @@ class SlurmBackend:
             return []
         info = client.job_info(job.job_id)
         state = client.job_state(job.job_id) or info.get("JobState") or "ended (no longer known to slurmctld)"
-        whose = "detached: the run's supervisor runs inside it" if record.extra.get("detached") else \
+        whose = "detached: the run's supervisor runs inside it" if isinstance(record.placement, InJob) else \
             "submitted by this run" if job.owned else "its allocation"
         line = f"  slurm job {job.job_id} ({whose}): {state}"
         if info.get("NodeList") not in (None, "", "(null)"):
@@ -270,6 +270,6 @@ class SlurmBackend:
         """The run's Slurm job (None: none recorded, or not a detached run when `detached`) and a
         client for the cluster it went to."""
         job = SlurmJob.load(record.dir)
-        if job is not None and detached and not record.extra.get("detached"):
+        if job is not None and detached and not isinstance(record.placement, InJob):
             job = None
         return job, SlurmClient(job.slurm_conf or self.client.conf) if job else self.client

@@ -72,7 +72,7 @@ class SlurmClient:
 
     def run(self, argv: list[str], timeout: float = COMMAND_TIMEOUT,
             env: Optional[Mapping[str, str]] = None, stdin: Optional[str] = None,
-            inherit: bool = True) -> subprocess.CompletedProcess:
+            inherit: bool = True) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=self.env(env, inherit),
                                   input=stdin, stdin=None if stdin is not None else subprocess.DEVNULL)

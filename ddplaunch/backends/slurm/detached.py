@@ -24,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from ddplaunch.backends.contract import JobEnd
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.plan.handoff import SUPERVISE_ENV, encode_run, supervisor_opts
 from ddplaunch.plan.shellword import Raw, word
+from ddplaunch.record.results import RunState
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.spec.values import SECRET_SHOWN
 
@@ -132,14 +134,14 @@ def follow_output(path: Path, running: Callable[[], bool], follow: bool, poll: f
         time.sleep(poll)
 
 
-def final_state(job_state: Optional[str], info: Mapping[str, str]) -> Optional[str]:
+def final_state(job_state: Optional[str], info: Mapping[str, str]) -> Optional[JobEnd]:
     """The run's final state once its job has left the queue (the batch script exits with the
     supervisor's code); None while it is queued or running."""
     if job_active(job_state):
         return None
     slurm = info.get("JobState") or job_state
     if slurm == "CANCELLED":
-        return "cancelled"
+        return JobEnd(RunState.CANCELLED, "the job was cancelled")
     if slurm:
-        return "ok" if slurm == "COMPLETED" else "failed"
-    return "ended (state unknown: the job is no longer known to slurmctld)"
+        return JobEnd(RunState.OK if slurm == "COMPLETED" else RunState.FAILED, f"the job ended {slurm}")
+    return JobEnd(RunState.UNKNOWN, "the job is no longer known to slurmctld")

@@ -4,7 +4,7 @@ srun labels each line with the task (= node) index and cuts lines into 1024-byte
 again here). Its own messages say how each failing node ended (`srun: error: HOST: task N: Exited
 with exit code C`). A stop (a failed node, Ctrl-C, a hang) is graceful: SIGTERM to the step's tasks (torchrun stops its workers), then srun is ended. srun dies
 with the launcher (PR_SET_PDEATHSIG), so even a SIGKILLed ddplaunch cancels its steps.
-`SrunStage` is what backends/watch.py follows.
+`SrunStage` is what backends/failfast.py follows.
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class SrunStep:
 
 
 class SrunStage(LossAware):
-    """A stage's step, for backends/watch.py: srun's words on how each node ended, and once srun
+    """A stage's step, for backends/failfast.py: srun's words on how each node ended, and once srun
     itself has ended, every node it said nothing of (exit 0 when srun exited 0). The backend's
     callbacks say which stopped nodes never started, why a node's host does not answer, and end
     what is left of the run on the nodes that were not lost."""

@@ -4,7 +4,7 @@ Each host is reached as the user's ssh config says (routes.py: aliases, User, Po
 IdentityFile, ProxyJump, ProxyCommand; the spec's values win), over one connection per host and
 one per jump host (connect.py), every host key verified. Each node's stage runs in its own session
 with a pty (session.py), so a dropped connection (even a SIGKILLed ddplaunch) HUPs the remote
-torchrun. backends/watch.py follows the started stage; stopping a node is explicit: SIGTERM to the
+torchrun. backends/failfast.py follows the started stage; stopping a node is explicit: SIGTERM to the
 recorded torchrun pid, then the run's tag finds leftovers. Where a host's name is an alias only the
 launcher knows, the rendezvous uses its address (`HostSpec.reach`): the config's HostName, or
 what the host's own sshd saw the connection arrive on.
@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar
 import paramiko
 from fabric import Connection
 
-from ddplaunch.backends.contract import CommandFor, HostResult, RunContext
+from ddplaunch.backends.contract import CommandFor, HostResult, RunContext, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, follow, unstarted
 from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every, pid_file,
                                       reaper_command, runtime_of)
@@ -34,7 +34,7 @@ from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.hostprogram import marked, parse_answer, port_probe
 from ddplaunch.plan.launch import NodeCommand, in_run_dir, master_addr, tool_python
 from ddplaunch.plan.shellword import word
-from ddplaunch.record.results import UNREACHABLE, StageResult, StopEvent
+from ddplaunch.record.results import UNREACHABLE, NodeState, StageResult
 from ddplaunch.record.runs import RunRecord
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
@@ -182,13 +182,13 @@ class SshBackend(ShellLauncher):
         plan = request.plan
         hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in hosts:
-            lines.state(host.label, f"connecting ({plan.stage})")
+            lines.state(host.label, NodeState.NOT_STARTED)
         opened = self._each(lambda h: self._open(h, request), hosts)
         bad = {rank: str(err) for rank, (_, _, err) in enumerate(opened) if err is not None}
         if bad:
             for rank, detail in bad.items():
                 lines.note(f"{plan.nodes[rank].host_label}: {detail}")
-                lines.state(plan.nodes[rank].host_label, "unreachable")
+                lines.state(plan.nodes[rank].host_label, NodeState.UNREACHABLE)
             for _, session, _ in opened:
                 if session is not None:
                     session[0].close()  # its shell hangs up before it reads "go": nothing started

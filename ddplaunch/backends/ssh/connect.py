@@ -65,8 +65,8 @@ class Connector:
         try:
             conn = self._open(route, label)
         except BackendError as err:
-            raise BackendError(f"{label}: {err}" if str(err).startswith("jump host ") else str(err),
-                               fix=err.fix) from None
+            raise BackendError(f"{label}: {err}" if err.jump is not None else str(err), fix=err.fix,
+                               jump=err.jump) from None
         with self._lock:
             self._conns[label] = conn
         return conn
@@ -113,7 +113,7 @@ class Connector:
             except BackendError as err:
                 fix = err.fix or (f"check that jump host {route.alias} is up and its sshd answers (`ssh "
                                   f"{route.alias}` from here); the hosts behind it are reached through it")
-                self._jump_failed[route] = (time.monotonic(), BackendError(str(err), fix=fix))
+                self._jump_failed[route] = (time.monotonic(), BackendError(str(err), fix=fix, jump=route.alias))
                 raise self._jump_failed[route][1] from None
             with self._lock:
                 self._jumps[route] = conn

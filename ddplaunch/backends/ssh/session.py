@@ -5,7 +5,7 @@ listens, takes the run's files as base64 lines on stdin (the environment, secret
 on a command line; not over SFTP, which a login shell that prints breaks), renames each into place
 whole, enters workdir, says it is ready and waits for "go" — sent once every node got this far —
 then runs the node's line. Every answer is a nonce-marked line, so whatever the host's rc files
-print is never mistaken for one. `SshStage` is what backends/watch.py follows: the channels'
+print is never mistaken for one. `SshStage` is what backends/failfast.py follows: the channels'
 exits, and the node stops the backend does for it.
 """
 
@@ -112,7 +112,7 @@ def _pump(ch: paramiko.Channel, lines: StageLines, node_rank: int, host: str) ->
 
 
 class SshStage(LossAware):
-    """Every node's session of a started stage, for backends/watch.py.
+    """Every node's session of a started stage, for backends/failfast.py.
 
     `term(nodes)` SIGTERMs the nodes' torchruns and returns those without a pid file (their
     shell never got to `exec torchrun`); `reap(lost)` ends what is left of the run on every host
