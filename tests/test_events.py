@@ -66,6 +66,19 @@ def _index(events, cls) -> int:
     return next(i for i, e in enumerate(events) if isinstance(e, cls))
 
 
+def test_every_kind_of_event_reads_back_as_it_was_written():
+    """The log's lines read back as the same typed values (JSON keeps dict keys as strings: a
+    straggler's per-rank slowdowns are keyed by int rank)."""
+    from tests.events_util import recovery_started, stage_ended, straggler_named
+
+    named = straggler_named("h2", [2, 3], 0.4, 35, 0.5, 0.35, 0.1, t=5.0)
+    named.straggler.ranks_slow = {2: 0.4, 3: 0.38}
+    for event in (named, recovery_started(1, ["b"], {"b": "d"}, ["a", "d"], t=6.0),
+                  stage_ended({"a": NodeState.OK, "b": NodeState.LOST}, {"a": 0}, t=7.0),
+                  RunEnded(RunState.CANCELLED, 130, error="the job was cancelled", by_scheduler=True, t=8.0)):
+        assert from_line(to_line(event)) == event, type(event).__name__
+
+
 def test_a_line_that_is_not_an_event_is_skipped_not_fatal():
     assert from_line("not json") is None and from_line('{"kind": "from-the-future"}') is None
     assert from_line('{"kind": "shown"}') is None  # a field missing

@@ -101,12 +101,23 @@ def _convert(hint: Any, value: Any) -> Any:
         return tuple(converted) if origin is tuple else converted
     if origin is dict and isinstance(value, dict):
         key, item = args if args else (Any, Any)
-        return {_convert(key, k): _convert(item, v) for k, v in value.items()}
+        return {_key(key, k): _convert(item, v) for k, v in value.items()}
     if origin is typing.Literal:
         if value not in args:
             raise ValueError(f"{value!r} is not one of {args}")
         return value
     return _scalar(hint, value)
+
+
+def _key(hint: Any, key: Any) -> Any:
+    """A dict key as its annotation says: JSON keeps every key as a string (`{2: 0.5}` reads
+    back as `{"2": 0.5}`), so an int key is read from its digits."""
+    if hint is int and isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise ValueError(f"key {key!r} is not int") from None
+    return _convert(hint, key)
 
 
 def _scalar(hint: Any, value: Any) -> Any:
