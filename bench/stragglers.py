@@ -42,7 +42,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddplaunch.record.events import RankSteps, StragglerNamed, read_events  # noqa: E402
+from ddplaunch.record.events import StepWindow, StragglerNamed, read_events  # noqa: E402
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
 from ddplaunch.sim.faults import sim_fault  # noqa: E402
 
@@ -91,16 +91,14 @@ def read_until(proc: subprocess.Popen, needle: str, timeout: float) -> list[tupl
     return lines
 
 
-def naive(events: list, after_step: int, window: int = 10) -> str:
-    """The naive detector on the same run: the rank whose step time is >= 15 % over the median."""
-    last: dict[int, tuple[str, float]] = {}
-    for e in events:
-        if isinstance(e, RankSteps) and e.step > after_step + window:
-            last.setdefault(e.rank, (e.host, e.step_s))
-    if len(last) < 2:
+def naive(events: list, after_step: int) -> str:
+    """The naive detector on the same run: the host whose step time is >= 15 % over the median
+    host's, in the first window of steps after `after_step`."""
+    window = next((e for e in events if isinstance(e, StepWindow) and e.first > after_step), None)
+    if window is None or len(window.hosts) < 2:
         return "no data"
-    median = statistics.median(s for _, s in last.values())
-    slow = [h for h, s in last.values() if s >= 1.15 * median]
+    median = statistics.median(part[2] for part in window.hosts.values())
+    slow = [h for h, part in window.hosts.items() if part[2] >= 1.15 * median]
     return ", ".join(slow) if slow else "nobody"
 
 
@@ -133,7 +131,7 @@ def healthy(cluster, tmp: Path, seconds: float) -> dict:
     proc.send_signal(2)
     out, _ = proc.communicate(timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
-    steps = max((e.step for e in events if isinstance(e, RankSteps)), default=0)
+    steps = max((e.last for e in events if isinstance(e, StepWindow)), default=0)
     return {"seconds": seconds, "steps": steps, "named": [e.straggler.host for e in events if isinstance(e, StragglerNamed)]}
 
 
@@ -176,17 +174,18 @@ def eviction(cluster, tmp: Path, backend: str, trial: int) -> dict:
 
 
 def paces(events: list) -> dict:
-    """Rank 0's steps per second from its timing events (each says a step and when): before the
-    slowdown (steps from 10 to SLOWED_AT), while slowed (20 steps later on) and after the relaunch."""
+    """Steps per second from the judged windows (1 / the median host's median step time): before
+    the slowdown (up to SLOWED_AT), while slowed (from 20 steps later on) and after the relaunch."""
     starts = [i for i, e in enumerate(events) if type(e).__name__ == "RecoveryStarted"]
     relaunch = starts[-1] if starts else len(events)
-    mine = [(i, e) for i, e in enumerate(events) if isinstance(e, RankSteps) and e.rank == 0]
+    windows = [(i, e) for i, e in enumerate(events) if isinstance(e, StepWindow)]
 
-    def rate(marks: list) -> Optional[float]:
-        return (marks[-1].step - marks[0].step) / (marks[-1].mono - marks[0].mono) if len(marks) > 1 else None
-    before = rate([e for i, e in mine if i < relaunch and 10 <= e.step <= SLOWED_AT])
-    slowed = rate([e for i, e in mine if i < relaunch and e.step > SLOWED_AT + 20])
-    after = rate([e for i, e in mine if i > relaunch])
+    def rate(picked: list[StepWindow]) -> Optional[float]:
+        times = [part[2] for e in picked for part in e.hosts.values()]
+        return 1 / statistics.median(times) if times and statistics.median(times) > 0 else None
+    before = rate([e for i, e in windows if i < relaunch and e.last <= SLOWED_AT])
+    slowed = rate([e for i, e in windows if i < relaunch and e.first > SLOWED_AT + 20])
+    after = rate([e for i, e in windows if i > relaunch])
     return {"evicted": bool(starts), "before": before, "slowed": slowed, "after": after,
             "pace": after / before if after and before else None}
 

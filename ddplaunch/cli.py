@@ -62,16 +62,37 @@ def cli() -> None:
                    "end it with down), or on Slurm by one batch job that runs every stage itself.")
 @EXCLUDE_OPT
 @VERBOSE_OPT
+@click.option("--emulate", type=click.IntRange(min=1), metavar="RANKS_PER_HOST", default=None,
+              help="Emulated ranks in place of torchrun and the job (no torch): rehearse a spec's supervision "
+                   "(docs/scaling.md).")
+@click.option("--emulate-step-s", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --emulate: seconds per step.")
+@click.option("--emulate-steps", type=click.IntRange(min=0), default=0, help="With --emulate: steps (0: until stopped).")
+@click.option("--emulate-ckpt-every", type=click.IntRange(min=0), default=50, show_default=True,
+              help="With --emulate: rank 0 saves a checkpoint every this many steps.")
+@click.option("--emulate-slow", multiple=True, metavar="RANK:FACTOR@STEP", help="With --emulate: that rank computes "
+              "FACTOR times longer from STEP on. Repeatable.")
+@click.option("--emulate-freeze", multiple=True, metavar="RANK@STEP", help="With --emulate: that rank freezes (SIGSTOP) "
+              "at STEP. Repeatable.")
+@click.option("--emulate-exit", multiple=True, metavar="RANK:CODE@STEP", help="With --emulate: that rank's script "
+              "exits with CODE at STEP. Repeatable.")
 @click.argument("job_args", nargs=-1, metavar="[-- JOB_ARGS...]")
 @_handle_errors
 def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_json: bool,
-       detach: bool, exclude: tuple[str, ...], verbose: bool, job_args: tuple[str, ...]) -> None:
+       detach: bool, exclude: tuple[str, ...], verbose: bool, emulate: int | None, emulate_step_s: float,
+       emulate_steps: int, emulate_ckpt_every: int, emulate_slow: tuple[str, ...], emulate_freeze: tuple[str, ...],
+       emulate_exit: tuple[str, ...], job_args: tuple[str, ...]) -> None:
     """Pre-flight, health check, then the job of SPEC. Arguments after `--` replace job.args."""
+    from ddplaunch.plan.launch import Emulation
     from ddplaunch.plan.stages import UpOptions
 
+    if emulate is None and (emulate_slow or emulate_freeze or emulate_exit):
+        raise click.UsageError("--emulate-slow, --emulate-freeze and --emulate-exit need --emulate RANKS_PER_HOST")
+    emulation = Emulation(emulate, emulate_step_s, emulate_steps, emulate_ckpt_every, emulate_slow, emulate_freeze,
+                          emulate_exit) if emulate is not None else None
     opts = UpOptions(skip_healthcheck=skip_healthcheck, run_id=run_id,
                      job_args=list(job_args) if job_args else None, detach=detach, exclude=list(exclude),
-                     verbose=verbose)
+                     verbose=verbose, emulate=emulation)
     _launch(spec, opts, dry_run, as_json)
 
 

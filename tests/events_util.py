@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import RecoveryStarted, StageEnded, StragglerNamed
@@ -33,3 +33,40 @@ def straggler_named(host: str, ranks: list[int], slowdown: float, since_step: in
     at = time.time() if t is None else t
     return StragglerNamed(Straggler(host, ranks, slowdown, since_step, at, compute_s, peers_compute_s, peers_wait_s),
                           t=at)
+
+
+class Agents:
+    """The node agents' part, in-process: each host's ranks' reports folded per window of steps as
+    an agent folds them (hostside/fold.py), each host's part handed to `judge`, judged at once.
+    `feed` returns the straggler a report makes named, as the run loop would say it."""
+
+    def __init__(self, judge: "StragglerJudge"):
+        from ddplaunch.diagnose.stragglers import WARMUP
+        from ddplaunch.hostside.fold import StepWindows
+
+        self.judge, self.clock = judge, 0.0
+        self.folds: dict[str, StepWindows] = {}
+        self._new = lambda: StepWindows(judge.window, WARMUP)
+        self.silent: dict[str, list[int]] = {}
+
+    def start(self, host: str, rank: int) -> None:
+        self.folds.setdefault(host, self._new()).start(rank, self.clock)
+
+    def feed(self, host: str, timing: "Timing", clock: Optional[float] = None) -> Optional["Straggler"]:
+        from ddplaunch.hostside.payloads import HostWindow
+
+        self.clock = self.clock if clock is None else clock
+        fold = self.folds.setdefault(host, self._new())
+        fold.add(timing.rank, timing.steps, self.clock)
+        for part in fold.done():
+            self.judge.add(host, HostWindow(**part))
+        verdicts = self.judge.judge()
+        for h, ranks in verdicts.silent.items():
+            self.silent.setdefault(h, []).extend(ranks)
+        return verdicts.stragglers[0] if verdicts.stragglers else None
+
+
+if TYPE_CHECKING:
+    from ddplaunch.diagnose.stragglers import StragglerJudge
+    from ddplaunch.hostside.payloads import Timing
+    from ddplaunch.record.incidents import Straggler

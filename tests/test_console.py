@@ -29,6 +29,16 @@ def test_a_line_every_rank_prints_is_shown_once_with_the_ranks():
     assert log.getvalue().count("UserWarning: something about TF32") == 6
 
 
+def test_a_line_all_8192_ranks_print_is_one_short_line_with_the_ranks_and_the_hosts_count():
+    """1,024 hosts x 8 ranks: one line of bounded length (the hosts counted, not named), built
+    in time that grows with the ranks, not their square (each rank's line checked in O(1))."""
+    con, out, log = _console()
+    _every_rank(con, "UserWarning: something about TF32", hosts=1024, per_host=8)
+    con.close()
+    assert out.getvalue() == "[x8192 ranks: 0-8191 on 1024 hosts] UserWarning: something about TF32\n"
+    assert log.getvalue().count("\n") == 8192
+
+
 def test_verbose_shows_every_line_as_it_comes():
     con, out, _ = _console(verbose=True)
     _every_rank(con, "hello")

@@ -1,6 +1,7 @@
 """The run page (`ddplaunch report RUN_ID --html FILE`, report/page.py): one self-contained HTML file —
-no script, nothing fetched — with a line per rank of its step times, the health check's busbw per
-size, the pair bandwidth heatmap and the timeline; every value from the run escaped. The page of a
+no script, nothing fetched — with every host's compute per window against the median host's (a
+band, and a line for a straggler), the health check's busbw per size, the pair bandwidth heatmap
+and the timeline; every value from the run escaped. The page of a
 real run is checked in test_supervisor.py."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import re
 from html.parser import HTMLParser
 
 from ddplaunch.record.diagnosis import HealthVerdict, Localization, Probe
-from ddplaunch.record.events import EventLog, RankSteps, RunEnded, RunStarted, StageStarted
+from ddplaunch.record.events import EventLog, RunEnded, RunStarted, StageStarted, StepWindow
 from ddplaunch.record.results import NodeState, RunState
 from ddplaunch.report.page import page_of as render
 from tests.events_util import recovery_started, stage_ended, straggler_named
@@ -33,8 +34,8 @@ def _run_dir(tmp_path, host="h2"):
                             {"bytes": 1 << 20, "busbw_gbps": 1.5, "collective": "all_reduce"}],
         pairs=Localization(pairs=[Probe(("h1", host), True, 1.0), Probe(("h1", "h3"), False, None)]))
     for e in [RunStarted("r1", "ssh", ["h1", host], 1, "me", t=100.0), StageStarted("job", "h1", 1, ["h1", host], t=101.0),
-              *[RankSteps("h1", 0, s, 0.2, 0.1, t=101.0 + s) for s in range(1, 6)],
-              *[RankSteps(host, 1, s, 0.2, 0.01, t=101.0 + s) for s in range(1, 6)],
+              *[StepWindow(20 * w + 1, 20 * w + 20, {"h1": [0.1, 0.1, 0.2], host: [0.19, 0.01, 0.2]}, t=101.0 + w)
+                for w in range(1, 6)],
               straggler_named(host, [1], 0.8, 2, 0.19, 0.1, 0.1, t=104.0),
               checked, recovery_started(1, [host], {host: "h3"}, ["h1", "h3"], t=105.0),
               RunEnded(RunState.OK, 0, t=110.0)]:
@@ -50,7 +51,8 @@ def test_the_page_has_every_plot_and_needs_nothing_from_the_network(tmp_path):
     tags = parser.tags
     assert not [t for t, a in tags if t in ("script", "link", "img", "iframe")]
     assert not re.search(r"(src|href)=", page)
-    assert {a["data-rank"] for t, a in tags if t == "polyline"} == {"0", "1"}
+    assert {a["data-host"] for t, a in tags if t == "polyline" and a.get("class") == "host"} == {"h2"}
+    assert [a.get("class") for t, a in tags if t == "polygon"] == ["band"]
     assert len([a for t, a in tags if t == "rect" and a.get("class") == "busbw"]) == 2
     assert len([a for t, a in tags if t == "rect" and a.get("class") == "pair"]) == 4  # both halves of 2 pairs
     assert "<h1>run r1: ok (exit 0)</h1>" in page
@@ -67,7 +69,7 @@ def test_a_run_without_timing_says_so(tmp_path):
     log.append(RunStarted("r2", "local", ["localhost"], 1, "me"))
     log.close()
     page = render(tmp_path)
-    assert "No rank reported its steps" in page and "running (no end in its log yet)" in page
+    assert "No window of steps was judged" in page and "running (no end in its log yet)" in page
 
 
 def test_an_interrupted_run_is_interrupted_on_its_page_as_in_its_summary(tmp_path):

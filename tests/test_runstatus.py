@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ddplaunch.record.events import RankSteps, RunEnded, RunStarted, StageStarted, from_line, to_line
+from ddplaunch.record.events import RunEnded, RunStarted, StageStarted, StepWindow, from_line, to_line
+from ddplaunch.record.live import HostNow, LiveSteps
 from ddplaunch.record.results import NodeState, RunState
 from ddplaunch.record.view import RunView
 from ddplaunch.report.status import status_lines
@@ -16,10 +17,12 @@ def _job(hosts: list[str], t: float) -> StageStarted:
 
 
 def test_a_running_run_says_its_stage_and_newest_step():
-    events = [STARTED, _job(["a", "b", "c"], 101.0),
-              RankSteps("a", 0, 12, 0.3, 0.1, t=110.0), RankSteps("b", 1, 14, 0.3, 0.1, t=111.0),
-              RankSteps("c", 2, 13, 0.3, 0.1, t=112.0)]
-    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=True, now=115.0)
+    """The newest step is the hosts' live status (record/live.py: their agents' lines), of this launch."""
+    events = [STARTED, _job(["a", "b", "c"], 101.0)]
+    live = LiveSteps(stage_started=101.5, hosts={"a": HostNow(12, 0.3, 0.1, 1, 0, 0.2, 110.0),
+                                                 "b": HostNow(14, 0.3, 0.1, 1, 1, 0.2, 111.0),
+                                                 "c": HostNow(13, 0.3, 0.1, 1, 2, 0.2, 112.0)})
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=True, now=115.0, live=live)
     assert lines[:2] == ["r1: running (ssh; hosts a, b, c; supervisor pid 4242 on laptop)",
                          "  now: stage job, step 14 (newest of any rank, reported 4s ago)"]
     assert lines[2:] == ["  stage job: (running)", "    a (node 0): starting", "    b (node 1): starting",
@@ -29,7 +32,7 @@ def test_a_running_run_says_its_stage_and_newest_step():
 def test_a_recovery_a_straggler_and_the_stages_as_they_ended():
     ended = stage_ended({"a": NodeState.OK, "b": NodeState.LOST, "c": NodeState.INTERRUPTED},
                         {"a": 0, "b": None, "c": 143})
-    events = [STARTED, _job(["a", "b", "c"], 101.0), RankSteps("a", 0, 30, 0.3, 0.1, t=110.0), ended,
+    events = [STARTED, _job(["a", "b", "c"], 101.0), StepWindow(21, 40, {"a": [0.2, 0.1, 0.3]}, t=110.0), ended,
               recovery_started(1, ["b"], {"b": "d"}, ["a", "d", "c"]), _job(["a", "d", "c"], 120.0),
               straggler_named("c", [2], 0.4, 35, 0.5, 0.35, 0.1),
               stage_ended({h: NodeState.OK for h in "adc"}, {h: 0 for h in "adc"}),
@@ -45,13 +48,21 @@ def test_a_recovery_a_straggler_and_the_stages_as_they_ended():
 
 
 def test_a_relaunch_counts_steps_again_and_a_dead_supervisor_is_said():
-    events = [STARTED, _job(["a", "b", "c"], 101.0), RankSteps("a", 0, 30, 0.3, 0.1, t=110.0),
+    events = [STARTED, _job(["a", "b", "c"], 101.0), StepWindow(21, 40, {"a": [0.2, 0.1, 0.3]}, t=110.0),
               stage_ended({h: NodeState.LOST for h in "abc"}), _job(["a", "b", "c"], 120.0)]
     lines = status_lines(RunView.of(events), "ssh", supervisor_alive=False, now=130.0)
     assert lines[:2] == ["r1: supervisor died without ending the run (pid 4242 gone) (ssh; hosts a, b, c; "
                          "supervisor pid 4242 on laptop)", "  now: stage job"]
     # a lost node has no exit code
     assert "    a (node 0): lost" in lines
+
+
+def test_without_a_live_status_the_newest_window_judged_says_how_far_the_job_is():
+    """A live status of an earlier launch (its relaunch has not reported yet) is not taken."""
+    events = [STARTED, _job(["a", "b", "c"], 101.0), StepWindow(21, 40, {"a": [0.2, 0.1, 0.3]}, t=110.0)]
+    old = LiveSteps(stage_started=50.0, hosts={"a": HostNow(99, 0.3, 0.1, 1, 0, 0.2, 60.0)})
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=True, now=115.0, live=old)
+    assert lines[1] == "  now: stage job, step 40 (newest of any rank, reported 5s ago)"
 
 
 def test_a_job_ended_by_its_scheduler_takes_the_schedulers_state():

@@ -214,9 +214,12 @@ exit 3""")
     step = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], StageLines(console), "x", "7")
     assert step.wait(timeout=30) == 3
     console.flush()
-    assert step.output[0] == [long] and step.output[1] == ["[n2:3] boom"]
     assert step.ends[1][0] == 3 and step.ends[0][1] == "Terminated" and step.first_failure == 1
-    assert f"[n1] {long}" in out.getvalue()
+    assert f"[n1] {long}\n" in out.getvalue() and "[n2:3] boom\n" in out.getvalue()
+    assert step.output == {}  # a stage's lines go to its StageLines only: nothing kept grows with the run
+    probe = SrunStep(SlurmClient(None), ["srun"], {}, ["n1", "n2"], None, "x", "7")  # a probe's are its answer
+    assert probe.wait(timeout=30) == 3
+    assert probe.output[0] == [long] and probe.output[1] == ["[n2:3] boom"]
 
 
 def test_a_mixed_fleet_step_gives_each_node_its_count_by_name(tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from ddplaunch.diagnose.stragglers import IN_A_ROW, WARMUP, WINDOW, StragglerJudge
-from ddplaunch.hostside.entry import Timing
+from tests.events_util import Agents
+from ddplaunch.hostside.payloads import Timing
 
 sys.path.insert(0, str(Path(__file__).parent))
 from torchrun_util import ROOT, run_torchrun  # noqa: E402
@@ -65,7 +66,7 @@ def test_the_rank_that_computes_longer_waits_least_and_is_named(tmp_path, kind):
     run = run_torchrun(ENTRY, "--no-healthcheck", "--", job, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:]
     steps: dict[int, dict[int, tuple[float, float]]] = {0: {}, 1: {}}
-    watch, named = StragglerJudge(world_size=2), []
+    watch, named = Agents(StragglerJudge(["host0", "host1"])), []
     for payload in map(json.loads, TIMING_RE.findall(run.stdout)):
         steps[payload["rank"]].update({s: (t, w) for s, t, w in payload["steps"]})
         found = watch.feed(f"host{payload['rank']}", Timing(payload["rank"], payload["steps"]))

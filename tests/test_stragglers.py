@@ -1,6 +1,7 @@
-"""The straggler judge (diagnose/stragglers.StragglerJudge), fed with the payloads ranks send: in a
-synchronous job every rank's step lasts as long as the slowest's, so the straggler is the rank
-that waits least at the collectives. The real thing (sim hosts, a host's CPU limited) is in
+"""The straggler judge (diagnose/stragglers.StragglerJudge), fed with what ranks send, folded per
+window of steps as the node agents fold it (tests/events_util.Agents): in a synchronous job every
+rank's step lasts as long as the slowest's, so the straggler is the rank that waits least at the
+collectives. The real thing (sim hosts, a host's CPU limited) is in
 tests/test_stragglers_sim.py."""
 
 from __future__ import annotations
@@ -8,12 +9,14 @@ from __future__ import annotations
 import random
 
 from ddplaunch.diagnose.stragglers import IN_A_ROW, THRESHOLD, WARMUP, WINDOW, StragglerJudge
-from ddplaunch.hostside.entry import Timing, read_payload
+from ddplaunch.hostside.fold import SILENT_S
+from ddplaunch.hostside.payloads import Timing, read_payload
+from tests.events_util import Agents
 
 HOSTS = {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h3", 5: "h3"}
 
 
-def _feed(watch: StragglerJudge, steps: range, compute: dict[int, float], noise: float = 0.0, seed: int = 0):
+def _feed(watch: Agents, steps: range, compute: dict[int, float], noise: float = 0.0, seed: int = 0):
     """Every rank reports `steps`: a step lasts as long as the slowest rank's compute plus 10 ms
     of transfer; each rank waits the rest. The straggler named, if any, with the step it was named at."""
     rnd = random.Random(seed)
@@ -22,14 +25,19 @@ def _feed(watch: StragglerJudge, steps: range, compute: dict[int, float], noise:
         mine = {r: c * (1 + rnd.uniform(-noise, noise)) for r, c in compute.items()}
         step_s = max(mine.values()) + 0.010
         for rank, c in mine.items():
-            found = watch.feed(HOSTS[rank], Timing(rank, [[step, step_s, step_s - c]]))
+            found = watch.feed(HOSTS[rank], Timing(rank, [[step, step_s, step_s - c]]), clock=float(step))
             if found is not None:
                 named.append((found, step))
     return named
 
 
+def judged(*hosts: str) -> Agents:
+    """A judge of `hosts` (default: HOSTS's), fed as the node agents feed it."""
+    return Agents(StragglerJudge(list(hosts or sorted(set(HOSTS.values())))))
+
+
 def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
-    watch = StragglerJudge(6)
+    watch = judged()
     compute = {r: 0.100 for r in HOSTS} | {2: 0.150, 3: 0.150}
     named = _feed(watch, range(1, 200), compute)
     assert len(named) == 1, named
@@ -43,23 +51,23 @@ def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
 
 def test_a_healthy_run_with_noise_names_nobody():
     for seed in range(20):
-        watch = StragglerJudge(6)
+        watch = judged()
         assert _feed(watch, range(1, 300), {r: 0.100 for r in HOSTS}, noise=0.3, seed=seed) == []
 
 
 def test_a_slowdown_under_the_threshold_names_nobody():
-    watch = StragglerJudge(6)
+    watch = judged()
     compute = {r: 0.100 for r in HOSTS} | {4: 0.100 * (1 + THRESHOLD - 0.03), 5: 0.100 * (1 + THRESHOLD - 0.03)}
     assert _feed(watch, range(1, 200), compute) == []
 
 
 def test_a_slowdown_shorter_than_three_windows_names_nobody():
-    watch = StragglerJudge(6)
+    watch = judged()
     healthy = {r: 0.100 for r in HOSTS}
     _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
     burst = range(WARMUP + WINDOW + 1, WARMUP + (IN_A_ROW + 1) * WINDOW + 1)
     assert _feed(watch, burst, healthy | {0: 0.3, 1: 0.3}) != []  # three windows: named
-    watch = StragglerJudge(6)
+    watch = judged()
     _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
     short = range(WARMUP + WINDOW + 1, WARMUP + IN_A_ROW * WINDOW + 1)
     assert _feed(watch, short, healthy | {0: 0.3, 1: 0.3}) == []
@@ -73,7 +81,7 @@ def test_a_host_is_judged_against_its_own_level_when_training_started():
     straggler; slowed by a quarter, it is, and its slowdown is reported against its peers."""
     healthy = {r: 0.100 for r in HOSTS}
     start = WARMUP + 10 * WINDOW
-    watch = StragglerJudge(6)
+    watch = judged()
     assert _feed(watch, range(1, start + 1), healthy | {0: 0.105, 1: 0.105}) == []
     assert _feed(watch, range(start + 1, start + 5 * WINDOW + 1), healthy | {0: 0.119, 1: 0.119}) == []
     named = _feed(watch, range(start + 5 * WINDOW + 1, start + 10 * WINDOW + 1), healthy | {0: 0.131, 1: 0.131})
@@ -83,7 +91,7 @@ def test_a_host_is_judged_against_its_own_level_when_training_started():
 def test_a_host_slow_from_the_start_is_named():
     """Only threshold/3 of a host's slowness can be taken as its own level: 30 % slow from the first
     step on is a straggler."""
-    watch = StragglerJudge(6)
+    watch = judged()
     named = _feed(watch, range(1, 200), {r: 0.100 for r in HOSTS} | {4: 0.130, 5: 0.130})
     assert [(found.host, round(found.slowdown, 2), step) for found, step in named] == \
         [("h3", 0.3, WARMUP + IN_A_ROW * WINDOW)]
@@ -91,7 +99,7 @@ def test_a_host_slow_from_the_start_is_named():
 
 def test_on_a_noisy_machine_the_bar_rises_with_the_peers_spread():
     """Peers computing 70-130 ms (a spread of 30 %): a host 20 % over their median is noise there."""
-    watch = StragglerJudge(4)
+    watch = judged("h1", "h2", "h3", "h4")
     hosts = {0: "h1", 1: "h2", 2: "h3", 3: "h4"}
     named = []
     for step in range(1, 300):
@@ -103,21 +111,26 @@ def test_on_a_noisy_machine_the_bar_rises_with_the_peers_spread():
     assert named == []
 
 
-def test_nothing_is_judged_until_every_rank_reported():
-    watch = StragglerJudge(6)
-    compute = {r: 0.100 for r in HOSTS if r != 5} | {0: 0.3}
-    assert _feed(watch, range(1, 100), compute) == []
+def test_a_rank_that_never_reports_is_itself_a_finding_and_the_others_are_judged():
+    """Rank 5 started and never reported a step: named silent once its node's others have reported
+    for SILENT_S, and the judge goes on with the ranks that report (h1 is slow, and named)."""
+    watch = judged()
+    watch.start("h3", 5)
+    compute = {r: 0.100 for r in HOSTS if r != 5} | {0: 0.3, 1: 0.3}
+    named = _feed(watch, range(1, 200), compute)
+    assert [found.host for found, _ in named] == ["h1"] and watch.silent == {"h3": [5]}
+    assert SILENT_S < 200  # the fake clock: a step a second
 
 
 def test_one_host_alone_has_no_peers():
-    watch = StragglerJudge(2)
+    watch = judged("h1")
     for step in range(1, 60):
         assert watch.feed("h1", Timing(0, [[step, 0.2, 0.0]])) is None
         assert watch.feed("h1", Timing(1, [[step, 0.2, 0.1]])) is None
 
 
 def test_a_malformed_payload_is_ignored():
-    watch = StragglerJudge(2)
+    watch = judged("h1")
     assert read_payload("TIMING", '{"rank": "0", "steps": []}') is None  # the schema refuses it: never fed
     assert watch.feed("h1", Timing(0, [["x", 1, 2], [5, 1], None])) is None
 

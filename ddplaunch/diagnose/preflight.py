@@ -42,9 +42,9 @@ def listen_seconds(spec: ClusterSpec, parallel: int, hosts: Optional[int] = None
 
 
 def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int],
-                  parallel: int, expect: Optional[int] = None) -> tuple[str, str]:
+                  parallel: int, expect: Optional[int] = None, emulated: bool = False) -> tuple[str, str]:
     """(shell line that probes `host`, nonce of its answer line); the master waits for `expect`
-    hosts (default: all) to reach its port."""
+    hosts (default: all) to reach its port; `emulated`: the ranks need no GPU."""
     master = master_addr(spec)
     expect = expect or len(spec.hosts)
     args = {"run_id": run_id, "master": master, "port": port, "label": host.label,
@@ -52,7 +52,7 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "expect": expect, "workdir": spec.workdir_path,
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
-            "need_gpus": spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto",
+            "need_gpus": not emulated and (spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto"),
             "probe_s": spec.preflight.timeout}
     if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
@@ -64,9 +64,11 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     return (f"{image_check(image, nonce, spec.workdir_path)}; {text}" if image else text), nonce
 
 
-def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int]) -> PreflightReport:
+def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
+                  emulated: bool = False) -> PreflightReport:
     """Probe every host in parallel and evaluate the facts. The hosts that can be reached at all
-    are found first, so the master does not listen for a host that will never connect."""
+    are found first, so the master does not listen for a host that will never connect.
+    `emulated` (`up --emulate`): the ranks need neither torch nor GPUs."""
     t0 = time.time()
     parallel = backend.max_parallel
     reached = backend.reach(list(spec.hosts), timeout=spec.preflight.timeout + PROBE_SLACK)
@@ -74,7 +76,7 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
     alive = [r.host for r in reached if r.error is None]
 
     def command(host: HostSpec) -> tuple[str, str]:
-        return probe_command(spec, host, run_id, port, parallel, expect=len(alive))
+        return probe_command(spec, host, run_id, port, parallel, expect=len(alive), emulated=emulated)
 
     answers = ask_hosts(backend, command, alive, listen_seconds(spec, parallel, len(alive)) + PROBE_SLACK) \
         if alive else []
@@ -85,7 +87,7 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
             continue
         raw[answer.host.label] = (answer.data if isinstance(answer.data, dict)
                                   else {"exit": answer.code, "output": answer.output.strip()[-300:], "python": None})
-    report = evaluate(spec, raw, launcher_time=(t0, t1), port=port)
+    report = evaluate(spec, raw, launcher_time=(t0, t1), port=port, emulated=emulated)
     report.elapsed_s = time.time() - t0
     return report
 
@@ -96,7 +98,7 @@ def _unreached(err: Optional[BackendError]) -> dict[str, Any]:
 
 
 def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float, tuple[float, float]],
-             port: Optional[int]) -> PreflightReport:
+             port: Optional[int], emulated: bool = False) -> PreflightReport:
     """Pure: per-host facts -> checks. `raw[label]` is the probe's JSON, or {"error"} / {"exit"}.
     `launcher_time` is when the launcher sent the probes and got the answers: a host clock within
     that window is not skewed, however long the probe took."""
@@ -109,7 +111,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
         if not _probed(spec, rep, h):
             continue
         rep.checks["python"] = Check(True, f"{f['python']}")
-        rep.checks["torch"] = _torch(f)
+        rep.checks["torch"] = _torch(f) if not emulated else Check(None, "not needed (emulated ranks)")
         _gpus(spec, rep, h)
         left = f.get("leftovers") or {}
         rep.checks["leftovers"] = (Check(True, "none") if not left else Check(

@@ -1,19 +1,20 @@
 """Stragglers: the host whose ranks compute slower than their peers, named while training runs.
 
 Every rank sends its step times and its waits at the gradient collectives (hostside/
-steptiming.py). In a synchronous job every rank's step lasts as long as the slowest rank's, so
+steptiming.py) to its node's agent, which folds them per window of `window` steps (hostside/
+fold.py): each rank's median compute and wait over the window, one part per host. In a synchronous job every rank's step lasts as long as the slowest rank's, so
 step times are equal everywhere; what differs is the wait: the others wait at each collective for
 the straggler, which arrives last and waits least. A rank's compute share is its step time minus
-its wait. `StragglerJudge` compares, over the last `window` steps every rank has reported, each
-host's compute share (the median of its ranks' medians) with the median of the other hosts'
-ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
+its wait. `StragglerJudge` compares, per window, each host's compute share (the median of its
+ranks' medians) with the median of the other hosts' ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
 the spread of its peers' — above it in three windows in a row. Against its own level: how a
 rank's share compares with its peers' when nothing is wrong differs a little by rank (its place in
 the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
 ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
 level, and a host slower than that by the bar is slow (one slow from the start is named too: no
-more than `threshold / 3` of its slowness can become its level). Pure: fed with payloads, it
-returns verdicts; the run loop shows and records them.
+more than `threshold / 3` of its slowness can become its level). Pure: fed with the hosts' parts,
+it returns verdicts (and the ranks gone silent, the hosts whose part never came); the run loop
+shows and records them.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
-from ddplaunch.hostside.entry import Timing
+from ddplaunch.hostside.payloads import HostWindow
 from ddplaunch.record.incidents import Straggler
 
 #: How much slower than its peers a host's ranks compute before it is named (documented default).
@@ -42,64 +44,129 @@ NOISE_FACTOR = 3.0
 LEVEL_WINDOWS = 50
 
 
-class StragglerJudge:
-    """One launch's per-rank timing; `feed` a rank's payload, get a newly named straggler back.
-    `world_size` None (processes per node found on the host): judged once two hosts reported."""
+#: Seconds a window waits for every host's part before it is judged with the hosts that sent
+#: theirs (a host whose agent went quiet must not hold the judge back).
+LATE_S = 10.0
+#: Windows kept waiting at most (the oldest is judged when more come: memory stays bounded).
+MAX_PENDING = 8
+#: From this many ranks on, a host's peers are every rank (the host's own few move the median and
+#: the spread by a hair): the window is judged in O(ranks log ranks), not O(ranks x hosts).
+EXACT_PEERS_UP_TO = 512
 
-    def __init__(self, world_size: Optional[int], threshold: float = THRESHOLD, window: int = WINDOW):
-        self.world_size, self.threshold, self.window = world_size, threshold, window
+
+@dataclass(frozen=True)
+class Judged:
+    """A window judged: each host's part as one number each — its ranks' medians of compute, wait
+    and step time (the median of its ranks' medians)."""
+
+    first: int
+    last: int
+    hosts: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """A host whose part of a window never came while the other hosts sent theirs."""
+
+    host: str
+    first: int
+    last: int
+
+
+@dataclass
+class Verdicts:
+    """What judging the waiting windows found: the windows judged, hosts newly named, ranks
+    newly silent (host -> ranks), hosts newly quiet."""
+
+    windows: list[Judged] = field(default_factory=list)
+    stragglers: list[Straggler] = field(default_factory=list)
+    silent: dict[str, list[int]] = field(default_factory=dict)
+    missing: list[Quiet] = field(default_factory=list)
+
+
+class StragglerJudge:
+    """One launch's windows of steps, a part per host (`HostWindow`: every rank's median compute
+    and wait over `window` steps, folded on the host by its agent). `add` them as they come;
+    `judge` (on a timer, not per line) judges each window once, in order, when every host sent its
+    part or LATE_S after the first did: O(ranks log ranks) per window, bounded memory."""
+
+    def __init__(self, hosts: Sequence[str] = (), threshold: float = THRESHOLD, window: int = WINDOW):
+        self.threshold, self.window = threshold, window
+        self.expected = set(hosts)
         self._lock = threading.Lock()
-        #: rank -> step -> (step_s, wait_s)
-        self._steps: dict[int, dict[int, tuple[float, float]]] = {}
+        self._pending: dict[int, dict[str, HostWindow]] = {}  # a window's last step -> host -> its part
+        self._arrived: dict[int, float] = {}  # when a window's first part came (monotonic)
         self.host_of: dict[int, str] = {}
         self.named: dict[str, Straggler] = {}
-        self._slow_in: dict[str, int] = {}   # host -> the last window end it was slow in
+        self._slow_in: dict[str, int] = {}   # host -> the first step of the windows it is slow in
         self._level: dict[str, deque[float]] = {}  # host -> its ratios to its peers when not slow
-        self._judged = WARMUP
+        self._judged = 0
+        self._silent: set[tuple[str, int]] = set()
+        self._missing: set[str] = set()
 
-    def feed(self, host: str, timing: Timing) -> Optional[Straggler]:
-        """A rank's `DDPLAUNCH_TIMING_JSON` payload; the straggler it makes named, if any."""
+    def add(self, host: str, part: HostWindow) -> None:
+        """A host's part of a window (from a reader's thread)."""
         with self._lock:
-            mine = self._steps.setdefault(timing.rank, {})
-            self.host_of[timing.rank] = host
-            for item in timing.steps:
-                if (isinstance(item, list) and len(item) == 3 and all(isinstance(v, (int, float)) for v in item)
-                        and item[0] > WARMUP):
-                    mine[int(item[0])] = (float(item[1]), float(item[2]))
-            return self._judge()
+            if part.last <= self._judged:
+                return
+            self._pending.setdefault(part.last, {})[host] = part
+            self._arrived.setdefault(part.last, time.monotonic())
+            self.expected.add(host)
 
-    def _judge(self) -> Optional[Straggler]:
-        if len(self._steps) < (self.world_size or 2) or len(set(self.host_of.values())) < 2:
-            return None
-        newest = min(max(s, default=0) for s in self._steps.values())
-        found = None
-        while self._judged + self.window <= newest:  # every full window not judged yet, in order
-            first, last = self._judged + 1, self._judged + self.window
-            self._judged = last
-            found = self._window(first, last) or found
-        for steps in self._steps.values():  # keep two windows
-            for s in [s for s in steps if s <= self._judged - 2 * self.window]:
-                del steps[s]
-        return found
+    def judge(self, now: Optional[float] = None) -> Verdicts:
+        """Judge every window that is complete (or waited LATE_S), oldest first."""
+        now = time.monotonic() if now is None else now
+        out = Verdicts()
+        with self._lock:
+            for last in sorted(self._pending):
+                parts = self._pending[last]
+                late = now - self._arrived[last] >= LATE_S or len(self._pending) > MAX_PENDING
+                if not self.expected <= set(parts) and not late:
+                    break  # windows in order: a later one waits for this one
+                del self._pending[last], self._arrived[last]
+                self._judged = last
+                self._note_missing(parts, out)
+                self._note_silent(parts, out)
+                out.windows.append(_summary(parts))
+                found = self._window(parts)
+                if found is not None:
+                    out.stragglers.append(found)
+        return out
 
-    def _window(self, first: int, last: int) -> Optional[Straggler]:
+    def _note_missing(self, parts: dict[str, HostWindow], out: Verdicts) -> None:
+        first, last = min(p.first for p in parts.values()), max(p.last for p in parts.values())
+        for host in sorted(self.expected - set(parts) - self._missing):
+            self._missing.add(host)
+            out.missing.append(Quiet(host, first, last))
+        self._missing &= self.expected - set(parts)  # a host that sent again is heard again
+
+    def _note_silent(self, parts: dict[str, HostWindow], out: Verdicts) -> None:
+        for host, part in parts.items():
+            new = sorted(int(r) for r in part.silent if (host, int(r)) not in self._silent)
+            if new:
+                self._silent |= {(host, r) for r in new}
+                out.silent[host] = new
+
+    def _window(self, parts: dict[str, HostWindow]) -> Optional[Straggler]:
         per_rank: dict[int, tuple[float, float]] = {}
-        for rank, steps in self._steps.items():
-            got = [steps[s] for s in range(first, last + 1) if s in steps]
-            if len(got) < self.window // 2:
-                return None  # a rank's report is missing: judge nothing rather than guess
-            per_rank[rank] = (statistics.median(t - w for t, w in got), statistics.median(w for _, w in got))
+        for host, part in parts.items():
+            for rank, values in part.ranks.items():
+                if isinstance(values, list) and len(values) >= 2:
+                    per_rank[int(rank)] = (float(values[0]), float(values[1]))
+                    self.host_of[int(rank)] = host
         hosts = sorted(set(self.host_of[r] for r in per_rank))
+        if len(hosts) < 2:
+            return None
+        first = min(p.first for p in parts.values())
+        peers = _Peers(per_rank, self.host_of)
         found = None
         for host in hosts:
             ranks = sorted(r for r in per_rank if self.host_of[r] == host)
-            peers = [r for r in per_rank if self.host_of[r] != host]
             mine = statistics.median(per_rank[r][0] for r in ranks)
-            theirs = statistics.median(per_rank[r][0] for r in peers)
+            theirs, spread, their_wait = peers.of(host, ranks)
             if theirs <= 0:
                 self._slow_in.pop(host, None)
                 continue
-            spread = statistics.median(abs(per_rank[r][0] - theirs) for r in peers)
             bar = max(self.threshold, NOISE_FACTOR * spread / theirs)
             if mine < (1 + bar) * theirs * self._own_level(host):
                 self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine / theirs)
@@ -109,8 +176,7 @@ class StragglerJudge:
             if first - since < (IN_A_ROW - 1) * self.window or host in self.named or found:
                 continue  # not slow long enough yet, or named already (one host named a window)
             found = Straggler(host=host, ranks=ranks, slowdown=mine / theirs - 1, since_step=since,
-                              named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
-                              peers_wait_s=statistics.median(per_rank[r][1] for r in peers),
+                              named_at=time.time(), compute_s=mine, peers_compute_s=theirs, peers_wait_s=their_wait,
                               ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
             self.named[host] = found
         return found
@@ -122,3 +188,35 @@ class StragglerJudge:
             return 1.0
         most = 1 + self.threshold / 3
         return min(max(statistics.median(level), 1 / most), most)
+
+
+def _summary(parts: dict[str, HostWindow]) -> Judged:
+    """The window as one number each per host: the median of its ranks' medians."""
+    hosts = {}
+    for host, part in sorted(parts.items()):
+        values = [v for v in part.ranks.values() if isinstance(v, list) and len(v) >= 3]
+        if values:
+            hosts[host] = [round(statistics.median(float(v[i]) for v in values), 6) for i in range(3)]
+    return Judged(min(p.first for p in parts.values()), max(p.last for p in parts.values()), hosts)
+
+
+class _Peers:
+    """A host's peers in one window: the median compute of the other hosts' ranks, their spread
+    (median absolute deviation) and their median wait. Exact (the host's ranks left out) up to
+    EXACT_PEERS_UP_TO ranks; beyond, every rank's, computed once for the window."""
+
+    def __init__(self, per_rank: dict[int, tuple[float, float]], host_of: dict[int, str]):
+        self.per_rank, self.host_of = per_rank, host_of
+        self.exact = len(per_rank) <= EXACT_PEERS_UP_TO
+        if not self.exact:
+            self.all = self._stats(list(per_rank))
+
+    def of(self, host: str, ranks: list[int]) -> tuple[float, float, float]:
+        if not self.exact:
+            return self.all
+        return self._stats([r for r in self.per_rank if self.host_of[r] != host])
+
+    def _stats(self, ranks: list[int]) -> tuple[float, float, float]:
+        theirs = statistics.median(self.per_rank[r][0] for r in ranks)
+        spread = statistics.median(abs(self.per_rank[r][0] - theirs) for r in ranks)
+        return theirs, spread, statistics.median(self.per_rank[r][1] for r in ranks)

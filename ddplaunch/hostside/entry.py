@@ -36,109 +36,6 @@ USAGE = ("usage: entry.py [health-check options | --no-healthcheck] [--finalize]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ------------------------------------------------------------------ the ranks' payloads
-# One schema for every machine-readable line a rank prints (``DDPLAUNCH_<KIND>_JSON {...}``):
-# written here and by steptiming.py with ``payload_line``, read by ddplaunch with ``read_payload``
-# (ddplaunch/output/stagelines.py). Standard library only: this file runs on the hosts.
-
-
-@dataclasses.dataclass
-class RankStart:  # a worker started under torchrun: its host and pid (the OOM killer names pids), restart
-    KIND: ClassVar[str] = "RANKSTART"
-    rank: int
-    pid: int = 0
-    local_rank: int = 0
-    restart: int = 0
-    host: str = ""
-
-
-@dataclasses.dataclass
-class RankExit:  # the script returned, exited or raised with this code; the process leaves next
-    KIND: ClassVar[str] = "RANKEXIT"
-    rank: int
-    code: int
-
-
-@dataclasses.dataclass
-class RankFailed:  # the script raised: the exception's type and message, the line it came from
-    KIND: ClassVar[str] = "RANKFAILED"
-    rank: int
-    exc_type: str
-    message: str
-    file: str = ""
-    line: int = 0
-
-
-@dataclasses.dataclass
-class StepsDone:  # rank 0's optimizer steps so far (at most once a second, and at exit)
-    KIND: ClassVar[str] = "PROGRESS"
-    rank: int
-    steps: int
-
-
-@dataclasses.dataclass
-class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.checkpoint.load)
-    KIND: ClassVar[str] = "LOADED"
-    rank: int
-    path: str
-    via: str = ""
-
-
-@dataclasses.dataclass
-class Held:  # rank 0 holds before its first optimizer step after the checkpoint it saved (HOLD_FILE)
-    KIND: ClassVar[str] = "HELD"
-    rank: int
-    steps: int
-    path: Optional[str] = None
-
-
-@dataclasses.dataclass
-class Timing:  # a rank's step timing (steptiming.py): [step, step_s, wait_s] per optimizer step
-    KIND: ClassVar[str] = "TIMING"
-    rank: int
-    steps: list[Any]
-
-
-PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing)}
-_TYPES: dict[Any, Any] = {int: int, str: str, list[Any]: list, Optional[str]: (str, type(None))}
-
-
-def payload_line(payload: Any) -> str:
-    """The line a payload is printed as (with its newline)."""
-    return f"DDPLAUNCH_{payload.KIND}_JSON " + json.dumps(dataclasses.asdict(payload)) + "\n"
-
-
-def read_payload(kind: str, text: str) -> Optional[Any]:
-    """The payload of kind ``kind`` a line's JSON text holds; None when it is not one (unknown
-    kind, not JSON, a field missing or of the wrong type)."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    cls = PAYLOADS.get(kind)
-    if cls is None or not isinstance(data, dict):
-        return None
-    fields = [f for f in dataclasses.fields(cls) if f.name in data or f.default is dataclasses.MISSING]
-    if any(f.name not in data or isinstance(data[f.name], bool) or not isinstance(data[f.name], _TYPES[f.type])
-           for f in fields):
-        return None
-    return cls(**{f.name: data[f.name] for f in fields})
-
-
-def say(payload: Any) -> None:
-    """Print a payload line on stdout (never the job's failure)."""
-    try:
-        sys.stdout.write(payload_line(payload))
-        sys.stdout.flush()
-    except Exception:
-        pass
-
-
-def under_torchrun() -> bool:
-    """Whether torchrun started this worker (ddplaunch reads the payloads then)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def split_argv(argv: list[str]) -> tuple[list[str], bool, bool, list[str]]:
     """``[opts..., '--', script, args...]`` -> (health-check opts, healthcheck?, finalize?, script argv).
 
@@ -158,16 +55,24 @@ def split_argv(argv: list[str]) -> tuple[list[str], bool, bool, list[str]]:
 
 
 def load_sibling(name: str) -> Any:
-    """Imports NAME.py from this file's directory under a name no job can shadow."""
+    """Imports NAME.py from this file's directory under a name no job can shadow (once: its
+    siblings find it in sys.modules)."""
+    known = sys.modules.get(f"ddplaunch_hostside_{name}")
+    if known is not None:
+        return known
     spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ left in the run dir
     try:
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     finally:
         sys.dont_write_bytecode = before
     return module
+
+
+P = load_sibling("payloads")
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -212,19 +117,19 @@ def run_script(script_argv: list[str]) -> int:
             sys.excepthook(type(exc), exc, tb)
         except Exception:
             traceback.print_exception(type(exc), exc, tb)
-        if under_torchrun():
-            say(_failed(exc, tb))
+        if P.under_torchrun():
+            P.say(_failed(exc, tb))
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
-def _failed(exc: BaseException, tb: Any) -> RankFailed:
+def _failed(exc: BaseException, tb: Any) -> Any:
     """What the script raised, as data: its type, message and the innermost line it came from."""
     where = traceback.extract_tb(tb)[-1] if tb is not None else None
     if where is None and isinstance(exc, SyntaxError):
         file, line = exc.filename or "", exc.lineno or 0
     else:
         file, line = (where.filename, where.lineno or 0) if where is not None else ("", 0)
-    return RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
+    return P.RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
 
 
 def shut_down_like_python() -> None:
@@ -254,7 +159,7 @@ def leave(code: int, finalize: bool) -> None:
     code &= 0xFF
     if not _flush() and code == 0:
         code = 120  # what Python exits with when flushing stdout fails at exit
-    say(RankExit(int(os.environ.get("RANK", "0")), code))
+    P.say(P.RankExit(int(os.environ.get("RANK", "0")), code))
     if finalize:
         sys.exit(code)
     os._exit(code)
@@ -263,11 +168,13 @@ def leave(code: int, finalize: bool) -> None:
 def say_start() -> None:
     """Under torchrun, a worker says it started: its pid (the kernel's OOM killer names pids) and
     which restart it is (`job.max_restarts`: the launcher counts each node's restarts from these)."""
-    if not under_torchrun():
+    if not P.under_torchrun():
         return
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    say(RankStart(int(os.environ.get("RANK", "0")), os.getpid(), int(os.environ.get("LOCAL_RANK", "0")),
-                  int(restart) if restart.isdigit() else 0, os.environ.get("DDPLAUNCH_HOST", "")))
+    rank = int(os.environ.get("RANK", "0"))
+    P.say(P.RankStart(rank, os.getpid(), int(os.environ.get("LOCAL_RANK", "0")), int(restart) if restart.isdigit() else 0,
+                      os.environ.get("DDPLAUNCH_HOST", "")))
+    P.to_agent({"kind": "start", "rank": rank})
 
 
 #: Seconds between two progress lines of rank 0 (the first step is said at once).
@@ -299,7 +206,7 @@ class Progress:
 
     def say(self, payload: Any) -> None:
         if self.rank == 0:
-            say(payload)
+            P.say(payload)
 
     def stepped(self, optimizer: Any, *_args: Any) -> None:
         if self._optimizer is None:
@@ -326,7 +233,7 @@ class Progress:
             return
         import signal
         signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # held: a stop ends it at once
-        self.say(Held(self.rank, self.steps, saved))
+        self.say(P.Held(self.rank, self.steps, saved))
         while True:
             time.sleep(1)
 
@@ -342,7 +249,7 @@ class Progress:
     def flush(self, now: float = 0.0) -> None:
         if self.steps and self.steps != self.said:
             self.said, self.said_at = self.steps, now or time.monotonic()
-            self.say(StepsDone(self.rank, self.steps))
+            self.say(P.StepsDone(self.rank, self.steps))
 
     def loaded(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a load function) saying what it loads; loads inside it (dcp reads with torch.load)
@@ -354,7 +261,7 @@ class Progress:
                 target = args[0] if args else kwargs.get("f")
             else:
                 target = kwargs.get("checkpoint_id", kwargs.get("storage_reader"))
-            self.say(Loaded(self.rank, str(target if isinstance(target, (str, os.PathLike)) else
+            self.say(P.Loaded(self.rank, str(target if isinstance(target, (str, os.PathLike)) else
                                            type(target).__name__)[:300], via))
             self._inside.depth = 1
             try:
@@ -426,8 +333,7 @@ def watch_progress() -> Progress:
     progress = Progress()
     if os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0":
         try:
-            rank = progress.rank
-            progress.timing = load_sibling("steptiming").StepTiming(lambda steps: payload_line(Timing(rank, steps)))
+            progress.timing = load_sibling("steptiming").StepTiming()
         except Exception:  # noqa: BLE001 - progress is seen without it
             pass
     try:

@@ -17,9 +17,11 @@ largest. Waits are measured
   `Work.wait()` (FSDP2 all-gathers and reduce-scatters through these functions; on CPU/Gloo its
   default calls block).
 
-A background thread sends what was recorded at most once a second as one line per batch,
-``DDPLAUNCH_TIMING_JSON {"rank": R, "steps": [[step, step_s, wait_s], ...]}`` (entry.py's `Timing`), written to the
-process's stdout file descriptor whole (the training thread never writes it). Nothing is sent
+A background thread sends what was recorded at most once a second, a batch of
+``[step, step_s, wait_s]`` per message to the node's agent (agent.py, named by DDPLAUNCH_AGENT),
+or, without an agent (torchrun started by hand), as a line ``DDPLAUNCH_TIMING_JSON {"rank": R,
+"steps": [...]}`` (payloads.py's `Timing`) written to the process's stdout file descriptor whole
+(the training thread never writes it). Nothing is sent
 while no step completes, so a hung job stays silent for the hang watchdog.
 `DDPLAUNCH_STEP_TIMING=0` in the job's environment turns it off (entry.py then does not load it).
 """
@@ -40,25 +42,29 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", 
                "broadcast", "barrier", "all_to_all_single", "all_gather_single", "reduce_scatter_single")
 
 
-def _timing_line(rank: int) -> Callable[[list[Any]], str]:
-    """How a batch of steps becomes a line, by the payload schema of entry.py beside this file."""
+def _payloads() -> Any:
+    """payloads.py beside this file (the schema entry.py loaded already, or loaded here)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ddplaunch_hostside_entry_schema",
-                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "entry.py"))
+    known = sys.modules.get("ddplaunch_hostside_payloads")
+    if known is not None:
+        return known
+    spec = importlib.util.spec_from_file_location("ddplaunch_hostside_payloads",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "payloads.py"))
     assert spec is not None and spec.loader is not None
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    return lambda steps: entry.payload_line(entry.Timing(rank, steps))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class StepTiming:
     """One rank's step and wait times, batched to the launcher off the training thread."""
 
-    def __init__(self, encode: Optional[Callable[[list[Any]], str]] = None) -> None:
+    def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
-        #: the line a batch of steps is sent as (entry.py's payload schema: `Timing`)
-        self._encode = encode or _timing_line(self.rank)
+        #: the payload schema (payloads.py): batches go to the node's agent, else to stdout
+        self._payloads = _payloads()
         self._lock = threading.Lock()
         self._last_end: Optional[float] = None
         self._arrived: Optional[float] = None    # when this step's last gradient bucket was ready (DDP)
@@ -128,9 +134,11 @@ class StepTiming:
                 ready += 1
             batch, self._pending = self._pending[:ready], self._pending[ready:]
         for i in range(0, len(batch), PER_LINE):
-            line = self._encode(batch[i:i + PER_LINE])
-            try:
-                os.write(1, line.encode())
+            steps = batch[i:i + PER_LINE]
+            if self._payloads.to_agent({"rank": self.rank, "steps": steps}):
+                continue
+            try:  # no agent (torchrun started without ddplaunch): the line itself
+                os.write(1, self._payloads.payload_line(self._payloads.Timing(self.rank, steps)).encode())
             except OSError:
                 return
 

@@ -32,6 +32,8 @@ from ddplaunch.record.results import NodeState
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
 FOLD_S = 0.5
+#: A folded line names its hosts up to this many; beyond, it gives their count.
+FOLD_HOSTS_NAMED = 8
 
 
 class _Fold:
@@ -39,7 +41,7 @@ class _Fold:
 
     def __init__(self, first: str, at: float):
         self.first, self.at = first, at
-        self.who: list[tuple[str, Optional[int]]] = []
+        self.who: dict[tuple[str, Optional[int]], None] = {}  # in order; a lookup costs O(1)
 
     def text(self) -> str:
         if len(self.who) < 2:
@@ -47,13 +49,18 @@ class _Fold:
         body = who_of(self.first)
         rest = body.text if body else self.first
         ranks = [r for _, r in self.who if r is not None]
+        hosts = sorted(set(h for h, _ in self.who))
         if len(ranks) == len(self.who):
+            if len(hosts) > FOLD_HOSTS_NAMED:  # one line for thousands of ranks stays one line
+                return f"[x{len(ranks)} ranks: {rank_ranges(ranks)} on {len(hosts)} hosts] {rest}"
             by_host: dict[str, list[int]] = {}
             for host, rank in sorted(self.who, key=lambda w: w[1] or 0):
                 by_host.setdefault(host, []).append(rank or 0)
             names = ", ".join(f"{h}:{rank_ranges(rs)}" for h, rs in by_host.items())
             return f"[x{len(ranks)} ranks: {names}] {rest}"
-        return f"[x{len(self.who)} hosts: {', '.join(sorted(set(h for h, _ in self.who)))}] {rest}"
+        if len(hosts) > FOLD_HOSTS_NAMED:
+            return f"[x{len(hosts)} hosts: {', '.join(hosts[:FOLD_HOSTS_NAMED])}, ...] {rest}"
+        return f"[x{len(self.who)} hosts: {', '.join(hosts)}] {rest}"
 
 
 def rank_ranges(values: list[int]) -> str:
@@ -105,7 +112,7 @@ class Console:
                 fold = None
             if fold is None:
                 fold = self._folds[key] = _Fold(text, time.monotonic())
-            fold.who.append(by)
+            fold.who[by] = None
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_when_due, daemon=True)
                 self._flusher.start()

@@ -19,7 +19,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ddplaunch.hostside.entry import Held, Loaded, RankExit, RankFailed, RankStart, StepsDone, Timing, read_payload
+from ddplaunch.hostside.payloads import (Held, HostSteps, HostWindow, Loaded, RankExit, RankFailed, RankStart,
+                                         StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
 from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
 from ddplaunch.output.who import rank_of
@@ -29,10 +30,11 @@ from ddplaunch.record.results import NodeState, Progress, StageResult
 from ddplaunch.spec.values import SECRET_SHOWN
 
 TAIL_LINES = 40
-#: Payloads handed to the run loop as they come (`on_report`): every rank's step timing
-#: (hostside/steptiming.py), rank 0 holding after a checkpoint (entry.py's HOLD_FILE).
-Report = Union[Timing, Held]
-REPORTS = (Timing.KIND, Held.KIND)
+#: Payloads handed to the run loop as they come (`on_report`), never kept or logged here: the
+#: node agents' windows and status lines (hostside/agent.py), a rank's own timing line where its
+#: node has no agent, rank 0 holding after a checkpoint (entry.py's HOLD_FILE: logged).
+Report = Union[Timing, Held, HostWindow, HostSteps]
+REPORTS = (Timing.KIND, Held.KIND, HostWindow.KIND, HostSteps.KIND)
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
 
@@ -87,7 +89,7 @@ class StageLines:
         marker = PAYLOAD_RE.search(line)
         if marker and marker.group(1) in REPORTS:
             self._report(node_rank, host, marker.group(1), marker.group(2), mono)
-            if marker.group(1) != "TIMING":  # each rank's timing every second: too much for the log
+            if marker.group(1) == Held.KIND:  # the others come every few seconds from every host: not logged
                 self.console.line(line, False)
             return
         started = False
@@ -130,7 +132,7 @@ class StageLines:
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
         payload = read_payload(kind, text) if self._on_report is not None else None
-        if isinstance(payload, (Timing, Held)) and self._on_report is not None:
+        if isinstance(payload, (Timing, Held, HostWindow, HostSteps)) and self._on_report is not None:
             self._on_report(host, payload)
 
     def _kept(self, node_rank: int, kind: str, text: str, now: float) -> None:

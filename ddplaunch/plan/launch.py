@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -35,7 +36,10 @@ HOST_RUN_ROOT = ".ddplaunch/runs"
 HOSTSIDE = Path(__file__).parent.parent / "hostside"
 ENTRY_SOURCE = HOSTSIDE / "entry.py"
 #: What the entry script loads beside it: every rank's step timing.
-ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "steptiming.py")
+ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "payloads.py", HOSTSIDE / "steptiming.py")
+#: The node agent (hostside/agent.py): beside torchrun on every node, the ranks' reports folded per host.
+AGENT_SOURCE = HOSTSIDE / "agent.py"
+AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py")
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 class Stage(StrEnum):
@@ -110,6 +114,9 @@ class NodeCommand:
     nproc: Union[int, str] = 1
     #: The container torchrun runs in (plan/container.py), if any.
     container: Optional[ContainerRun] = None
+    #: The node agent's command (python, agent.py, options), started beside torchrun on the host
+    #: itself; its name and its parent's pid are the shell's to add. None: no agent (direct starts).
+    agent: Optional[tuple[Union[str, HostPath], ...]] = None
 
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
@@ -216,9 +223,10 @@ class _Program:
 def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list[str]],
              inline_healthcheck: bool, pairwise: bool, recovery: int = 0) -> _Program:
     healthcheck = tuple((str(src), src.name) for src in HEALTHCHECK_SOURCES)
+    agent = tuple((str(src), src.name) for src in AGENT_SOURCES if src not in ENTRY_SOURCES)
     if stage == "healthcheck":
         return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, pairwise),
-                        healthcheck, 0)
+                        healthcheck + tuple((str(src), src.name) for src in AGENT_SOURCES), 0)
     script: str = spec.job.script
     uploads: tuple[tuple[str, str], ...] = ()
     try:
@@ -234,13 +242,60 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
     resume = spec.job.resume_args if recovery else []  # a relaunch tells the job to resume
     args = [*head, "--", script, *(spec.job.args if job_args is None else job_args), *resume]
     return _Program(in_run_dir(run_id, "entry.py"), args,
-                    (*((str(src), src.name) for src in ENTRY_SOURCES), *healthcheck, *uploads), spec.job.max_restarts)
+                    (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads),
+                    spec.job.max_restarts)
+
+
+EMULATOR_SOURCE = HOSTSIDE / "emulator.py"
+#: An injection of `up --emulate`: RANK:FACTOR@STEP, RANK@STEP, RANK:CODE@STEP.
+INJECTIONS = {"slow": re.compile(r"\d+:\d+(\.\d+)?@\d+"), "freeze": re.compile(r"\d+@\d+"),
+              "exit": re.compile(r"\d+:\d+@\d+")}
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """`up --emulate N`: N emulated ranks per host (hostside/emulator.py) in place of torchrun and
+    the job — the real host-side path (agent, heartbeats, the entry's reports), no torch — each
+    stepping every `step_s` seconds, rank 0 saving a "checkpoint" every `ckpt_every` steps, with
+    injections (`slow`: RANK:FACTOR@STEP, `freeze`: RANK@STEP, `exit`: RANK:CODE@STEP)."""
+
+    ranks_per_host: int
+    step_s: float = 1.0
+    steps: int = 0
+    ckpt_every: int = 50
+    slow: tuple[str, ...] = ()
+    freeze: tuple[str, ...] = ()
+    exit: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_host < 1 or self.step_s <= 0 or self.steps < 0 or self.ckpt_every < 0:
+            raise PlanError("--emulate wants a positive number of ranks per host, --emulate-step-s > 0, "
+                            "--emulate-steps and --emulate-ckpt-every >= 0")
+        for kind, pattern in INJECTIONS.items():
+            for item in getattr(self, kind):
+                if not pattern.fullmatch(item):
+                    form = {"slow": "RANK:FACTOR@STEP", "freeze": "RANK@STEP", "exit": "RANK:CODE@STEP"}[kind]
+                    raise PlanError(f"--emulate-{kind} {item!r}: write it {form} (e.g. "
+                                    f"{ {'slow': '3:2.5@100', 'freeze': '3@100', 'exit': '3:1@100'}[kind]})")
+
+    def args(self, nnodes: int) -> list[str]:
+        out = ["--ranks", str(self.ranks_per_host), "--nnodes", str(nnodes), "--step-s", f"{self.step_s:g}",
+               "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every)]
+        for kind in INJECTIONS:
+            for item in getattr(self, kind):
+                out += [f"--{kind}", item]
+        return out
+
+
+def agent_name(run_id: str, stage: str, host: str) -> str:
+    """The name of a node's agent (its socket's, in the abstract namespace), in its ranks' environment."""
+    return f"{run_id}.{stage}.{host}"
 
 
 def make_plan(spec: ClusterSpec, run_id: str, stage: Union[Stage, str], port: int,
               job_args: Optional[list[str]] = None, direct: bool = False,
               environ: Optional[Mapping[str, str]] = None, inline_healthcheck: bool = False,
-              pairwise: bool = False, recovery: int = 0) -> LaunchPlan:
+              pairwise: bool = False, recovery: int = 0, emulate: Optional[Emulation] = None) -> LaunchPlan:
     """Build the launch plan of one stage.
 
     Args:
@@ -257,41 +312,76 @@ def make_plan(spec: ClusterSpec, run_id: str, stage: Union[Stage, str], port: in
         recovery: how many host failures the run has survived: a relaunch after one tells the
             job (DDPLAUNCH_RECOVERY=N, and `job.resume_args` after its arguments) so it knows to
             resume from its latest checkpoint.
+        emulate: emulated ranks in place of torchrun and the job (`up --emulate`).
     Returns:
         The plan; a backend's `render(plan).text()` is its dry-run text.
     """
     stage = Stage(stage)  # ValueError for an unknown one
-    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise, recovery)
+    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise, recovery) if emulate is None \
+        else _emulated(run_id, emulate, len(spec.hosts))
     addr = master_addr(spec)
     user_env = spec.env_values(os.environ if environ is None else environ)
-    nodes = []
-    for rank, host in enumerate(spec.hosts):
-        python = host_python(spec, host)
-        nproc = 1 if direct else spec.nproc_of(host)
-        env = node_env(spec, run_id, stage, host.label, user_env, nproc)
-        if recovery:
-            env["DDPLAUNCH_RECOVERY"] = str(recovery)
-        torchrun = None
-        if direct:
-            env = dict(env, RANK=str(rank), LOCAL_RANK="0", GROUP_RANK=str(rank),
-                       WORLD_SIZE=str(len(spec.hosts)), LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR=addr, MASTER_PORT=str(port))
-        else:
-            torchrun = TorchrunArgs(
-                nnodes=len(spec.hosts), node_rank=rank,
-                # in a container the host counts its GPUs itself (`python:` is the image's)
-                nproc_per_node=GpuCount("" if spec.container else python) if nproc == "auto" else str(nproc),
-                master_addr=addr, master_port=port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
-                max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
-                signals_to_handle=SIGNALS_TO_HANDLE)
-        nodes.append(NodeCommand(
-            stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
-            setup=tuple(spec.setup), env=tuple(sorted(env.items())), python=python, torchrun=torchrun,
-            script=program.script, args=tuple(program.args), run_id=run_id, host=host, nproc=nproc,
-            container=_container(spec, run_id, stage, rank, env)))
+    where = _Where(run_id, stage, addr, port, user_env, direct, recovery, emulate)
+    nodes = [_node(spec, where, program, rank, host) for rank, host in enumerate(spec.hosts)]
     return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
                       nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
                       healthcheck=stage == "healthcheck" or inline_healthcheck)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What every node of one launch shares."""
+
+    run_id: str
+    stage: Stage
+    addr: str
+    port: int
+    user_env: dict[str, str]
+    direct: bool
+    recovery: int
+    emulate: Optional[Emulation]
+
+
+def _node(spec: ClusterSpec, where: _Where, program: _Program, rank: int, host: HostSpec) -> NodeCommand:
+    """Node `rank`'s command: its environment, its agent, torchrun's arguments (or none: direct
+    ranks, emulated ones)."""
+    run_id, stage, emulate, direct = where.run_id, where.stage, where.emulate, where.direct
+    python = host_python(spec, host)
+    nproc = 1 if direct else emulate.ranks_per_host if emulate is not None else spec.nproc_of(host)
+    env = node_env(spec, run_id, stage, host.label, where.user_env, nproc)
+    if where.recovery:
+        env["DDPLAUNCH_RECOVERY"] = str(where.recovery)
+    torchrun, agent = None, None
+    if not direct:  # the node's agent: its ranks report to it (hostside/agent.py)
+        env["DDPLAUNCH_AGENT"] = agent_name(run_id, stage, host.label)
+        agent = (tool_python(spec, host), in_run_dir(run_id, AGENT_SOURCE.name),
+                 "--window", str(spec.stragglers.window))
+    if emulate is not None:  # the emulator starts the node's ranks itself, as torchrun would
+        env["GROUP_RANK"] = str(rank)
+    elif direct:
+        env = dict(env, RANK=str(rank), LOCAL_RANK="0", GROUP_RANK=str(rank),
+                   WORLD_SIZE=str(len(spec.hosts)), LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=where.addr, MASTER_PORT=str(where.port))
+    else:
+        torchrun = TorchrunArgs(
+            nnodes=len(spec.hosts), node_rank=rank,
+            # in a container the host counts its GPUs itself (`python:` is the image's)
+            nproc_per_node=GpuCount("" if spec.container else python) if nproc == "auto" else str(nproc),
+            master_addr=where.addr, master_port=where.port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
+            max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
+            signals_to_handle=SIGNALS_TO_HANDLE)
+    return NodeCommand(
+        stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
+        setup=tuple(spec.setup), env=tuple(sorted(env.items())), python=python, torchrun=torchrun,
+        script=program.script, args=tuple(program.args), run_id=run_id, host=host, nproc=nproc,
+        container=_container(spec, run_id, stage, rank, env), agent=agent)
+
+
+def _emulated(run_id: str, emulate: Emulation, nnodes: int) -> _Program:
+    """The program of an emulated job: the emulator, with the entry's and the agent's files."""
+    sources = (EMULATOR_SOURCE, *ENTRY_SOURCES, *(s for s in AGENT_SOURCES if s not in ENTRY_SOURCES))
+    return _Program(in_run_dir(run_id, EMULATOR_SOURCE.name), emulate.args(nnodes),
+                    tuple((str(src), src.name) for src in sources), 0)
 
 
 def _container(spec: ClusterSpec, run_id: str, stage: str, rank: int, env: Mapping[str, str]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.launch import LaunchPlan, Stage, make_plan
+from ddplaunch.plan.launch import Emulation, LaunchPlan, Stage, make_plan
 from ddplaunch.spec.model import ClusterSpec
 
 
@@ -27,10 +27,17 @@ class UpOptions:
     detach: bool = False
     exclude: list[str] = field(default_factory=list)
     verbose: bool = False
+    #: emulated ranks in place of torchrun and the job (`up --emulate N`)
+    emulate: Optional[Emulation] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.emulate, dict):  # handed over as data (plan/handoff.py)
+            self.emulate = Emulation(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.emulate.items()})
 
 
 def healthcheck_wanted(spec: ClusterSpec, opts: UpOptions) -> bool:
-    return spec.healthcheck.enabled and not opts.skip_healthcheck
+    """The health check runs (never with emulated ranks: they import no torch)."""
+    return spec.healthcheck.enabled and not opts.skip_healthcheck and opts.emulate is None
 
 
 def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[Stage]:
@@ -58,7 +65,8 @@ def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOp
     inline = stage == Stage.JOB and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
     direct = opts.healthcheck_only and spec.nproc_per_node == 1
     return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
-                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery)
+                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery,
+                     emulate=opts.emulate)
 
 
 def exclude_hosts(spec: ClusterSpec, labels: list[str]) -> ClusterSpec:

@@ -4,8 +4,9 @@ The process that runs the run loop (the supervisor, or `ddplaunch.up` in-process
 fact the run establishes, once, as it happens: the run taken (`RunStarted`), what the backend
 executed (`Requested`), the pre-flight's table, each launch's start and its whole result
 (`StageStarted`, `StageEnded`), every host's state, the gates' decisions (`HostsExcluded`,
-`GateStopped`), a localization, recoveries and their resumption, each rank's step timing, a
-straggler named, a spare dropped, a requeued allocation, every line the screen shows (`Shown`)
+`GateStopped`), a localization, recoveries and their resumption, each window of steps as judged
+(one number per host, not per rank), ranks gone silent, a straggler named, a spare dropped, a
+requeued allocation, every line the screen shows (`Shown`)
 and the end (`RunEnded`). Everything that reads a run — the summary, `status`, `top`, `attach`,
 the page, the Python API — folds these events (record/view.py); nothing keeps a second copy.
 Each event carries the wall time (`t`) and the writer's monotonic clock (`mono`, for intervals);
@@ -161,16 +162,35 @@ class NotRecovered(_Event):
 
 
 @dataclass
-class RankSteps(_Event):
-    """A rank's timing report (hostside/steptiming.py): its newest step and, over the steps it
-    reported since its last, the median step time and wait at the collectives."""
+class StepWindow(_Event):
+    """A window of steps, judged: each host's part — its ranks' medians of compute (step time
+    minus the wait at the collectives), wait and step time over the window, as its agent folded
+    them — one number each per host, not per rank."""
 
-    KIND: ClassVar[str] = "rank-steps"
+    KIND: ClassVar[str] = "step-window"
+    first: int
+    last: int
+    hosts: dict[str, list[float]]
+
+
+@dataclass
+class RanksSilent(_Event):
+    """Ranks of a host that started and stopped reporting their steps while others go on."""
+
+    KIND: ClassVar[str] = "ranks-silent"
     host: str
-    rank: int
-    step: int
-    step_s: float
-    wait_s: float
+    ranks: list[int]
+
+
+@dataclass
+class HostQuiet(_Event):
+    """A host whose part of a window of steps never came while the other hosts sent theirs (its
+    agent, or its ranks' reports, went quiet; whether the host lives is its heartbeat's to say)."""
+
+    KIND: ClassVar[str] = "host-quiet"
+    host: str
+    first: int
+    last: int
 
 
 @dataclass
@@ -212,12 +232,13 @@ class RunEnded(_Event):
 
 
 Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
-              HostsExcluded, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, RankSteps, StragglerNamed,
-              SpareDropped, Requeued, RunEnded]
+              HostsExcluded, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, StepWindow, RanksSilent,
+              HostQuiet, StragglerNamed, SpareDropped, Requeued, RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
 DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, GateStopped,
-           RecoveryStarted, RecoveryUpdated, NotRecovered, StragglerNamed, SpareDropped, Requeued, RunEnded)
+           RecoveryStarted, RecoveryUpdated, NotRecovered, RanksSilent, HostQuiet, StragglerNamed, SpareDropped,
+           Requeued, RunEnded)
 
 
 def to_line(event: Event) -> str:
@@ -241,16 +262,24 @@ class EventLog:
     def __init__(self, run_dir: Path, listeners: Sequence[Callable[[Event], None]] = ()):
         self.path = run_dir / EVENTS_FILE
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file: IO[str] = os.fdopen(fd, "a")
+        self._file: IO[bytes] = os.fdopen(fd, "ab")
         self._lock = threading.Lock()
         self._listeners = list(listeners)
+        #: The log's length in bytes, just past the newest event (a listener sees it so).
+        self.offset = os.fstat(fd).st_size
+
+    def listen(self, listener: Callable[[Event], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
 
     def append(self, event: Event) -> None:
         with self._lock:
             if self._file.closed:
                 return
-            self._file.write(to_line(event) + "\n")
+            data = (to_line(event) + "\n").encode()
+            self._file.write(data)
             self._file.flush()
+            self.offset += len(data)
             if isinstance(event, DURABLE):
                 os.fsync(self._file.fileno())
             for listener in self._listeners:
@@ -263,11 +292,21 @@ class EventLog:
 
 def read_events(run_dir: Path) -> list[Event]:
     """Every event logged so far (none when the log does not exist yet)."""
+    return list(events_from(run_dir))
+
+
+def events_from(run_dir: Path, offset: int = 0) -> Iterator[Event]:
+    """The events logged so far after the log's first `offset` bytes, one at a time."""
     try:
-        with open(run_dir / EVENTS_FILE) as f:
-            return [e for e in map(from_line, f) if e is not None]
+        with open(run_dir / EVENTS_FILE, "rb") as f:
+            f.seek(offset)
+            for line in f:
+                if line.endswith(b"\n"):
+                    event = from_line(line.decode("utf-8", "replace"))
+                    if event is not None:
+                        yield event
     except FileNotFoundError:
-        return []
+        return
 
 
 def first_event(run_dir: Path) -> Optional[Event]:
@@ -296,17 +335,19 @@ def last_event(run_dir: Path, tail_bytes: int = 1 << 16) -> Optional[Event]:
     return None
 
 
-def follow(run_dir: Path, alive: Callable[[], bool]) -> Iterator[Event]:
-    """Every event from the first, then each new one as it is appended, until `RunEnded` (the last
-    one yielded), or until `alive()` says to stop following (the writer is gone) and what it wrote
-    has been read. A torn last line is read again once complete."""
+def follow(run_dir: Path, alive: Callable[[], bool], offset: int = 0) -> Iterator[Event]:
+    """Every event from the first (after the log's first `offset` bytes), then each new one as it
+    is appended, until `RunEnded` (the last one yielded), or until `alive()` says to stop
+    following (the writer is gone) and what it wrote has been read. A torn last line is read
+    again once complete."""
     path = run_dir / EVENTS_FILE
     pending = ""
     f: Optional[IO[str]] = None
     try:
         while True:
             if f is None and path.exists():
-                f = open(path)
+                f = open(path, encoding="utf-8", errors="replace")
+                f.seek(offset)
             chunk = f.readline() if f is not None else ""
             if chunk:
                 pending += chunk

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-from ddplaunch.hostside.entry import RankExit, RankFailed, RankStart
+from ddplaunch.hostside.payloads import RankExit, RankFailed, RankStart
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.codec import to_data
 from ddplaunch.record.diagnosis import HealthVerdict

@@ -4,7 +4,7 @@ The summary, `status`, `top`, `attach`, the run page, `--json` and the Python AP
 returns the run loop's own view) read a `RunView`; none keeps a copy of a stage, a recovery or a
 straggler of its own. `add` takes one event at a time (a follower folds as the log grows), and
 what it keeps is bounded by the run's hosts, ranks, launches and incidents, never by its length:
-per rank only the newest timing report. Pure: events in, values out.
+of the steps only the newest window judged (the hosts' live status is record/live.py's). Pure: events in, values out.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Iterable, Optional
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.diagnosis import HealthVerdict, Localization, PreflightReport
-from ddplaunch.record.events import (Event, GateStopped, HostState, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RankSteps, RecoveryStarted, RecoveryUpdated, Requested, Requeued,
-                                     RunEnded, RunStarted, SpareDropped, StageEnded, StageStarted, StragglerNamed)
+from ddplaunch.record.events import (Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized, NotRecovered,
+                                     PreflightChecked, RanksSilent, RecoveryStarted, RecoveryUpdated, Requested,
+                                     Requeued, RunEnded, RunStarted, SpareDropped, StageEnded, StageStarted, StepWindow,
+                                     StragglerNamed)
 from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import RunState, StageResult
 
@@ -52,10 +53,11 @@ class RunView:
     unrecovered: Optional[str] = None
     stragglers: list[Straggler] = field(default_factory=list)
     spares_dropped: dict[str, str] = field(default_factory=dict)
-    #: each rank's newest timing report in the job launch that runs (a relaunch starts again)
-    ranks: dict[int, RankSteps] = field(default_factory=dict)
-    #: the newest step any rank reported in that launch
-    newest: Optional[RankSteps] = None
+    #: the newest window of steps judged in the job launch that runs (a relaunch starts again)
+    last_window: Optional[StepWindow] = None
+    #: ranks gone silent (host -> ranks), hosts whose step reports stopped while others came
+    silent: dict[str, list[int]] = field(default_factory=dict)
+    quiet: list[str] = field(default_factory=list)
     requeues: int = 0
     ended: Optional[RunEnded] = None
     #: a dry run's text (`ddplaunch.up(..., dry_run=True)`): nothing ran
@@ -87,18 +89,13 @@ class RunView:
             self.launches.append(Launch(event))
             self.hosts = list(event.hosts)
             if event.stage == Stage.JOB:  # a relaunch counts steps again
-                self.ranks, self.newest = {}, None
+                self.last_window = None
         elif isinstance(event, StageEnded) and self.launches:
             self.launches[-1].result = event.result
-        elif isinstance(event, RankSteps):
-            self._rank_steps(event)
+        elif isinstance(event, StepWindow):
+            self.last_window = event
         else:
             self._incident(event)
-
-    def _rank_steps(self, event: RankSteps) -> None:
-        self.ranks[event.rank] = event
-        if self.newest is None or event.step >= self.newest.step:
-            self.newest = event
 
     def _incident(self, event: Event) -> None:
         if isinstance(event, Localized):
@@ -120,6 +117,10 @@ class RunView:
             self.stragglers.append(event.straggler)
         elif isinstance(event, SpareDropped):
             self.spares_dropped[event.host] = event.why
+        elif isinstance(event, RanksSilent):
+            self.silent.setdefault(event.host, []).extend(r for r in event.ranks if r not in self.silent[event.host])
+        elif isinstance(event, HostQuiet):
+            self.quiet += [] if event.host in self.quiet else [event.host]
         elif isinstance(event, Requeued):
             self.requeues, self._try_start = event.restart, len(self.launches)
         elif isinstance(event, RunEnded):

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ddplaunch.record.diagnosis import HealthVerdict, Probe
-from ddplaunch.record.events import RankSteps, read_events
+from ddplaunch.record.events import StepWindow, events_from
 from ddplaunch.record.view import RunView
 from ddplaunch.report.summary import stage_verdict, summarize
 
 W, H, PAD = 760, 260, 48
+#: Windows of steps plotted at most (a day of them is thousands: an even spread of them).
+MAX_WINDOWS = 600
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf"]
 
@@ -42,31 +44,42 @@ def _axes(x_label: str, y_label: str, y_max: float, unit: str) -> list[str]:
     return out
 
 
-def step_plot(view: RunView, steps: Sequence[RankSteps]) -> str:
-    """Every rank's compute share of its steps over the run (seconds since the run started): step
-    times are equal on every rank of a synchronous job, the compute share singles out a straggler."""
-    if not steps:
-        return "<p>No rank reported its steps (the job stepped no torch.optim optimizer, or ran before this ddplaunch).</p>"
-    t0 = min([e.t for e in steps] + ([view.started.t] if view.started is not None else []))
-    t_max = max(e.t for e in steps) - t0 or 1.0
-    y_max = max(e.step_s - e.wait_s for e in steps) * 1e3 * 1.1 or 1.0
-    out = _axes("seconds since the run started", "compute per step (ms)", y_max, "")
-    ranks = sorted({e.rank for e in steps})
-    for i, rank in enumerate(ranks):
-        mine = [e for e in steps if e.rank == rank]
-        points = " ".join(f"{PAD + (e.t - t0) / t_max * (W - PAD - 10):.1f},"
-                          f"{H - PAD - (e.step_s - e.wait_s) * 1e3 / y_max * (H - PAD - 10):.1f}" for e in mine)
-        color = COLORS[i % len(COLORS)]
-        out.append(f'<polyline class="rank" data-rank="{rank}" fill="none" stroke="{color}" stroke-width="1.5" '
-                   f'points="{points}"><title>rank {rank} ({_esc(mine[-1].host)})</title></polyline>')
+def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
+    """Each host's compute per step (its ranks' median: step time minus wait at the collectives)
+    against the median host's, per window of steps, over the run: the band of every host (lowest
+    to highest) and the median, and a line of its own for a host named a straggler. Step times
+    are equal on every rank of a synchronous job: the compute share singles out the straggler."""
+    rows = [(w.t, w.hosts) for w in windows if len(w.hosts) >= 1]
+    if not rows:
+        return "<p>No window of steps was judged (the job stepped no torch.optim optimizer, or ran too few steps).</p>"
+    t0 = min([t for t, _ in rows] + ([view.started.t] if view.started is not None else []))
+    t_max = max(t for t, _ in rows) - t0 or 1.0
+    ratios = [{h: v[0] / med for h, v in hosts.items()} for _, hosts in rows
+              if (med := statistics.median(v[0] for v in hosts.values())) > 0]
+    y_max = max(max(r.values()) for r in ratios) * 1.1 if ratios else 2.0
+    out = _axes("seconds since the run started", "compute per step / the median host's", y_max, "")
+
+    def xy(t: float, ratio: float) -> str:
+        return f"{PAD + (t - t0) / t_max * (W - PAD - 10):.1f},{H - PAD - ratio / y_max * (H - PAD - 10):.1f}"
+    times = [t for (t, hosts) in rows if statistics.median(v[0] for v in hosts.values()) > 0]
+    band = [xy(t, max(r.values())) for t, r in zip(times, ratios)] + \
+        [xy(t, min(r.values())) for t, r in reversed(list(zip(times, ratios)))]
+    out.append(f'<polygon class="band" fill="#1f77b4" fill-opacity="0.2" stroke="none" points="{" ".join(band)}">'
+               '<title>every host, lowest to highest</title></polygon>')
+    out.append(f'<polyline class="median" fill="none" stroke="#1f77b4" stroke-width="1.5" '
+               f'points="{" ".join(xy(t, 1.0) for t in times)}"><title>the median host</title></polyline>')
+    for i, s in enumerate(view.stragglers):
+        points = " ".join(xy(t, r[s.host]) for t, r in zip(times, ratios) if s.host in r)
+        color = COLORS[(i + 3) % len(COLORS)]
+        out.append(f'<polyline class="host" data-host="{_esc(s.host)}" fill="none" stroke="{color}" '
+                   f'stroke-width="2" points="{points}"><title>{_esc(s.host)}</title></polyline>')
     marks = [(r.detected_at, "recovery") for r in view.recoveries] + \
         [(s.named_at, f"straggler {s.host}") for s in view.stragglers]
     for at, label in marks:
         x = PAD + (at - t0) / t_max * (W - PAD - 10)
         out.append(f'<line x1="{x:.1f}" y1="10" x2="{x:.1f}" y2="{H - PAD}" stroke="#c00" stroke-dasharray="4"/>'
                    f'<text x="{x + 3:.1f}" y="22" font-size="11" fill="#c00">{_esc(label)}</text>')
-    legend = " ".join(f'<span style="color:{COLORS[i % len(COLORS)]}">■ rank {r}</span>' for i, r in enumerate(ranks))
-    return _svg(out) + f"<p>{legend}</p>"
+    return _svg(out) + f"<p>{len(rows)} windows of steps; the band spans every host</p>"
 
 
 def busbw_plot(healthcheck: HealthVerdict | None) -> str:
@@ -147,8 +160,8 @@ def _svg(parts: list[str], height: int = H) -> str:
             f'font-size="12">' + "".join(parts) + "</svg>")
 
 
-def render(view: RunView, steps: Sequence[RankSteps] = ()) -> str:
-    """The page of a run: its fold, and every rank's timing reports in order."""
+def render(view: RunView, windows: Sequence[StepWindow] = ()) -> str:
+    """The page of a run: its fold, and every window of steps judged, in order."""
     health = view.healthcheck
     pairs = list(health.pairs.pairs) if health is not None and health.pairs is not None else []
     loc = view.localization
@@ -163,8 +176,8 @@ def render(view: RunView, steps: Sequence[RankSteps] = ()) -> str:
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
             "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}</style></head><body>"
             f"<h1>{_esc(title)}: {_esc(state)}</h1><p>{head}</p>"
-            "<h2>Compute per step of every rank (step time minus wait at the collectives)</h2>"
-            + step_plot(view, steps)
+            "<h2>Compute per step of every host against the median host's (step time minus wait at the collectives)</h2>"
+            + step_plot(view, windows)
             + "<h2>Health check: busbw per message size</h2>" + busbw_plot(health)
             + "<h2>Pair bandwidth (busbw against the median)</h2>" + pair_heatmap(pairs)
             + "<h2>Timeline</h2>" + timeline(view)
@@ -172,8 +185,28 @@ def render(view: RunView, steps: Sequence[RankSteps] = ()) -> str:
 
 
 def page_of(run_dir: Path) -> str:
-    """The page of the run whose directory is `run_dir` (its event log, read once)."""
-    events = read_events(run_dir)
-    view = RunView.of(events)
+    """The page of the run whose directory is `run_dir` (its event log, read once, an event at a
+    time: of a day's windows of steps at most MAX_WINDOWS are kept, evenly spread)."""
+    view, windows = RunView(), _Spread(MAX_WINDOWS)
+    for event in events_from(run_dir):
+        view.add(event)
+        if isinstance(event, StepWindow):
+            windows.add(event)
     view.run_id = view.run_id or run_dir.name
-    return render(view, [e for e in events if isinstance(e, RankSteps)])
+    return render(view, windows.kept)
+
+
+class _Spread:
+    """Every `stride`-th of what is added, at most `cap` of them: past `cap`, every other one kept
+    is dropped and the stride doubles (evenly spread over everything added, whatever its length)."""
+
+    def __init__(self, cap: int):
+        self.cap, self.stride, self.seen = cap, 1, 0
+        self.kept: list[StepWindow] = []
+
+    def add(self, item: StepWindow) -> None:
+        if self.seen % self.stride == 0:
+            self.kept.append(item)
+            if len(self.kept) > self.cap:
+                self.kept, self.stride = self.kept[::2], self.stride * 2
+        self.seen += 1

@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from ddplaunch.output.console import state_text
+from ddplaunch.record.live import LiveSteps
 from ddplaunch.record.view import Launch, RunView
 
 
@@ -24,9 +25,10 @@ def shown_state(view: RunView, supervisor_alive: Optional[bool]) -> str:
 
 
 def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], where: str = "",
-                 now: Optional[float] = None) -> list[str]:
+                 now: Optional[float] = None, live: Optional[LiveSteps] = None) -> list[str]:
     """What `status` prints: the first line starts with the run id and its state; `where` says
-    where its supervisor runs when its log does not (yet) say so."""
+    where its supervisor runs when its log does not (yet) say so; `live`: the hosts' newest steps
+    (record/live.py), else the newest window judged says how far the job is."""
     now = time.time() if now is None else now
     s = view.started
     running = f"supervisor pid {s.supervisor_pid} on {s.supervisor_host}" if s is not None else where
@@ -37,9 +39,9 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
         lines.append("  its job ended without its supervisor logging the end (the scheduler's word)")
     elif view.ended is None and view.running is not None:
         now_line = f"  now: stage {view.running.stage}"
-        if view.newest is not None:
-            now_line += (f", step {view.newest.step} (newest of any rank, reported "
-                         f"{max(0.0, now - view.newest.t):.0f}s ago)")
+        newest = newest_step(view, live)
+        if newest is not None:
+            now_line += f", step {newest[0]} (newest of any rank, reported {max(0.0, now - newest[1]):.0f}s ago)"
         lines.append(now_line)
     for r in view.recoveries:
         replaced = ", ".join(f"{lost} -> {spare}" for lost, spare in r.replaced.items())
@@ -52,6 +54,15 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
     for launch in view.launches:
         lines += _stage_lines(launch, view)
     return lines
+
+
+def newest_step(view: RunView, live: Optional[LiveSteps]) -> Optional[tuple[int, float]]:
+    """(the newest step of the job that runs, when it was reported): the hosts' live status when it
+    is of this launch, else the newest window judged."""
+    if live is not None and view.running is not None and live.newest is not None \
+            and live.stage_started >= view.running.t:
+        return live.newest
+    return (view.last_window.last, view.last_window.t) if view.last_window is not None else None
 
 
 def _stage_lines(launch: Launch, view: RunView) -> list[str]:

@@ -1,11 +1,13 @@
-"""`ddplaunch top [RUN_ID]`: every host and rank of a run, live, from its event log.
+"""`ddplaunch top [RUN_ID]`: a run's hosts, live: their state, their ranks' newest steps.
 
-`table` renders the fold of the run's events (record/view.py): per host its state, its ranks' newest
-step, step time and share of it spent waiting at the collectives, their straggler score (how much
-longer they compute than the median rank), when they last reported, the run's recoveries and a
-host named a straggler. `top` replays the log and refreshes the table each second until the run
-ends (on a terminal a live table, elsewhere one table per refresh); `--once` prints it once.
-Reads the log only: it works the same for a run in the foreground, detached, or over.
+`table` renders the fold of the run's events (record/view.py: states, stragglers, recoveries) and
+the hosts' live status (record/live.py, as their agents last said it): per host its state, its
+ranks' newest step, the median step time and the share of it spent waiting at the collectives,
+its straggler score (how much longer its ranks compute than the median host's), its slowest rank,
+when it last reported. At most MAX_ROWS hosts are rows — the ones to look at first — so a
+refresh costs O(hosts) at any size. `top` refreshes the table each second until the run ends (on
+a terminal a live table, elsewhere one table per refresh); `--once` prints it once. Reads the run
+directory only: it works the same for a run in the foreground, detached, or over.
 """
 
 from __future__ import annotations
@@ -21,72 +23,90 @@ from rich.live import Live
 from rich.table import Table
 
 from ddplaunch.output.console import state_text
-from ddplaunch.record.events import RankSteps, follow, read_events
+from ddplaunch.record.events import events_from, follow
+from ddplaunch.record.live import LiveSteps, read_live
+from ddplaunch.record.results import NodeState
+from ddplaunch.record.snapshot import load
 from ddplaunch.record.view import RunView
 
 #: Seconds between two refreshes of the table.
 REFRESH_S = 1.0
 
 
-def score(view: RunView, rank: int) -> Optional[float]:
-    """How much longer this rank computes than the median rank (0.4: 40 % longer)."""
-    if len(view.ranks) < 2:
-        return None
-    median = statistics.median(_compute_s(r) for r in view.ranks.values())
-    return _compute_s(view.ranks[rank]) / median - 1 if median > 0 else None
+#: Columns of a table printed to a file or a pipe.
+WIDE = 160
+
+#: Hosts shown one row each; beyond, the hosts not running and the slowest come first, this many.
+MAX_ROWS = 30
 
 
-def _compute_s(steps: RankSteps) -> float:
-    return max(0.0, steps.step_s - steps.wait_s)
+def scores(live: Optional[LiveSteps]) -> dict[str, float]:
+    """Each host's straggler score: how much longer its ranks compute (step time minus wait) than
+    the median host's (0.4: 40 % longer). Computed once per refresh: O(hosts)."""
+    if live is None or len(live.hosts) < 2:
+        return {}
+    compute = {h: max(0.0, n.step_s - n.wait_s) for h, n in live.hosts.items()}
+    median = statistics.median(compute.values())
+    return {h: c / median - 1 for h, c in compute.items()} if median > 0 else {}
 
 
-def table(view: RunView, now: float) -> Table:
-    """The table: a row per rank under its host (a host with no rank reporting: one row)."""
+def table(view: RunView, live: Optional[LiveSteps], now: float) -> Table:
+    """The table: a row per host (its ranks' newest status, the rank that computes longest); at
+    most MAX_ROWS of them — the hosts not running and the slowest first — and a line for the rest."""
     stage = view.running.stage if view.running is not None else view.launches[-1].started.stage \
         if view.launches else None
     title = f"run {view.run_id}: {view.ended.state if view.ended else stage or 'starting'}"
     n = len(view.recoveries)
     title += f", {n} recover{'y' if n == 1 else 'ies'}" if n else ""
-    out = Table(title=title, title_justify="left")
-    for name in ("host", "state", "rank", "step", "step time", "wait", "straggler score", "last report"):
-        out.add_column(name, justify="left" if name in ("host", "state") else "right")
-    by_host: dict[str, list[int]] = {}
-    for r in sorted(view.ranks):
-        by_host.setdefault(view.ranks[r].host, []).append(r)
+    hosts_now = live.hosts if live is not None else {}
+    hosts = list(dict.fromkeys([*view.hosts, *view.host_states, *hosts_now]))
+    score = scores(live)
     named = {s.host: s.slowdown for s in view.stragglers}
-    hosts = list(dict.fromkeys([*view.hosts, *view.host_states, *by_host]))
-    for host in hosts:
+    shown = hosts
+    if len(hosts) > MAX_ROWS:
+        def urgency(host: str) -> tuple[int, float]:
+            event = view.host_states.get(host)
+            trouble = host in named or (event is not None and event.state not in (NodeState.RUNNING, NodeState.OK))
+            return (0 if trouble else 1, -score.get(host, 0.0))
+        shown = sorted(hosts, key=urgency)[:MAX_ROWS]
+        title += f"; {len(hosts)} hosts, the {MAX_ROWS} to look at first"
+    out = Table(title=title, title_justify="left")
+    for name in ("host", "state", "ranks", "step", "step time", "wait", "straggler score", "slowest rank",
+                 "last report"):
+        out.add_column(name, justify="left" if name in ("host", "state") else "right")
+    for host in shown:
         event = view.host_states.get(host)
         state = state_text(event) if event is not None else ""
         if host in named:
             state = f"{state}; STRAGGLER {named[host]:+.0%}".lstrip("; ")
-        ranks: list[Optional[int]] = [*by_host[host]] if host in by_host else [None]
-        for i, rank in enumerate(ranks):
-            cells = [host if i == 0 else "", state if i == 0 else ""]
-            if rank is None:
-                out.add_row(*cells, "", "", "", "", "", "")
-                continue
-            row, rank_score = view.ranks[rank], score(view, rank)
-            cells += [str(rank), str(row.step), f"{row.step_s * 1e3:.0f} ms",
-                      f"{100 * row.wait_s / row.step_s:.0f}%" if row.step_s > 0 else "-",
-                      f"{rank_score:+.0%}" if rank_score is not None else "-", f"{max(0.0, now - row.t):.0f}s ago"]
-            out.add_row(*cells)
+        row = hosts_now.get(host)
+        if row is None:
+            out.add_row(host, state, "", "", "", "", "", "", "")
+            continue
+        out.add_row(host, state, str(row.ranks), str(row.step), f"{row.step_s * 1e3:.0f} ms",
+                    f"{100 * row.wait_s / row.step_s:.0f}%" if row.step_s > 0 else "-",
+                    f"{score[host]:+.0%}" if host in score else "-",
+                    f"{row.worst_rank} ({row.worst_compute_s * 1e3:.0f} ms)", f"{max(0.0, now - row.at):.0f}s ago")
+    if len(shown) < len(hosts):
+        out.add_row(f"+{len(hosts) - len(shown)} more", "", "", "", "", "", "", "", "")
     return out
 
 
 def top(run_dir: Path, alive: Callable[[], bool], stream: IO[str], once: bool = False) -> int:
     """Show the run's table: once, or refreshed every second until the run ends (Ctrl-C leaves)."""
-    view = RunView()
-    rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
+    snapshot = load(run_dir)  # a day-old run: the fold saved beside its log, then what came after
+    view, offset = (snapshot.view, snapshot.offset) if snapshot is not None else (RunView(), 0)
+    # not a terminal (a file, a pipe): wide enough that no cell wraps
+    rich = RichConsole(file=stream, highlight=False, soft_wrap=True, width=None if stream.isatty() else WIDE)
     if once:
-        for event in read_events(run_dir):
+        for event in events_from(run_dir, offset):
             view.add(event)
-        rich.print(table(view, time.time()))
+        rich.print(table(view, read_live(run_dir), time.time()))
         return 0
     lock, done = threading.Lock(), threading.Event()
 
     def consume() -> None:
-        for event in follow(run_dir, alive):
+        for event in follow(run_dir, alive, offset):
             with lock:
                 view.add(event)
         done.set()
@@ -96,14 +116,14 @@ def top(run_dir: Path, alive: Callable[[], bool], stream: IO[str], once: bool = 
             with Live(console=rich, refresh_per_second=2, transient=False) as live:
                 while not done.wait(REFRESH_S):
                     with lock:
-                        live.update(table(view, time.time()))
+                        live.update(table(view, read_live(run_dir), time.time()))
                 with lock:
-                    live.update(table(view, time.time()))
+                    live.update(table(view, read_live(run_dir), time.time()))
         else:
             while not done.wait(REFRESH_S):
                 with lock:
-                    rich.print(table(view, time.time()))
-            rich.print(table(view, time.time()))
+                    rich.print(table(view, read_live(run_dir), time.time()))
+            rich.print(table(view, read_live(run_dir), time.time()))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -14,7 +14,7 @@ import threading
 from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher, StopEvent
-from ddplaunch.hostside.entry import Held
+from ddplaunch.hostside.payloads import Held
 from ddplaunch.output.console import Console
 from ddplaunch.plan.launch import LaunchPlan, in_run_dir
 from ddplaunch.plan.shellword import word

@@ -23,13 +23,13 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
 def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
-                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None
+                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None, emulated: bool = False
                    ) -> tuple[Optional[ClusterSpec], list[HostSpec], PreflightReport]:
     """Run the pre-flight checks on the hosts and the spares at once; the spec to go on with (None:
     stop) and the spares that passed (a spare that fails is named and dropped; the run goes on)."""
     spares = list(spares or [])
     probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
-    report = run_preflight(probed, backend, run_id, port)
+    report = run_preflight(probed, backend, run_id, port, emulated)
     console.block(render_table(report))
     write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
     if report.socket_ifname and not spec.socket_ifname:

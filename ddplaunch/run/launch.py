@@ -28,6 +28,7 @@ from ddplaunch.output.console import make_console
 from ddplaunch.plan.launch import LaunchPlan, derive_port, stage_port_key
 from ddplaunch.plan.stages import UpOptions, exclude_hosts, plan_stage, stages_of
 from ddplaunch.record.events import EVENTS_FILE, EventLog, RunEnded, RunStarted, read_events
+from ddplaunch.record.snapshot import Snapshots
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import Local, RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
 from ddplaunch.record.view import RunView, run_state
@@ -117,6 +118,7 @@ def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = 
     record.save()
     view = RunView.of(read_events(record.dir))
     events = EventLog(record.dir, listeners=[view.add])
+    events.listen(Snapshots(record.dir, view, events))  # where readers of a long run start
     events.append(RunStarted(run_id, spec.backend, [h.label for h in spec.hosts], os.getpid(), socket.gethostname(),
                              stages_of(spec, opts)[-1]))
     return Begun(spec, record, events, view)

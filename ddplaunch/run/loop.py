@@ -21,9 +21,8 @@ from typing import Any, Callable, Optional
 
 from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
-from ddplaunch.diagnose.stragglers import StragglerJudge
 from ddplaunch.errors import PlanError
-from ddplaunch.hostside.entry import Held
+from ddplaunch.hostside.payloads import Held
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import Report, StageLines
 from ddplaunch.output.torchrun import mismatch_lines, store_errors
@@ -31,8 +30,9 @@ from ddplaunch.plan.hostwords import CpuShare
 from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
 from ddplaunch.plan.stages import UpOptions, plan_stage, preflight_wanted, stages_of
 from ddplaunch.record.events import (Event, EventLog, GateStopped, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RankSteps, RecoveryStarted, RecoveryUpdated, Requested, Requeued,
+                                     PreflightChecked, RecoveryStarted, RecoveryUpdated, Requested, Requeued,
                                      StageEnded, StageStarted, StragglerNamed)
+from ddplaunch.record.incidents import Straggler
 from ddplaunch.record.results import Progress, StageResult, describe_exit
 from ddplaunch.record.runs import write_private
 from ddplaunch.record.view import RunView
@@ -41,6 +41,7 @@ from ddplaunch.run.gates import healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.run.spares import SpareWatch
+from ddplaunch.run.steps import StepsWatch
 from ddplaunch.spec.model import ClusterSpec
 
 PORT_ATTEMPTS = 20
@@ -98,7 +99,7 @@ class RunLoop:
         stage = stages_of(spec, self.opts)[0]
         first = spec.master.port or self._free_port(spec, stage)
         gated, self.budget.spares, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console,
-                                                       self.run_dir, spares)
+                                                       self.run_dir, spares, self.opts.emulate is not None)
         self.say(PreflightChecked(pf))
         if gated is None:
             self.say(GateStopped("pre-flight"))
@@ -223,28 +224,24 @@ class RunLoop:
             return []
 
     def _reports_of(self, spec: ClusterSpec, plan: LaunchPlan) -> Callable[[str, Report], None]:
-        """What takes a job launch's rank reports: each rank's step timing is an event; a host
-        the straggler judge names is said once (screen and event log) and, where
-        recovery.evict_stragglers, a spare and the budget allow, evicted at the next checkpoint."""
-        judge = StragglerJudge(plan.world_size, spec.stragglers.threshold, spec.stragglers.window)
+        """What takes a job launch's step reports (run/steps.py): the hosts' windows judged for
+        stragglers, their status kept live; a straggler named is, where recovery.evict_stragglers,
+        a spare and the budget allow, evicted at the next checkpoint."""
         eviction = Eviction(self.backend, plan, self.stop, self.console)
+
+        def on_straggler(found: Straggler) -> None:
+            if spec.recovery.evict_stragglers and self.budget.spares and \
+                    len(self.budget.lost) < spec.recovery.max_host_failures:
+                eviction.start(found)
+
+        steps = StepsWatch(plan, spec.stragglers.threshold, spec.stragglers.window, self.run_dir, self.console,
+                           self.say, on_straggler)
 
         def report(host: str, payload: Report) -> None:
             if isinstance(payload, Held):
                 eviction.held(payload)
-                return
-            steps = [s for s in payload.steps if isinstance(s, list) and len(s) == 3]
-            if steps:
-                self.say(RankSteps(host, payload.rank, int(steps[-1][0]), statistics.median(s[1] for s in steps),
-                                   statistics.median(s[2] for s in steps)))
-            found = judge.feed(host, payload)
-            if found is None:
-                return
-            self.console.note(f"straggler: {found.describe()}")
-            self.say(StragglerNamed(found))
-            if spec.recovery.evict_stragglers and self.budget.spares and \
-                    len(self.budget.lost) < spec.recovery.max_host_failures:
-                eviction.start(found)
+            else:
+                steps.report(host, payload)
         return report
 
     def _first_step(self, progress: Progress) -> None:

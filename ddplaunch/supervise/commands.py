@@ -17,7 +17,9 @@ from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, RunContext, StopEvent
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, DdplaunchError
 from ddplaunch.output.who import who_of
-from ddplaunch.record.events import EventLog, RunEnded, RunStarted, first_event, last_event, read_events
+from ddplaunch.record.events import EventLog, RunEnded, RunStarted, first_event, last_event
+from ddplaunch.record.snapshot import read_view
+from ddplaunch.record.live import read_live
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
 from ddplaunch.record.view import RunView
@@ -78,7 +80,7 @@ def supervisor_alive(record: RunRecord, backend: Optional[Launcher[Any]] = None)
 
 def view_of(record: RunRecord) -> RunView:
     """The fold of the run's event log, its identity filled from the record before the log has any."""
-    view = RunView.of(read_events(record.dir))
+    view = read_view(record.dir)
     view.run_id = view.run_id or record.run_id
     view.hosts = view.hosts or list(record.hosts)
     return view
@@ -130,7 +132,8 @@ def status(record: RunRecord) -> list[str]:
     job = scheduler.describe(record) if scheduler else []
     settle(record, backend)
     view = view_of(record)
-    return status_lines(view, record.backend, supervisor_alive(record, backend), _where(record)) + job
+    return status_lines(view, record.backend, supervisor_alive(record, backend), _where(record),
+                        live=read_live(record.dir)) + job
 
 
 def state_of(record: RunRecord) -> str:

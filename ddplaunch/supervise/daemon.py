@@ -119,9 +119,11 @@ def start_daemon(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Supervis
 def _read_answer(fd: int, timeout: float) -> dict[str, Any]:
     """The supervisor's one-line answer: the run it took, or the error that stopped it."""
     data, deadline = b"", time.monotonic() + timeout
+    poller = select.poll()  # not select(): no ceiling on the descriptor's number
+    poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
             raise BackendError(f"the run's supervisor did not start within {timeout:.0f}s; nothing was launched "
                                "(the machine is overloaded, or see `ddplaunch runs`)")
         chunk = os.read(fd, 65536)

@@ -2,7 +2,9 @@
 
 Both replay the run's event log from its first line and follow it live (record/events.py):
 every line the screen showed, each host's state (a live table on a terminal), then the summary
-rendered from the fold of the events, and return the run's exit code. They differ only in what
+rendered from the fold of the events, and return the run's exit code. A run with a snapshot
+(record/snapshot.py: a long one, or one that ended) is replayed from it: the screen's first and
+newest lines, each host's state, then the events after it. They differ only in what
 Ctrl-C means: in `up` it stops the run (SIGTERM to the supervisor, which stops every host in
 order; a second Ctrl-C leaves without waiting), in `attach` it only detaches. A closed terminal
 or a killed follower never touches the run. The supervisor is where the run's placement says
@@ -13,12 +15,13 @@ job is queued or running), or on `supervisor.host`, where `attach` itself runs o
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Optional, Protocol
+from typing import IO, Any, Callable, Iterable, Iterator, Optional, Protocol
 
 from ddplaunch.backends import scheduler_of
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
@@ -27,6 +30,7 @@ from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import (EVENTS_FILE, Event, HostState, RunEnded, RunStarted, Shown, follow, from_line,
                                      read_events)
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
+from ddplaunch.record.snapshot import load, screen_from
 from ddplaunch.record.view import RunView
 from ddplaunch.report.summary import summarize, summary_json
 from ddplaunch.spec.model import ClusterSpec
@@ -117,12 +121,19 @@ def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: O
     err = err or sys.stderr
     out = err if as_json else stream
     console = None
-    view = RunView()
+    # a long run: from the fold saved beside its log (the screen's first and newest lines), then on
+    snapshot = load(supervised.dir)
+    view, offset = (snapshot.view, snapshot.offset) if snapshot is not None else (RunView(), 0)
+    replay: Iterable[Event] = screen_from(snapshot) if snapshot is not None else ()
+    if snapshot is not None and view.started is not None:
+        replay = itertools.chain([view.started], replay, [view.ended] if view.ended is not None else [])
     interrupts = _Interrupts(supervised, stops_run, lambda text: print(text, file=out, flush=True))
     old = _install(interrupts)
     try:
-        for event in follow(supervised.dir, supervised.alive):
-            view.add(event)
+        for event, fresh in itertools.chain(((e, False) for e in replay),
+                                            ((e, True) for e in follow(supervised.dir, supervised.alive, offset))):
+            if fresh:
+                view.add(event)
             if isinstance(event, RunStarted) and console is None:
                 console = make_console(out, None, event.hosts)
                 if stops_run:

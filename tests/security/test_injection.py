@@ -8,6 +8,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -28,10 +29,13 @@ TEXT = st.one_of(HOSTILE.map(lambda s: s.format(c=CANARY)),
 
 
 def stub_python(tmp: Path) -> Path:
-    """An 'interpreter' that writes its argv and the spec's env values as JSON, then exits."""
+    """An 'interpreter' that writes its argv and the spec's env values as JSON, then exits: to
+    STUB_OUT when it runs torchrun (`-m`), to STUB_OUT.agent when it runs the node's agent."""
     stub = tmp / "py stub"
     stub.write_text("#!/bin/bash\n/usr/bin/env python3 -c 'import json,os,sys; "
-                    "json.dump({\"argv\": sys.argv[1:], \"env\": dict(os.environ)}, open(os.environ[\"STUB_OUT\"], \"w\"))' \"$@\"\n")
+                    "out = os.environ[\"STUB_OUT\"] + (\".agent\" if sys.argv[1].endswith(\"agent.py\") else \"\"); "
+                    "json.dump({\"argv\": sys.argv[1:], \"env\": dict(os.environ)}, open(out + \".tmp\", \"w\")); "
+                    "os.replace(out + \".tmp\", out)' \"$@\"\n")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     return stub
 
@@ -73,6 +77,7 @@ def test_values_round_trip_through_every_renderer(tmp_path_factory, arg, env_val
     got = json.loads(out.read_text())
     assert got["argv"][-4:] == ["job.py", arg, "--x", arg] or got["argv"][-3:] == [arg, "--x", arg]
     assert got["env"]["NOTE"] == env_value
+    _agent_started(out, "r1.job.h2")
     # slurm: the step's body (per-node values from the step), its env from srun's environment
     out.unlink()
     step = step_request(plan, "7")
@@ -83,4 +88,17 @@ def test_values_round_trip_through_every_renderer(tmp_path_factory, arg, env_val
     got = json.loads(out.read_text())
     assert got["argv"][-3:] == [arg, "--x", arg] and got["env"]["NOTE"] == env_value
     assert "--node-rank" in got["argv"] and got["argv"][got["argv"].index("--node-rank") + 1] == "1"
+    _agent_started(out, "r1.job.h2")
     assert not Path(CANARY).exists()
+
+
+def _agent_started(out: Path, name: str) -> None:
+    """The node's agent ran (in the background, so its report may come after the job's) with its
+    name, and the pid of the shell that became torchrun."""
+    agent = Path(f"{out}.agent")
+    deadline = time.monotonic() + 20
+    while not agent.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = json.loads(agent.read_text())["argv"]
+    assert got[0].endswith("/r1/agent.py") and got[1:4] == ["--window", "20", name] and got[4].isdigit(), got
+    agent.unlink()

@@ -19,7 +19,7 @@ import jinja2
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
 from ddplaunch.plan.container import container_name, pyxis_options
 from ddplaunch.plan.hostwords import HostWord
-from ddplaunch.plan.launch import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand, agent_name, host_run_dir, in_run_dir
 from ddplaunch.plan.shellword import Raw, word
 from ddplaunch.spec.model import ClusterSpec, ContainerSpec
 from ddplaunch.spec.values import SECRET_SHOWN
@@ -130,6 +130,8 @@ def step_template(plan: LaunchPlan, by_name: bool = False) -> NodeCommand:
     env = dict(node.env)
     env["DDPLAUNCH_HOST"] = host
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = Raw('"[$SLURMD_NODENAME:\\${rank}] "')
+    if "DDPLAUNCH_AGENT" in env:
+        env["DDPLAUNCH_AGENT"] = Raw(word(agent_name(plan.run_id, plan.stage, "")) + host)
     if "GROUP_RANK" in env:  # started directly: one rank per node
         env["RANK"] = env["GROUP_RANK"] = Raw(rank)
     mixed = len({str(n.nproc) for n in plan.nodes}) > 1

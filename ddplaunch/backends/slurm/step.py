@@ -77,6 +77,8 @@ class SrunStep:
         self.client, self.hosts, self.lines, self.name, self.job = client, hosts, lines, name, job
         self._task_node = task_node or {}
         self.ends: dict[int, tuple[Optional[int], str, float]] = {}  # node -> (exit code, how, when)
+        #: Each node's lines, kept for a step whose caller reads them (a probe: `lines` is None);
+        #: a stage's lines go to `lines` only, so nothing here grows with the run's length.
         self.output: dict[int, list[str]] = {}
         #: Nodes Slurm could not start the step on: host -> srun's reason.
         self.unreachable: dict[str, str] = {}
@@ -116,8 +118,9 @@ class SrunStep:
         return self._task_node.get(task, task)
 
     def _emit(self, node: int, text: str) -> None:
-        self.output.setdefault(node, []).append(text)
-        if self.lines is not None:
+        if self.lines is None:
+            self.output.setdefault(node, []).append(text)
+        else:
             self.lines.emit(node, self.host(node), text)
 
     def _srun_message(self, text: str) -> None:

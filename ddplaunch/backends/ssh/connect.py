@@ -11,6 +11,9 @@ behind it.
 
 from __future__ import annotations
 
+import os
+import resource
+import select
 import socket
 import threading
 import time
@@ -35,11 +38,58 @@ KEEPALIVE_S = 5
 JUMP_RETRY_S = 10.0
 
 
+class PolledProxyCommand(paramiko.ProxyCommand):
+    """paramiko's ProxyCommand, read with poll(): paramiko's own waits with select(), which
+    raises ValueError on a descriptor numbered 1024 or more (a supervisor of ~340 hosts behind
+    a ProxyCommand has that many), and spins on the command's end of output."""
+
+    def recv(self, size: int) -> bytes:
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        buffer, start = b"", time.monotonic()
+        try:
+            while len(buffer) < size:
+                wait_ms = None
+                if self.timeout is not None:
+                    left = self.timeout - (time.monotonic() - start)
+                    if left <= 0:
+                        break
+                    wait_ms = max(1, int(left * 1000))
+                if not poller.poll(wait_ms):
+                    continue
+                chunk = os.read(fd, size - len(buffer))
+                if not chunk:  # the command ended: what came is all there is
+                    break
+                buffer += chunk
+        except OSError as err:
+            raise paramiko.ProxyCommandFailure(" ".join(self.cmd), err.strerror or str(err)) from None
+        if not buffer and self.timeout is not None and time.monotonic() - start >= self.timeout:
+            raise socket.timeout()
+        return buffer
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (a supervisor holds a few
+    per host: 1,000 hosts pass the usual 1,024); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
 class Connector:
     """The run's SSH connections, by host label, and the jump hosts' by route."""
 
     def __init__(self, spec: ClusterSpec, routes: dict[str, Route]):
         self.spec, self.routes = spec, routes
+        raise_fd_limit()  # a few descriptors per host: 1,000 hosts pass the usual soft limit
         ssh = spec.ssh
         self.known = Path(spec.resolve(ssh.known_hosts) if ssh.known_hosts else "~/.ssh/known_hosts").expanduser()
         self._conns: dict[str, Connection] = {}
@@ -82,7 +132,7 @@ class Connector:
         if route.jump is not None:
             kwargs["sock"] = self._channel_through(route.jump, route, who, timeout)
         elif route.proxy_command:
-            kwargs["sock"] = paramiko.ProxyCommand(route.proxy_command)
+            kwargs["sock"] = PolledProxyCommand(route.proxy_command)
         # lazy: Fabric's own ssh config lookup is skipped; the route already holds its answer
         conn = Connection(route.hostname, user=route.user, port=route.port, config=Config(lazy=True),
                           connect_kwargs=kwargs)

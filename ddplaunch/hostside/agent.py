@@ -1,0 +1,115 @@
+"""The node agent: one per node of a stage, beside torchrun (the node's shell starts it).
+
+It is where the node's ranks send what they measure (``DDPLAUNCH_AGENT``: a Unix datagram socket in the abstract namespace, its
+name in the ranks' environment; only this user's processes are heard): each rank's start and its
+step timing (steptiming.py). The agent folds them, so that the supervisor reads a few lines per
+host and not a line per rank per second:
+
+- one ``DDPLAUNCH_WINDOW_JSON`` per window of ``--window`` steps (the straggler judge's unit):
+  every rank's median compute (step time minus its wait at the collectives) and wait over those
+  steps, and the ranks that went silent (started, yet no report for SILENT_S while others report);
+- one ``DDPLAUNCH_HOSTSTEPS_JSON`` every STATUS_S seconds while the ranks step: the newest step, the
+  median step time and wait over the last interval, and the rank that computes longest.
+
+The heartbeat that says the host lives is not the agent's (the node's shell says it, apart from
+any parsing). It ends when its parent (the node's shell, then torchrun) does. Standard library
+only: ``python agent.py [--window N] [--warmup N] NAME PARENT_PID``.
+"""
+
+import json
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Any, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: its siblings
+sys.dont_write_bytecode = True  # no __pycache__ left in the run dir
+import fold  # type: ignore[import-not-found]  # noqa: E402  (the folding, beside it)
+import payloads as P  # type: ignore[import-not-found]  # noqa: E402  (the payload schema, beside it)
+
+#: Seconds between two looks at the parent, and between two status lines.
+ALIVE_S, STATUS_S = 1.0, 2.0
+
+
+def parent_alive(pid: int) -> bool:
+    """Whether the node's shell (then torchrun) still runs: not gone, not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def open_socket(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.bind(P.agent_address(name))
+    sock.settimeout(0.2)
+    return sock
+
+
+def receive(sock: socket.socket) -> Optional[dict[str, Any]]:
+    """One message from a rank of this user (others' are dropped), None when none came."""
+    try:
+        data, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
+    except (socket.timeout, BlockingIOError, InterruptedError):
+        return None
+    uid = None
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
+            uid = struct.unpack("iII", payload[:12])[1]
+    if uid != os.getuid():
+        return None
+    try:
+        message = json.loads(data)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def run(name: str, parent: int, window: int, warmup: int) -> None:
+    sock = open_socket(name)
+    windows, status = fold.StepWindows(window, warmup), fold.Status()
+    next_alive = next_status = time.monotonic()
+    while True:
+        message = receive(sock)
+        now = time.monotonic()
+        if message is not None and isinstance(message.get("rank"), int):
+            rank = message["rank"]
+            if message.get("kind") == "start":
+                windows.start(rank, now)
+            elif isinstance(message.get("steps"), list):
+                windows.add(rank, message["steps"], now)
+                status.add(rank, message["steps"])
+                for done in windows.done():
+                    P.say(P.HostWindow(**done))
+        if now >= next_alive:
+            next_alive = now + ALIVE_S
+            if not parent_alive(parent):
+                return
+        if now >= next_status:
+            next_status = now + STATUS_S
+            line = status.line()
+            if line is not None:
+                P.say(P.HostSteps(**line))
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="agent.py")
+    parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("name")
+    parser.add_argument("parent", type=int)
+    args = parser.parse_args(argv)
+    try:
+        run(args.name, args.parent, args.window, args.warmup)
+    except (BrokenPipeError, KeyboardInterrupt):
+        pass
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

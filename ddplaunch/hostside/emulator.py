@@ -1,0 +1,218 @@
+"""Emulated ranks: what a node runs in place of torchrun and the job with `up --emulate N`.
+
+No torch is imported and nothing trains, but everything ddplaunch reads of a run is the real
+path: N rank processes per node (each its own pid, RANK and LOCAL_RANK in its environment, as
+torchrun starts them) say their start and exit (payloads.py), step every ``--step-s`` seconds,
+time each step with the real step timing (steptiming.py) sent to the node's agent, count it with
+the real progress hooks (entry.py's ``Progress``: rank 0 says its optimizer steps, saves a
+"checkpoint" every ``--ckpt-every`` steps and holds after one when asked), print one line each at
+start and rank 0 one per step, behind torchrun's ``[host:rank]`` prefix. Steps are synchronous as
+in DDP: every rank knows the injections, so a slowed rank computes longer and the others wait for
+it (their step is as long as the slowest's). Injections: ``--slow RANK:FACTOR@STEP`` (that rank
+computes FACTOR times longer from STEP on), ``--freeze RANK@STEP`` (that rank stops itself,
+SIGSTOP, and every rank waits at that step as in a collective), ``--exit RANK:CODE@STEP`` (that
+rank's script ends with CODE; the others wait as they would for a dead peer). The node's process
+behaves as torchrun: it ends when its ranks do, and when one fails it stops the others and prints
+torchrun's failure report. Its node rank is GROUP_RANK in its environment (the plan sets it).
+Standard library only; run as ``python emulator.py OPTIONS``.
+"""
+
+import argparse
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: A "checkpoint": the step rank 0 saved last, in the node's run directory (this file's).
+CKPT_FILE = "emulated-ckpt"
+#: Seconds the stopped ranks get before they are killed (as torchrun's shutdown timeout).
+STOP_GRACE_S = 5.0
+
+
+def _sibling(name: str) -> Any:
+    known = sys.modules.get(f"ddplaunch_hostside_{name}")
+    if known is not None:
+        return known
+    spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="emulator.py")
+    p.add_argument("--ranks", type=int, required=True, help="ranks per node")
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--step-s", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=0, help="steps to take (0: until stopped)")
+    p.add_argument("--ckpt-every", type=int, default=50)
+    p.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR@STEP")
+    p.add_argument("--freeze", action="append", default=[], metavar="RANK@STEP")
+    p.add_argument("--exit", action="append", default=[], metavar="RANK:CODE@STEP")
+    p.add_argument("--as-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def injections(args: argparse.Namespace) -> tuple[dict[int, tuple[float, int]], dict[int, int], dict[int, tuple[int, int]]]:
+    """(rank -> (factor, from step), rank -> freeze step, rank -> (exit code, step))."""
+    slow, freeze, leave = {}, {}, {}
+    for item in args.slow:
+        rank, rest = item.split(":")
+        factor, step = rest.split("@")
+        slow[int(rank)] = (float(factor), int(step))
+    for item in args.freeze:
+        rank, step = item.split("@")
+        freeze[int(rank)] = int(step)
+    for item in args.exit:
+        rank, rest = item.split(":")
+        code, step = rest.split("@")
+        leave[int(rank)] = (int(code), int(step))
+    return slow, freeze, leave
+
+
+class _Prefixed:
+    """stdout with torchrun's `[host:rank] ` before every line (whole lines, one write each)."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.pending = prefix, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        if lines:
+            os.write(1, "".join(f"{self.prefix}{line}\n" for line in lines).encode())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One emulated rank: start, step, report, as the injections say."""
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    host = os.environ.get("DDPLAUNCH_HOST", "localhost")
+    sys.stdout = _Prefixed(os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "").replace("${rank}", str(rank)))
+    entry, payloads = _sibling("entry"), _sibling("payloads")
+    entry.say_start()
+    progress = entry.Progress()
+    progress.timing = _sibling("steptiming").StepTiming()
+    slow, freeze, leave = injections(args)
+    step = resumed(progress) if os.environ.get("DDPLAUNCH_RECOVERY") else 0
+    print(f"emulated rank {rank} of {world} on {host} (local rank {local}, pid {os.getpid()}), from step {step}")
+    rng = random.Random(rank)
+    optimizer = object()  # what the progress hooks count steps of
+    save = progress.saving("torch.save", lambda obj, path: _write_ckpt(path, obj))
+    while args.steps == 0 or step < args.steps:
+        step += 1
+        if step in freeze.values():
+            if freeze.get(rank) == step:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen: stopped, as a hung device leaves it
+            while True:  # every rank waits at this step, as in a collective with a frozen peer
+                time.sleep(3600)
+        code_at = leave.get(rank)
+        if code_at is not None and code_at[1] == step:
+            progress.flush()
+            payloads.say(payloads.RankExit(rank, code_at[0] & 0xFF))
+            os._exit(code_at[0])
+        if any(s == step for _, s in leave.values()):
+            while True:  # a peer's script ended: this rank waits in the next collective
+                time.sleep(3600)
+        factors = [f for r, (f, since) in slow.items() if step >= since]
+        mine = slow[rank][0] if rank in slow and step >= slow[rank][1] else 1.0
+        base = args.step_s * (1 + 0.02 * rng.random())
+        step_s = base * max([1.0, *factors])
+        progress.before_step(optimizer)  # holds here after a checkpoint, when asked (HOLD_FILE)
+        time.sleep(step_s)
+        progress.timing._waited_for(step_s - base * mine)  # the others wait for the slowest
+        progress.stepped(optimizer)
+        if rank == 0:
+            print(f"step={step} emulated loss={1.0 / step:.4f}")
+            if args.ckpt_every and step % args.ckpt_every == 0:
+                save(step, os.path.join(HERE, CKPT_FILE))
+    progress.flush()
+    progress.timing.flush()
+    payloads.say(payloads.RankExit(rank, 0))
+    os._exit(0)
+
+
+def resumed(progress: Any) -> int:
+    """The step of the last "checkpoint", loaded through the progress hooks (rank 0 says it)."""
+    load = progress.loaded("torch.load", _read_ckpt)
+    return load(os.path.join(HERE, CKPT_FILE))
+
+
+def _write_ckpt(path: str, step: int) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(step))
+    os.replace(tmp, path)
+
+
+def _read_ckpt(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def node_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """The node's process, as torchrun: start the ranks, end with them; one that fails stops the
+    others (SIGTERM) and its failure is reported as torchrun reports it."""
+    world, node_rank = args.ranks * args.nnodes, int(os.environ.get("GROUP_RANK", "0"))
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    for local in range(args.ranks):
+        rank = node_rank * args.ranks + local
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(args.ranks), GROUP_RANK=str(node_rank),
+                   TORCHELASTIC_RUN_ID=os.environ.get("DDPLAUNCH_RUN_ID", "emulated"),
+                   TORCHELASTIC_RESTART_COUNT="0")
+        procs[rank] = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--as-rank",
+                                        str(rank)], env=env)
+    stopping: list[float] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        stopping.append(time.monotonic())
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    failed: Optional[tuple[int, int]] = None
+    while any(p.poll() is None for p in procs.values()):
+        for rank, p in procs.items():
+            code = p.poll()
+            if code not in (None, 0) and failed is None and not stopping:
+                failed = (rank, code)
+                stop(signal.SIGTERM, None)
+        if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:  # a frozen rank never acts on SIGTERM
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    if failed is not None:
+        rank, code = failed
+        print("Root Cause (first observed failure):\n"
+              f"  rank      : {rank} (local_rank: {rank - node_rank * args.ranks})\n"
+              f"  exitcode  : {code} (pid: {procs[rank].pid})", flush=True)
+        return 1
+    return 143 if stopping else 0
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    if args.as_rank is not None:
+        rank_main(args)
+    sys.exit(node_main(args, argv))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
