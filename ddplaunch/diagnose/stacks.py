@@ -24,6 +24,8 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 #: The rank-side step timing's file (in the package, or staged in a host's run directory): its
 #: wrappers sit between a job's line and torch's call.
 TIMING_FILE = re.compile(r"/(hostside|\.ddplaunch/runs/[^/]+)/steptiming\.py$")
+#: What a frozen process's state letter means.
+FROZEN_WHY = {"T": "stopped", "t": "stopped by a debugger", "D": "in an uninterruptible wait"}
 #: Seconds py-spy gets per host (all its workers are dumped in parallel there).
 DUMP_TIMEOUT = 30.0
 
@@ -71,9 +73,11 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
                             "(a host missing? see rdzv_timeout)")
         for proc in data["procs"]:
             threads = proc.get("threads") or []
+            where = stuck_at(threads, proc["cwd"]) if threads else \
+                f"frozen (process state {proc['state']}: {FROZEN_WHY.get(proc['state'], 'cannot run')})" \
+                if proc.get("state") in FROZEN else "unknown"
             stacks.append(RankStack(host=host.label, pid=proc["pid"], rank=proc["rank"], threads=threads,
-                                    where=stuck_at(threads, proc["cwd"]) if threads else "unknown",
-                                    error=proc.get("error")))
+                                    where=where, error=proc.get("error")))
     return stacks, problems, raw
 
 

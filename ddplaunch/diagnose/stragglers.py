@@ -5,9 +5,11 @@ steptiming.py) to its node's agent, which folds them per window of `window` step
 fold.py): each rank's median compute and wait over the window, one part per host. In a synchronous job every rank's step lasts as long as the slowest rank's, so
 step times are equal everywhere; what differs is the wait: the others wait at each collective for
 the straggler, which arrives last and waits least. A rank's compute share is its step time minus
-its wait. `StragglerJudge` compares, per window, each host's compute share (the median of its
-ranks' medians) with the median of the other hosts' ranks, and names a host whose share is `threshold` (15 %) — or, on a noisy machine, three times
-the spread of its peers' — above it in three windows in a row. Against its own level: how a
+its wait. `StragglerJudge` compares, per window, each host's compute share (its slowest rank's
+median: one slow GPU among a host's eight is the straggler, and the host's median would hide it)
+with the median of the other hosts' ranks, and names a host whose share is `threshold` (15 %) —
+or, on a noisy machine, three times the spread of its peers' — above it in three windows in a
+row, with the ranks that are. Against its own level: how a
 rank's share compares with its peers' when nothing is wrong differs a little by rank (its place in
 the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
 ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
@@ -56,8 +58,8 @@ EXACT_PEERS_UP_TO = 512
 
 @dataclass(frozen=True)
 class Judged:
-    """A window judged: each host's part as one number each — its ranks' medians of compute, wait
-    and step time (the median of its ranks' medians)."""
+    """A window judged: each host's part as a few numbers — its ranks' medians of compute, wait
+    and step time (the median of its ranks' medians), its slowest rank's compute."""
 
     first: int
     last: int
@@ -162,22 +164,22 @@ class StragglerJudge:
         found = None
         for host in hosts:
             ranks = sorted(r for r in per_rank if self.host_of[r] == host)
-            mine = statistics.median(per_rank[r][0] for r in ranks)
+            mine = max(per_rank[r][0] for r in ranks)  # its slowest rank: one slow GPU of 8 is the straggler
             theirs, spread, their_wait = peers.of(host, ranks)
             if theirs <= 0:
                 self._slow_in.pop(host, None)
                 continue
-            bar = max(self.threshold, NOISE_FACTOR * spread / theirs)
-            if mine < (1 + bar) * theirs * self._own_level(host):
+            bar = (1 + max(self.threshold, NOISE_FACTOR * spread / theirs)) * theirs * self._own_level(host)
+            if mine < bar:
                 self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine / theirs)
                 self._slow_in.pop(host, None)
                 continue
             since = self._slow_in.setdefault(host, first)
             if first - since < (IN_A_ROW - 1) * self.window or host in self.named or found:
                 continue  # not slow long enough yet, or named already (one host named a window)
-            found = Straggler(host=host, ranks=ranks, slowdown=mine / theirs - 1, since_step=since,
-                              named_at=time.time(), compute_s=mine, peers_compute_s=theirs, peers_wait_s=their_wait,
-                              ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
+            found = Straggler(host=host, ranks=[r for r in ranks if per_rank[r][0] >= bar], slowdown=mine / theirs - 1,
+                              since_step=since, named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
+                              peers_wait_s=their_wait, ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
             self.named[host] = found
         return found
 
@@ -191,12 +193,14 @@ class StragglerJudge:
 
 
 def _summary(parts: dict[str, HostWindow]) -> Judged:
-    """The window as one number each per host: the median of its ranks' medians."""
+    """The window as a few numbers per host: the median of its ranks' medians of compute, wait and
+    step time, and its slowest rank's compute."""
     hosts = {}
     for host, part in sorted(parts.items()):
         values = [v for v in part.ranks.values() if isinstance(v, list) and len(v) >= 3]
         if values:
-            hosts[host] = [round(statistics.median(float(v[i]) for v in values), 6) for i in range(3)]
+            hosts[host] = [round(statistics.median(float(v[i]) for v in values), 6) for i in range(3)] + \
+                [round(max(float(v[0]) for v in values), 6)]
     return Judged(min(p.first for p in parts.values()), max(p.last for p in parts.values()), hosts)
 
 

@@ -200,9 +200,16 @@ def node_main(args: argparse.Namespace, argv: list[str]) -> int:
         time.sleep(0.2)
     if failed is not None:
         rank, code = failed
-        print("Root Cause (first observed failure):\n"
+        rule = "=" * 60
+        print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"  # torchrun's report, as it prints it
+              f"{rule}\nemulator.py FAILED\n{'-' * 60}\nFailures:\n  <NO_OTHER_FAILURES>\n{'-' * 60}\n"
+              f"Root Cause (first observed failure):\n[0]:\n"
+              f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S')}\n"
+              f"  host      : {os.environ.get('DDPLAUNCH_HOST', 'localhost')}\n"
               f"  rank      : {rank} (local_rank: {rank - node_rank * args.ranks})\n"
-              f"  exitcode  : {code} (pid: {procs[rank].pid})", flush=True)
+              f"  exitcode  : {code} (pid: {procs[rank].pid})\n"
+              f"  error_file: <N/A>\n  traceback : To enable traceback see: "
+              f"https://pytorch.org/docs/stable/elastic/errors.html\n{rule}", flush=True)
         return 1
     return 143 if stopping else 0
 

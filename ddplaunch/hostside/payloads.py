@@ -145,12 +145,29 @@ def agent_address(name: str) -> str:
 _agent: list[socket.socket] = []
 
 
-def to_agent(message: dict[str, Any]) -> bool:
-    """Send `message` to the node's agent (``DDPLAUNCH_AGENT``); False when there is none, or it
-    did not take it at once (the caller says it on stdout instead). Never blocks."""
+#: What became of a message for the node's agent: taken; not taken at once (the agent is there but
+#: behind: the message is dropped, never written elsewhere — a rank whose reports are dropped is
+#: silent to the agent, a finding); no agent to take it (the caller writes its line instead).
+SENT, BUSY, ABSENT = "sent", "busy", "absent"
+
+
+def to_agent(message: dict[str, Any]) -> str:
+    """Send `message` to the node's agent (``DDPLAUNCH_AGENT``): SENT, BUSY or ABSENT (see
+    above). Never blocks."""
     name = os.environ.get(AGENT_ENV)
     if not name:
-        return False
+        return ABSENT
+    if not _agent:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        _agent.append(sock)
+    try:
+        _agent[0].sendto(json.dumps(message, separators=(",", ":")).encode(), agent_address(name))
+        return SENT
+    except BlockingIOError:
+        return BUSY
+    except OSError:
+        return ABSENT
     if not _agent:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         sock.setblocking(False)

@@ -135,9 +135,9 @@ class StepTiming:
             batch, self._pending = self._pending[:ready], self._pending[ready:]
         for i in range(0, len(batch), PER_LINE):
             steps = batch[i:i + PER_LINE]
-            if self._payloads.to_agent({"rank": self.rank, "steps": steps}):
-                continue
-            try:  # no agent (torchrun started without ddplaunch): the line itself
+            if self._payloads.to_agent({"rank": self.rank, "steps": steps}) != self._payloads.ABSENT:
+                continue  # taken, or dropped by an agent that is behind: never a line per rank then
+            try:  # no agent (torchrun started without ddplaunch, or its agent is gone): the line itself
                 os.write(1, self._payloads.payload_line(self._payloads.Timing(self.rank, steps)).encode())
             except OSError:
                 return

@@ -165,7 +165,7 @@ class NotRecovered(_Event):
 class StepWindow(_Event):
     """A window of steps, judged: each host's part — its ranks' medians of compute (step time
     minus the wait at the collectives), wait and step time over the window, as its agent folded
-    them — one number each per host, not per rank."""
+    them, and its slowest rank's compute — a few numbers per host, not per rank."""
 
     KIND: ClassVar[str] = "step-window"
     first: int

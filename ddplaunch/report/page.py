@@ -44,8 +44,13 @@ def _axes(x_label: str, y_label: str, y_max: float, unit: str) -> list[str]:
     return out
 
 
+def _slowest(part: list[float]) -> float:
+    """A host's slowest rank's compute in a window (its ranks' median in a log that lacks it)."""
+    return part[3] if len(part) > 3 else part[0]
+
+
 def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
-    """Each host's compute per step (its ranks' median: step time minus wait at the collectives)
+    """Each host's compute per step (its slowest rank's: step time minus wait at the collectives)
     against the median host's, per window of steps, over the run: the band of every host (lowest
     to highest) and the median, and a line of its own for a host named a straggler. Step times
     are equal on every rank of a synchronous job: the compute share singles out the straggler."""
@@ -54,14 +59,14 @@ def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
         return "<p>No window of steps was judged (the job stepped no torch.optim optimizer, or ran too few steps).</p>"
     t0 = min([t for t, _ in rows] + ([view.started.t] if view.started is not None else []))
     t_max = max(t for t, _ in rows) - t0 or 1.0
-    ratios = [{h: v[0] / med for h, v in hosts.items()} for _, hosts in rows
-              if (med := statistics.median(v[0] for v in hosts.values())) > 0]
+    ratios = [{h: _slowest(v) / med for h, v in hosts.items()} for _, hosts in rows
+              if (med := statistics.median(_slowest(v) for v in hosts.values())) > 0]
     y_max = max(max(r.values()) for r in ratios) * 1.1 if ratios else 2.0
-    out = _axes("seconds since the run started", "compute per step / the median host's", y_max, "")
+    out = _axes("seconds since the run started", "slowest rank's compute per step / the median host's", y_max, "")
 
     def xy(t: float, ratio: float) -> str:
         return f"{PAD + (t - t0) / t_max * (W - PAD - 10):.1f},{H - PAD - ratio / y_max * (H - PAD - 10):.1f}"
-    times = [t for (t, hosts) in rows if statistics.median(v[0] for v in hosts.values()) > 0]
+    times = [t for (t, hosts) in rows if statistics.median(_slowest(v) for v in hosts.values()) > 0]
     band = [xy(t, max(r.values())) for t, r in zip(times, ratios)] + \
         [xy(t, min(r.values())) for t, r in reversed(list(zip(times, ratios)))]
     out.append(f'<polygon class="band" fill="#1f77b4" fill-opacity="0.2" stroke="none" points="{" ".join(band)}">'

@@ -164,7 +164,9 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
         with open_private(record.log_path) as log, _stop_on_signals() as stop, \
                 contextlib.closing(make_console(stream, log, [h.label for h in spec.hosts], opts.verbose,
                                                 events)) as console:
-            console.note(f"run {record.run_id}: {spec.backend} backend, {_procs(spec)}; record in {record.dir}")
+            procs = _procs(spec) if opts.emulate is None else \
+                f"{opts.emulate.ranks_per_host} emulated ranks per host (no torch: `up --emulate`)"
+            console.note(f"run {record.run_id}: {spec.backend} backend, {procs}; record in {record.dir}")
             with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
                 RunLoop(spec, backend, opts, console, stop, record.run_id, record.dir, events, view).run()
     except BaseException as err:

@@ -22,9 +22,8 @@ from typing import Any, Callable, Optional
 from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
 from ddplaunch.errors import PlanError
-from ddplaunch.hostside.payloads import Held
 from ddplaunch.output.console import Console
-from ddplaunch.output.stagelines import Report, StageLines
+from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import mismatch_lines, store_errors
 from ddplaunch.plan.hostwords import CpuShare
 from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
@@ -191,8 +190,9 @@ class RunLoop:
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
                               "set 1 and say so on every launch); env.OMP_NUM_THREADS in the spec chooses")
         job = plan.stage == Stage.JOB
+        steps = self._steps_of(spec, plan) if job else None
         lines = StageLines(self.console, plan.stage, on_first_step=self._first_step if self.budget.done else None,
-                           secrets=self._secrets, on_report=self._reports_of(spec, plan) if job else None)
+                           secrets=self._secrets, on_report=steps.report if steps is not None else None)
         watchdog = None
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
         if job and hang_timeout:
@@ -203,7 +203,7 @@ class RunLoop:
             self.say(RecoveryUpdated(self.budget.done[-1]))
         spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say) \
             if job and self.budget.spares else contextlib.nullcontext()
-        with watchdog or contextlib.nullcontext(), spares:
+        with watchdog or contextlib.nullcontext(), spares, steps or contextlib.nullcontext():
             result = self.backend.launch(request, lines, self.stop)
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
@@ -223,7 +223,7 @@ class RunLoop:
             self.console.note(f"kernel log not read: {type(err).__name__}: {err}")
             return []
 
-    def _reports_of(self, spec: ClusterSpec, plan: LaunchPlan) -> Callable[[str, Report], None]:
+    def _steps_of(self, spec: ClusterSpec, plan: LaunchPlan) -> StepsWatch:
         """What takes a job launch's step reports (run/steps.py): the hosts' windows judged for
         stragglers, their status kept live; a straggler named is, where recovery.evict_stragglers,
         a spare and the budget allow, evicted at the next checkpoint."""
@@ -234,15 +234,8 @@ class RunLoop:
                     len(self.budget.lost) < spec.recovery.max_host_failures:
                 eviction.start(found)
 
-        steps = StepsWatch(plan, spec.stragglers.threshold, spec.stragglers.window, self.run_dir, self.console,
-                           self.say, on_straggler)
-
-        def report(host: str, payload: Report) -> None:
-            if isinstance(payload, Held):
-                eviction.held(payload)
-            else:
-                steps.report(host, payload)
-        return report
+        return StepsWatch(plan, spec.stragglers.threshold, spec.stragglers.window, self.run_dir, self.console,
+                          self.say, on_straggler, eviction.held)
 
     def _first_step(self, progress: Progress) -> None:
         """The relaunched job completed a step: say when training resumed, live."""

@@ -2,7 +2,8 @@
 per rank per second into this process.
 
 `StepsWatch.report` takes each host's lines as they are read: a window's part (`HostWindow`) goes
-to the straggler judge, which is asked at most once a second (a timer, not per line); a status
+to the straggler judge, which its own thread asks once a second (a timer: a reader's thread never
+judges, so the heartbeats it reads never wait for a judgement); a status
 (`HostSteps`) to the live view (record/live.py: `live.json`, for `top` and `status`). What the
 judge finds is said once — on screen and in the event log (`StepWindow` per window judged, one
 number per host; `StragglerNamed`, `RanksSilent`, `HostQuiet`) — and a straggler is handed to
@@ -16,11 +17,11 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from ddplaunch.diagnose.stragglers import WARMUP, StragglerJudge
 from ddplaunch.hostside.fold import Status, StepWindows
-from ddplaunch.hostside.payloads import HostSteps, HostWindow, Timing
+from ddplaunch.hostside.payloads import Held, HostSteps, HostWindow, Timing
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import Report
 from ddplaunch.plan.launch import LaunchPlan
@@ -37,35 +38,50 @@ class StepsWatch:
     """One job launch's step reports."""
 
     def __init__(self, plan: LaunchPlan, threshold: float, window: int, run_dir: Path, console: Console,
-                 say: Callable[[Event], None], on_straggler: Callable[[Straggler], None]):
-        self.console, self.say, self.on_straggler = console, say, on_straggler
+                 say: Callable[[Event], None], on_straggler: Callable[[Straggler], None],
+                 on_held: Callable[[Held], None] = lambda held: None):
+        self.console, self.say, self.on_straggler, self.on_held = console, say, on_straggler, on_held
+        self._done = threading.Event()
+        self._timer: Optional[threading.Thread] = None
         self.judge = StragglerJudge([n.host_label for n in plan.nodes], threshold, window)
         self.window = window
         self.live = LiveWriter(run_dir)
         self._lock = threading.Lock()
-        self._judged = 0.0
         #: per host, for ranks that report in lines (no agent): their windows and status, folded
         #: here, and when its status was last said
         self._folds: dict[str, tuple[StepWindows, Status]] = {}
         self._said: dict[str, float] = {}
 
+    def __enter__(self) -> "StepsWatch":
+        self._timer = threading.Thread(target=self._judge_each_second, name="ddplaunch-steps", daemon=True)
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._timer is not None:
+            self._timer.join(timeout=30)
+        self.tick()  # what came complete before the launch ended
+
+    def _judge_each_second(self) -> None:
+        while not self._done.wait(JUDGE_EVERY):
+            self.tick()
+
     def report(self, host: str, payload: Report) -> None:
-        """One of a host's lines (from a reader's thread)."""
+        """One of a host's lines (from a reader's thread): kept for the judge, never judged here."""
         if isinstance(payload, HostWindow):
             self.judge.add(host, payload)
         elif isinstance(payload, HostSteps):
             self._status(host, payload)
         elif isinstance(payload, Timing):
             self._fold(host, payload)
-        self.tick()
+        elif isinstance(payload, Held):
+            self.on_held(payload)
 
     def tick(self) -> None:
-        """Judge what waits, at most once every JUDGE_EVERY seconds."""
-        mono = time.monotonic()
+        """Judge what waits (the timer's thread; once more when the launch ended)."""
         with self._lock:
-            if mono - self._judged < JUDGE_EVERY:
-                return
-            self._judged = mono
+            mono = time.monotonic()
         verdicts = self.judge.judge(mono)
         for judged in verdicts.windows:
             self.say(StepWindow(judged.first, judged.last, judged.hosts))
