@@ -180,14 +180,15 @@ def run_processes(run_id: str) -> dict[int, dict[str, str]]:
 
 def run_pythons(run_id: str) -> set[int]:
     """The run's Python processes (torchrun and its workers), without the shells around them
-    (each node's heartbeat loop and its `sleep`)."""
+    (each node's heartbeat loop and its `sleep`) and each node's agent (hostside/agent.py)."""
     out = set()
     for pid in run_processes(run_id):
         try:
-            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"python" in Path(argv0.decode(errors="replace")).name.encode():
+        if b"python" in Path(argv[0].decode(errors="replace")).name.encode() and \
+                not any(a.endswith(b"/agent.py") for a in argv[1:2]):
             out.add(pid)
     return out
 

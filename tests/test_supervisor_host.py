@@ -39,7 +39,8 @@ def _spec(cluster, tmp_path: Path, name: str, lease: float = 120, python: str | 
     if python:
         head["python"] = python
     data.update(hosts=data["hosts"][:2], nproc_per_node=1, workdir=str(ROOT), job=ref["job"], env=ref["env"],
-                healthcheck={"enabled": False}, supervisor={"lease": lease, "host": head})
+                healthcheck={"enabled": False}, supervisor={"lease": lease, "host": head},
+                stragglers={"window": 5})  # its 32 steps: windows after the 20 of warmup
     path = tmp_path / name / "cluster.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -100,7 +101,7 @@ def test_the_python_api_hands_the_run_there_and_follows_it(sim_cluster, tmp_path
     the `Run` handle reads its event log there (state, events, wait) over SSH."""
     got = submit_and_wait(_spec(sim_cluster, tmp_path, "api"), run_id, tmp_path, timeout=300)
     assert got["first"] in ("running", "ok") and got["exit"] == 0 and got["state"] == "ok", got
-    assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended" and "rank-steps" in got["kinds"]
+    assert got["kinds"][0] == "run-started" and got["kinds"][-1] == "run-ended" and "step-window" in got["kinds"]
     assert SHA_RE.findall("\n".join(got["shown"])) == [reference]  # bitwise equal to an undisturbed run
     record = _local_record(tmp_path, run_id)
     assert (record["placement"]["kind"], record["placement"]["host"]) == ("on-host", sim_cluster.hosts[3].name), record

@@ -5,8 +5,8 @@ per rank per second into this process.
 to the straggler judge, which its own thread asks once a second (a timer: a reader's thread never
 judges, so the heartbeats it reads never wait for a judgement); a status
 (`HostSteps`) to the live view (record/live.py: `live.json`, for `top` and `status`). What the
-judge finds is said once — on screen and in the event log (`StepWindow` per window judged, one
-number per host; `StragglerNamed`, `RanksSilent`, `HostQuiet`) — and a straggler is handed to
+judge finds is said once — on screen and in the event log (`StepWindow`: the newest window
+judged, a few numbers per host, every WINDOW_LOG_S; `StragglerNamed`, `RanksSilent`, `HostQuiet`) — and a straggler is handed to
 `on_straggler` (the run loop evicts it where the spec allows). Ranks whose reports came as lines
 (their node had no agent) are folded here as an agent folds them (hostside/fold.py). Bounded by
 the run's hosts and ranks, whatever the run's length.
@@ -32,6 +32,9 @@ from ddplaunch.record.live import HostNow, LiveWriter
 #: Seconds between two judgements of the waiting windows, and between two statuses of a host whose
 #: ranks report in lines (an agent says its own every few seconds).
 JUDGE_EVERY, STATUS_S = 1.0, 2.0
+#: Seconds between two windows of steps in the event log (every window is judged; the log keeps
+#: the newest each this often, and the one a straggler was named in: O(hosts) bytes per 30 s).
+WINDOW_LOG_S = 30.0
 
 
 class StepsWatch:
@@ -51,6 +54,7 @@ class StepsWatch:
         #: here, and when its status was last said
         self._folds: dict[str, tuple[StepWindows, Status]] = {}
         self._said: dict[str, float] = {}
+        self._window_said = -WINDOW_LOG_S
 
     def __enter__(self) -> "StepsWatch":
         self._timer = threading.Thread(target=self._judge_each_second, name="ddplaunch-steps", daemon=True)
@@ -83,8 +87,10 @@ class StepsWatch:
         with self._lock:
             mono = time.monotonic()
         verdicts = self.judge.judge(mono)
-        for judged in verdicts.windows:
-            self.say(StepWindow(judged.first, judged.last, judged.hosts))
+        if verdicts.windows and (verdicts.stragglers or mono - self._window_said >= WINDOW_LOG_S):
+            newest = verdicts.windows[-1]  # every window is judged; the log keeps one each WINDOW_LOG_S
+            self._window_said = mono
+            self.say(StepWindow(newest.first, newest.last, newest.hosts))
         for host, ranks in verdicts.silent.items():
             self.console.note(f"{host}: rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} stopped "
                               "reporting steps while the others step")
