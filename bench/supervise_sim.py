@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -88,6 +89,11 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     from ddplaunch.sim import SimConfig, sim_down, sim_up
+
+    def stop(signum: int, frame: Any) -> None:  # run in the background, SIGINT may be ignored: tear down anyway
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
     tmp = Path(tempfile.mkdtemp(prefix="ddpl-bench-supsim-"))
     t0 = time.monotonic()

@@ -113,3 +113,16 @@ def test_runs_table_lines_up(env, tmp_path):
     lines = run(["runs"], env).stdout.splitlines()
     starts = {line.index(" ok ") for line in lines[1:]}
     assert len(lines) == 3 and len(starts) == 1, lines
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--emulate-slow", "3:2@10"], "need --emulate RANKS_PER_HOST"),
+    (["--emulate", "8", "--emulate-slow", "3@10"], "--emulate-slow '3@10': write it RANK:FACTOR@STEP (e.g. 3:2.5@100)"),
+    (["--emulate", "8", "--emulate-freeze", "x@1"], "--emulate-freeze 'x@1': write it RANK@STEP"),
+    (["--emulate", "8", "--emulate-exit", "1:2"], "--emulate-exit '1:2': write it RANK:CODE@STEP"),
+    (["--emulate", "0"], "--emulate"),
+    (["--emulate", "2", "--emulate-freeze", "2@5"], "--emulate-freeze '2@5': the run has ranks 0-1 (1 host x 2)"),
+])
+def test_emulation_refuses_what_it_cannot_do_in_one_line(env, tmp_path, args, says):
+    out = run(["up", str(spec(tmp_path)), "--dry-run", *args], env)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -88,7 +88,10 @@ CASES = [("default", "default", []), ("default-check", "default", ["check"]),
          ("init-ssh", "init-ssh", []), ("init-slurm", "init-slurm", []),
          ("mixed", "mixed", []), ("spares", "spares", []), ("separate", "separate", []),
          ("secrets", "secrets", []), ("podman", "podman", []), ("slurm", "slurm", []),
-         ("slurm-detach", "slurm", ["--detach"]), ("exclude", "sim-ssh", ["--exclude", "dgo2"])]
+         ("slurm-detach", "slurm", ["--detach"]), ("exclude", "sim-ssh", ["--exclude", "dgo2"]),
+         ("emulate", "sim-ssh", ["--emulate", "8", "--emulate-step-s", "0.5", "--emulate-slow", "13:2.5@100",
+                                 "--emulate-freeze", "20@300"]),
+         ("emulate-slurm", "sim-slurm", ["--emulate", "4", "--emulate-exit", "5:3@50"])]
 
 
 @pytest.fixture

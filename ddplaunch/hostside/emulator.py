@@ -8,7 +8,10 @@ the real progress hooks (entry.py's ``Progress``: rank 0 says its optimizer step
 "checkpoint" every ``--ckpt-every`` steps and holds after one when asked), print one line each at
 start and rank 0 one per step, behind torchrun's ``[host:rank]`` prefix. Steps are synchronous as
 in DDP: every rank knows the injections, so a slowed rank computes longer and the others wait for
-it (their step is as long as the slowest's). Injections: ``--slow RANK:FACTOR@STEP`` (that rank
+it (their step is as long as the slowest's), and in step across hosts: the nodes meet first (node 0
+listens on MASTER_ADDR:MASTER_PORT until every node connected, as torchrun's rendezvous) and
+agree on a start time, then every rank ends step k when the schedule says (the same on every host:
+the step time, times the largest slowdown injected at that step). Injections: ``--slow RANK:FACTOR@STEP`` (that rank
 computes FACTOR times longer from STEP on), ``--freeze RANK@STEP`` (that rank stops itself,
 SIGSTOP, and every rank waits at that step as in a collective), ``--exit RANK:CODE@STEP`` (that
 rank's script ends with CODE; the others wait as they would for a dead peer). The node's process
@@ -22,6 +25,7 @@ import importlib.util
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +36,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CKPT_FILE = "emulated-ckpt"
 #: Seconds the stopped ranks get before they are killed (as torchrun's shutdown timeout).
 STOP_GRACE_S = 5.0
+#: Seconds the nodes have to meet (torchrun's rendezvous timeout, as ddplaunch sets it).
+RDZV_TIMEOUT_S = 60.0
+#: The start time the nodes agreed on, in each rank's environment.
+EPOCH_ENV = "DDPLAUNCH_EMULATE_START"
 
 
 def _sibling(name: str) -> Any:
@@ -110,6 +118,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rng = random.Random(rank)
     optimizer = object()  # what the progress hooks count steps of
     save = progress.saving("torch.save", lambda obj, path: _write_ckpt(path, obj))
+    end = float(os.environ.get(EPOCH_ENV, "0")) or time.time()  # when the nodes agreed to start
     while args.steps == 0 or step < args.steps:
         step += 1
         if step in freeze.values():
@@ -127,11 +136,12 @@ def rank_main(args: argparse.Namespace) -> None:
                 time.sleep(3600)
         factors = [f for r, (f, since) in slow.items() if step >= since]
         mine = slow[rank][0] if rank in slow and step >= slow[rank][1] else 1.0
-        base = args.step_s * (1 + 0.02 * rng.random())
-        step_s = base * max([1.0, *factors])
+        step_s = args.step_s * max([1.0, *factors])  # the schedule's: every rank's step ends together
+        compute = args.step_s * mine * (1 + 0.02 * rng.random())
+        end += step_s
         progress.before_step(optimizer)  # holds here after a checkpoint, when asked (HOLD_FILE)
-        time.sleep(step_s)
-        progress.timing._waited_for(step_s - base * mine)  # the others wait for the slowest
+        time.sleep(max(0.0, end - time.time()))
+        progress.timing._waited_for(max(0.0, step_s - compute))  # the others wait for the slowest
         progress.stepped(optimizer)
         if rank == 0:
             print(f"step={step} emulated loss={1.0 / step:.4f}")
@@ -164,14 +174,48 @@ def _read_ckpt(path: str) -> int:
         return 0
 
 
+def rendezvous(nnodes: int, node_rank: int, timeout: float = RDZV_TIMEOUT_S) -> float:
+    """The nodes meet as torchrun's do: node 0 listens on MASTER_ADDR:MASTER_PORT until every other
+    node connected, then tells them all when to start (a second from then). The start time."""
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    deadline = time.monotonic() + timeout
+    if nnodes < 2:
+        return time.time()
+    if node_rank == 0:
+        with socket.create_server(("", port), reuse_port=False, backlog=nnodes) as server:
+            peers: list[socket.socket] = []
+            while len(peers) < nnodes - 1:
+                server.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    peers.append(server.accept()[0])
+                except socket.timeout:
+                    sys.exit(f"emulator: {len(peers) + 1} of {nnodes} nodes met within {timeout:.0f}s")
+            start = time.time() + 1.0
+            for peer in peers:
+                with peer:
+                    peer.sendall(f"{start}\n".encode())
+            return start
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=5) as conn:
+                conn.settimeout(max(1.0, deadline - time.monotonic()))
+                return float(conn.makefile().readline())
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                sys.exit(f"emulator: node 0 ({addr}:{port}) not met within {timeout:.0f}s")
+            time.sleep(0.5)
+
+
 def node_main(args: argparse.Namespace, argv: list[str]) -> int:
-    """The node's process, as torchrun: start the ranks, end with them; one that fails stops the
-    others (SIGTERM) and its failure is reported as torchrun reports it."""
+    """The node's process, as torchrun: meet the other nodes, start the ranks, end with them; one
+    that fails stops the others (SIGTERM) and its failure is reported as torchrun reports it."""
     world, node_rank = args.ranks * args.nnodes, int(os.environ.get("GROUP_RANK", "0"))
+    start = rendezvous(args.nnodes, node_rank)
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for local in range(args.ranks):
         rank = node_rank * args.ranks + local
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+                   **{EPOCH_ENV: repr(start)},
                    LOCAL_WORLD_SIZE=str(args.ranks), GROUP_RANK=str(node_rank),
                    TORCHELASTIC_RUN_ID=os.environ.get("DDPLAUNCH_RUN_ID", "emulated"),
                    TORCHELASTIC_RESTART_COUNT="0")

@@ -279,6 +279,13 @@ class Emulation:
                                     f"{ {'slow': '3:2.5@100', 'freeze': '3@100', 'exit': '3:1@100'}[kind]})")
 
     def args(self, nnodes: int) -> list[str]:
+        """The emulator's arguments for `nnodes` nodes (PlanError: an injection names no rank of them)."""
+        world = self.ranks_per_host * nnodes
+        for kind in INJECTIONS:
+            for item in getattr(self, kind):
+                if int(item.split(":")[0].split("@")[0]) >= world:
+                    raise PlanError(f"--emulate-{kind} {item!r}: the run has ranks 0-{world - 1} "
+                                    f"({nnodes} host{'s' if nnodes != 1 else ''} x {self.ranks_per_host})")
         out = ["--ranks", str(self.ranks_per_host), "--nnodes", str(nnodes), "--step-s", f"{self.step_s:g}",
                "--steps", str(self.steps), "--ckpt-every", str(self.ckpt_every)]
         for kind in INJECTIONS:
@@ -357,7 +364,7 @@ def _node(spec: ClusterSpec, where: _Where, program: _Program, rank: int, host: 
         agent = (tool_python(spec, host), in_run_dir(run_id, AGENT_SOURCE.name),
                  "--window", str(spec.stragglers.window))
     if emulate is not None:  # the emulator starts the node's ranks itself, as torchrun would
-        env["GROUP_RANK"] = str(rank)
+        env.update(GROUP_RANK=str(rank), MASTER_ADDR=where.addr, MASTER_PORT=str(where.port))
     elif direct:
         env = dict(env, RANK=str(rank), LOCAL_RANK="0", GROUP_RANK=str(rank),
                    WORLD_SIZE=str(len(spec.hosts)), LOCAL_WORLD_SIZE="1",
