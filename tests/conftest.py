@@ -7,7 +7,10 @@ it, pass or fail, so one failure never cascades into the next test."""
 from __future__ import annotations
 
 import os
+import pwd
 import signal
+import subprocess
+import time
 
 import pytest
 
@@ -33,6 +36,34 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         if "slurm_cluster" in names or (callspec is not None and callspec.params.get("bed") == "slurm"):
             item.add_marker(pytest.mark.slurm)
+    if os.geteuid() == 0 and any(item.get_closest_marker("root") for item in items):
+        _remote_shell_starts()
+
+
+#: How long root's shell may take to start as sshd starts it before the real-system tests are
+#: refused: every SSH command of every test runs in such a shell.
+SHELL_START_LIMIT_S = 15.0
+
+
+def _remote_shell_starts() -> None:
+    """Stop the run at once when root's shell, started as sshd starts it (its rc files read), takes
+    longer than SHELL_START_LIMIT_S: every real-system test would then time out one by one for an
+    hour and a half. Seen: an rc file that runs `pyenv init -` waits 60 s on a lock file its last
+    rehash left behind when a shell was killed inside it."""
+    shell = pwd.getpwuid(0).pw_shell or "/bin/sh"
+    env = {"HOME": pwd.getpwuid(0).pw_dir, "PATH": "/usr/bin:/bin", "SHLVL": "0", "SSH_CLIENT": "127.0.0.1 1 22"}
+    start = time.monotonic()
+    try:
+        subprocess.run([shell, "-c", "true"], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       timeout=SHELL_START_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        pytest.exit(f"root's shell ({shell}) did not start within {SHELL_START_LIMIT_S:.0f} s as sshd starts it "
+                    f"(its rc files read): every SSH test would time out. Time `SSH_CLIENT=x SHLVL=0 {shell} -c true` "
+                    "and fix the rc file (e.g. a stale lock file: /root/.pyenv/shims/.pyenv-shim)", returncode=3)
+    else:
+        took = time.monotonic() - start
+        if took > SHELL_START_LIMIT_S / 3:
+            print(f"note: root's shell took {took:.1f} s to start as sshd starts it (rc files)")
 
 
 @pytest.hookimpl(hookwrapper=True)

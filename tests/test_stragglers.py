@@ -16,7 +16,8 @@ from tests.events_util import Agents
 HOSTS = {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h3", 5: "h3"}
 
 
-def _feed(watch: Agents, steps: range, compute: dict[int, float], noise: float = 0.0, seed: int = 0):
+def _feed(watch: Agents, steps: range, compute: dict[int, float], noise: float = 0.0, seed: int = 0,
+          hosts: dict[int, str] = HOSTS):
     """Every rank reports `steps`: a step lasts as long as the slowest rank's compute plus 10 ms
     of transfer; each rank waits the rest. The straggler named, if any, with the step it was named at."""
     rnd = random.Random(seed)
@@ -25,7 +26,7 @@ def _feed(watch: Agents, steps: range, compute: dict[int, float], noise: float =
         mine = {r: c * (1 + rnd.uniform(-noise, noise)) for r, c in compute.items()}
         step_s = max(mine.values()) + 0.010
         for rank, c in mine.items():
-            found = watch.feed(HOSTS[rank], Timing(rank, [[step, step_s, step_s - c]]), clock=float(step))
+            found = watch.feed(hosts[rank], Timing(rank, [[step, step_s, step_s - c]]), clock=float(step))
             if found is not None:
                 named.append((found, step))
     return named
@@ -47,6 +48,26 @@ def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
     assert abs(found.peers_wait_s - 0.060) < 0.001 and abs(found.compute_s - 0.150) < 0.001
     assert step == WARMUP + IN_A_ROW * WINDOW  # slow in three windows in a row, then named: once
     assert "h2 (ranks 2, 3) computes 50% slower than its peers since step" in found.describe()
+
+
+#: 16 hosts of 8 ranks.
+EIGHTS = {r: f"n{r // 8}" for r in range(128)}
+
+
+def test_one_slow_rank_among_a_hosts_eight_is_named_with_its_host():
+    """The host's median would hide one slow GPU of eight: the judge takes its slowest rank."""
+    watch = Agents(StragglerJudge(sorted(set(EIGHTS.values()))))
+    named = _feed(watch, range(1, 200), {r: 0.100 for r in EIGHTS} | {45: 0.140}, noise=0.02, hosts=EIGHTS)
+    assert [(found.host, found.ranks) for found, _ in named] == [("n5", [45])]
+    assert "n5 (rank 45) computes" in named[0][0].describe()
+
+
+def test_eight_ranks_a_host_with_noise_name_nobody():
+    """Each host's slowest of eight ranks is noisier than one rank: compared with the other hosts'
+    slowest ranks, not with their median rank, noise names nobody."""
+    for seed in range(10):
+        watch = Agents(StragglerJudge(sorted(set(EIGHTS.values()))))
+        assert _feed(watch, range(1, 200), {r: 0.100 for r in EIGHTS}, noise=0.15, seed=seed, hosts=EIGHTS) == []
 
 
 def test_a_healthy_run_with_noise_names_nobody():

@@ -7,9 +7,9 @@ step times are equal everywhere; what differs is the wait: the others wait at ea
 the straggler, which arrives last and waits least. A rank's compute share is its step time minus
 its wait. `StragglerJudge` compares, per window, each host's compute share (its slowest rank's
 median: one slow GPU among a host's eight is the straggler, and the host's median would hide it)
-with the median of the other hosts' ranks, and names a host whose share is `threshold` (15 %) —
-or, on a noisy machine, three times the spread of its peers' — above it in three windows in a
-row, with the ranks that are. Against its own level: how a
+with the same number of the other hosts (their median), and names a host whose share is
+`threshold` (15 %) — or, on a noisy machine, three times the spread of its peers' — above it in
+three windows in a row, with the ranks that are. Against its own level: how a
 rank's share compares with its peers' when nothing is wrong differs a little by rank (its place in
 the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
 ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
@@ -51,9 +51,9 @@ LEVEL_WINDOWS = 50
 LATE_S = 10.0
 #: Windows kept waiting at most (the oldest is judged when more come: memory stays bounded).
 MAX_PENDING = 8
-#: From this many ranks on, a host's peers are every rank (the host's own few move the median and
-#: the spread by a hair): the window is judged in O(ranks log ranks), not O(ranks x hosts).
-EXACT_PEERS_UP_TO = 512
+#: From this many hosts on, a host's peers are every host (the host itself moves the median and the
+#: spread by a hair): the window is judged in O(ranks + hosts log hosts), not O(hosts^2).
+EXACT_PEERS_UP_TO = 256
 
 
 @dataclass(frozen=True)
@@ -156,16 +156,19 @@ class StragglerJudge:
                 if isinstance(values, list) and len(values) >= 2:
                     per_rank[int(rank)] = (float(values[0]), float(values[1]))
                     self.host_of[int(rank)] = host
-        hosts = sorted(set(self.host_of[r] for r in per_rank))
-        if len(hosts) < 2:
+        ranks_of: dict[str, list[int]] = {}
+        for r in sorted(per_rank):
+            ranks_of.setdefault(self.host_of[r], []).append(r)
+        if len(ranks_of) < 2:
             return None
         first = min(p.first for p in parts.values())
-        peers = _Peers(per_rank, self.host_of)
+        # each host as one number, the same kind for all: its slowest rank's compute
+        slowest = {h: max(per_rank[r][0] for r in rs) for h, rs in ranks_of.items()}
+        peers = _Peers(slowest, statistics.median(w for _, w in per_rank.values()))
         found = None
-        for host in hosts:
-            ranks = sorted(r for r in per_rank if self.host_of[r] == host)
-            mine = max(per_rank[r][0] for r in ranks)  # its slowest rank: one slow GPU of 8 is the straggler
-            theirs, spread, their_wait = peers.of(host, ranks)
+        for host, ranks in sorted(ranks_of.items()):
+            mine = slowest[host]
+            theirs, spread = peers.of(host)
             if theirs <= 0:
                 self._slow_in.pop(host, None)
                 continue
@@ -179,7 +182,7 @@ class StragglerJudge:
                 continue  # not slow long enough yet, or named already (one host named a window)
             found = Straggler(host=host, ranks=[r for r in ranks if per_rank[r][0] >= bar], slowdown=mine / theirs - 1,
                               since_step=since, named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
-                              peers_wait_s=their_wait, ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
+                              peers_wait_s=peers.wait, ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
             self.named[host] = found
         return found
 
@@ -205,22 +208,22 @@ def _summary(parts: dict[str, HostWindow]) -> Judged:
 
 
 class _Peers:
-    """A host's peers in one window: the median compute of the other hosts' ranks, their spread
-    (median absolute deviation) and their median wait. Exact (the host's ranks left out) up to
-    EXACT_PEERS_UP_TO ranks; beyond, every rank's, computed once for the window."""
+    """A host's peers in one window: the median of the other hosts' slowest-rank compute and its
+    spread (median absolute deviation); the ranks' median wait. Exact (the host itself left out)
+    up to EXACT_PEERS_UP_TO hosts; beyond, every host's, computed once for the window."""
 
-    def __init__(self, per_rank: dict[int, tuple[float, float]], host_of: dict[int, str]):
-        self.per_rank, self.host_of = per_rank, host_of
-        self.exact = len(per_rank) <= EXACT_PEERS_UP_TO
+    def __init__(self, slowest: dict[str, float], wait: float):
+        self.slowest, self.wait = slowest, wait
+        self.exact = len(slowest) <= EXACT_PEERS_UP_TO
         if not self.exact:
-            self.all = self._stats(list(per_rank))
+            self.all = _stats(list(slowest.values()))
 
-    def of(self, host: str, ranks: list[int]) -> tuple[float, float, float]:
+    def of(self, host: str) -> tuple[float, float]:
         if not self.exact:
             return self.all
-        return self._stats([r for r in self.per_rank if self.host_of[r] != host])
+        return _stats([v for h, v in self.slowest.items() if h != host])
 
-    def _stats(self, ranks: list[int]) -> tuple[float, float, float]:
-        theirs = statistics.median(self.per_rank[r][0] for r in ranks)
-        spread = statistics.median(abs(self.per_rank[r][0] - theirs) for r in ranks)
-        return theirs, spread, statistics.median(self.per_rank[r][1] for r in ranks)
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    median = statistics.median(values)
+    return median, statistics.median(abs(v - median) for v in values)

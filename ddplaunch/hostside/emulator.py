@@ -8,9 +8,10 @@ the real progress hooks (entry.py's ``Progress``: rank 0 says its optimizer step
 "checkpoint" every ``--ckpt-every`` steps and holds after one when asked), print one line each at
 start and rank 0 one per step, behind torchrun's ``[host:rank]`` prefix. Steps are synchronous as
 in DDP: every rank knows the injections, so a slowed rank computes longer and the others wait for
-it (their step is as long as the slowest's), and in step across hosts: the nodes meet first (node 0
-listens on MASTER_ADDR:MASTER_PORT until every node connected, as torchrun's rendezvous) and
-agree on a start time, then every rank ends step k when the schedule says (the same on every host:
+it (their step is as long as the slowest's), and in step across hosts: once its ranks are ready,
+a node meets the others (node 0 listens on MASTER_ADDR:MASTER_PORT until every node connected, as
+torchrun's rendezvous) and they agree on a start time — no rank steps before every rank of every
+node is ready, as at DDP's first collective — then every rank ends step k when the schedule says (the same on every host:
 the step time, times the largest slowdown injected at that step). Injections: ``--slow RANK:FACTOR@STEP`` (that rank
 computes FACTOR times longer from STEP on), ``--freeze RANK@STEP`` (that rank stops itself,
 SIGSTOP, and every rank waits at that step as in a collective), ``--exit RANK:CODE@STEP`` (that
@@ -24,6 +25,7 @@ import argparse
 import importlib.util
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -38,8 +40,8 @@ CKPT_FILE = "emulated-ckpt"
 STOP_GRACE_S = 5.0
 #: Seconds the nodes have to meet (torchrun's rendezvous timeout, as ddplaunch sets it).
 RDZV_TIMEOUT_S = 60.0
-#: The start time the nodes agreed on, in each rank's environment.
-EPOCH_ENV = "DDPLAUNCH_EMULATE_START"
+#: The descriptor a rank writes a byte to once it is ready to step (the node's pipe).
+READY_ENV = "DDPLAUNCH_EMULATE_READY_FD"
 
 
 def _sibling(name: str) -> Any:
@@ -118,7 +120,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rng = random.Random(rank)
     optimizer = object()  # what the progress hooks count steps of
     save = progress.saving("torch.save", lambda obj, path: _write_ckpt(path, obj))
-    end = float(os.environ.get(EPOCH_ENV, "0")) or time.time()  # when the nodes agreed to start
+    end = _start_time()  # when every rank of every node is ready, as at DDP's first collective
     while args.steps == 0 or step < args.steps:
         step += 1
         if step in freeze.values():
@@ -153,6 +155,21 @@ def rank_main(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
+def _start_time() -> float:
+    """Say this rank is ready (a byte on the node's pipe), then wait for the start time the nodes
+    agreed on (a line on stdin, once every rank of every node was ready)."""
+    fd = os.environ.get(READY_ENV)
+    if fd is None:
+        return time.time()
+    os.write(int(fd), b"r")
+    os.close(int(fd))
+    line = sys.stdin.readline()
+    try:
+        return float(line)
+    except ValueError:  # the node did not say: a rank of it, or the node, ended before the start
+        sys.exit(1)
+
+
 def resumed(progress: Any) -> int:
     """The step of the last "checkpoint", loaded through the progress hooks (rank 0 says it)."""
     load = progress.loaded("torch.load", _read_ckpt)
@@ -172,6 +189,26 @@ def _read_ckpt(path: str) -> int:
             return int(f.read().strip() or 0)
     except (OSError, ValueError):
         return 0
+
+
+def _ranks_ready(fd: int, procs: dict[int, "subprocess.Popen[bytes]"], stopping: list[float]) -> bool:
+    """Wait until every rank of the node said it is ready (False: one ended first, or the node is
+    stopping, or RDZV_TIMEOUT_S passed)."""
+    deadline, ready = time.monotonic() + RDZV_TIMEOUT_S, 0
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    try:
+        while ready < len(procs):
+            if stopping or time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+                return False
+            if poller.poll(500):
+                got = os.read(fd, 64)
+                if not got:
+                    return False
+                ready += len(got)
+        return True
+    finally:
+        os.close(fd)
 
 
 def rendezvous(nnodes: int, node_rank: int, timeout: float = RDZV_TIMEOUT_S) -> float:
@@ -210,17 +247,17 @@ def node_main(args: argparse.Namespace, argv: list[str]) -> int:
     """The node's process, as torchrun: meet the other nodes, start the ranks, end with them; one
     that fails stops the others (SIGTERM) and its failure is reported as torchrun reports it."""
     world, node_rank = args.ranks * args.nnodes, int(os.environ.get("GROUP_RANK", "0"))
-    start = rendezvous(args.nnodes, node_rank)
+    ready_r, ready_w = os.pipe()
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for local in range(args.ranks):
         rank = node_rank * args.ranks + local
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
-                   **{EPOCH_ENV: repr(start)},
                    LOCAL_WORLD_SIZE=str(args.ranks), GROUP_RANK=str(node_rank),
                    TORCHELASTIC_RUN_ID=os.environ.get("DDPLAUNCH_RUN_ID", "emulated"),
-                   TORCHELASTIC_RESTART_COUNT="0")
+                   TORCHELASTIC_RESTART_COUNT="0", **{READY_ENV: str(ready_w)})
         procs[rank] = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--as-rank",
-                                        str(rank)], env=env)
+                                        str(rank)], env=env, stdin=subprocess.PIPE, pass_fds=(ready_w,))
+    os.close(ready_w)
     stopping: list[float] = []
 
     def stop(signum: int, frame: Any) -> None:
@@ -230,6 +267,18 @@ def node_main(args: argparse.Namespace, argv: list[str]) -> int:
                 p.send_signal(signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
+    # once its ranks are ready, the node meets the others and they start together; a node whose
+    # ranks are not all ready says nothing: its ranks' stdin closes and they end (failed)
+    start = b""
+    if _ranks_ready(ready_r, procs, stopping):
+        start = repr(rendezvous(args.nnodes, node_rank)).encode() + b"\n"
+    for p in procs.values():
+        try:
+            assert p.stdin is not None
+            p.stdin.write(start)
+            p.stdin.close()
+        except OSError:
+            pass
     failed: Optional[tuple[int, int]] = None
     while any(p.poll() is None for p in procs.values()):
         for rank, p in procs.items():
