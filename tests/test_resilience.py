@@ -37,6 +37,8 @@ def test_stuck_at_names_the_collective_and_the_user_line():
     stacks = [RankStack("h1", 10, 0, "all_reduce at a.py:1"), RankStack("h2", 12, 2, "barrier at a.py:2"),
               RankStack("h1", 11, 1, "barrier at a.py:2"), RankStack("h2", 13, 3, "barrier at a.py:2")]
     assert summarize_stacks(stacks) == "rank 0 (h1): all_reduce at a.py:1 — ranks 1-3 (h1, h2): barrier at a.py:2"
+    many = [RankStack(f"n{r // 8}", 100 + r, r, "barrier at a.py:2") for r in range(8 * 1000)]
+    assert summarize_stacks(many) == "ranks 0-7999 (n0, n1, n2, n3, n4, n5, n6, n7, ... (1000 hosts)): barrier at a.py:2"
 
 
 def test_mismatch_and_store_errors_condensed():

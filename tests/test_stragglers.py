@@ -167,3 +167,32 @@ def test_the_hold_file_is_the_one_the_entry_looks_for():
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     assert entry.HOLD_FILE == evict.HOLD_FILE
+
+
+def test_a_host_late_every_window_is_not_quiet_and_one_that_stops_is_said_once(monkeypatch):
+    """A busy host's parts come after the window was judged without them: it is heard, not quiet.
+    A host that stops sending while the others go on is quiet once, with the step it stopped at,
+    and heard again when it sends again."""
+    from ddplaunch.diagnose import stragglers
+    from ddplaunch.hostside.payloads import HostWindow
+
+    clock = [0.0]
+    monkeypatch.setattr(stragglers.time, "monotonic", lambda: clock[0])
+    judge = StragglerJudge(["a", "b", "late", "stops"], window=3)
+
+    def part(first: int) -> HostWindow:
+        return HostWindow(first, first + 2, {str(r): [0.1, 0.01, 0.11] for r in range(2)})
+
+    quiet: list[tuple[str, int, int]] = []
+    for window in range(40):  # a window every 3 s
+        first = 3 * window + 1
+        clock[0] = 3.0 * window
+        for host in ("a", "b") + (("stops",) if window < 20 else ()) + (("resumes",) if window == 35 else ()):
+            judge.add("stops" if host == "resumes" else host, part(first))
+        if window >= 4:  # "late" sends each window 12 s late: past the judge's wait, so never judged
+            judge.add("late", part(first - 12))
+        for t in (0.0, 1.0, 2.0):
+            clock[0] = 3.0 * window + t
+            quiet += [(q.host, q.first, q.last) for q in judge.judge().missing]
+    assert quiet == [("stops", 61, 78)], quiet  # its last part (step 60) came at 57 s; said 20 s on, at step 78
+    assert "stops" not in judge._missing  # it sent again at window 35

@@ -140,6 +140,11 @@ def render_stack(stack: RankStack) -> str:
     return "\n".join(out) + "\n"
 
 
+#: A group of stuck ranks names this many of its hosts at most (the line stays one line at 1,000
+#: hosts; every host's stacks are in the run directory).
+HOSTS_NAMED = 8
+
+
 def summarize_stacks(stacks: list[RankStack]) -> str:
     """One line: ranks grouped by where they are stuck, e.g.
     `rank 0 (dlt1): all_reduce at jobs/x.py:43 — rank 1 (dlt2): barrier at jobs/x.py:45`."""
@@ -149,7 +154,8 @@ def summarize_stacks(stacks: list[RankStack]) -> str:
         groups.setdefault(s.where, []).append(s)
     parts = []
     for where, members in groups.items():
-        hosts = ", ".join(dict.fromkeys(m.host for m in members))
+        names = list(dict.fromkeys(m.host for m in members))
+        hosts = ", ".join(names[:HOSTS_NAMED]) + (f", ... ({len(names)} hosts)" if len(names) > HOSTS_NAMED else "")
         if members[0].rank is None:
             parts.append(f"torchrun ({hosts}): {where}")
             continue

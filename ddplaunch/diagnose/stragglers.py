@@ -49,6 +49,9 @@ LEVEL_WINDOWS = 50
 #: Seconds a window waits for every host's part before it is judged with the hosts that sent
 #: theirs (a host whose agent went quiet must not hold the judge back).
 LATE_S = 10.0
+#: A host is quiet when no part of it came for this long, or three windows' time if longer, while
+#: the other hosts send theirs: a part that comes late (a busy host) is not a quiet host.
+QUIET_S = 2 * LATE_S
 #: Windows kept waiting at most (the oldest is judged when more come: memory stays bounded).
 MAX_PENDING = 8
 #: From this many hosts on, a host's peers are every host (the host itself moves the median and the
@@ -68,7 +71,8 @@ class Judged:
 
 @dataclass(frozen=True)
 class Quiet:
-    """A host whose part of a window never came while the other hosts sent theirs."""
+    """A host whose parts stopped coming (the last it sent ended at step `first` - 1) while the
+    other hosts sent theirs up to step `last`."""
 
     host: str
     first: int
@@ -105,15 +109,26 @@ class StragglerJudge:
         self._judged = 0
         self._silent: set[tuple[str, int]] = set()
         self._missing: set[str] = set()
+        self._heard: dict[str, tuple[float, int]] = {}  # host -> when its newest part came, its last step
+        self._period = 0.0  # seconds between windows, as they come
+        self._first_heard: Optional[float] = None  # when any host's first part came
 
     def add(self, host: str, part: HostWindow) -> None:
         """A host's part of a window (from a reader's thread)."""
+        now = time.monotonic()
         with self._lock:
-            if part.last <= self._judged:
-                return
-            self._pending.setdefault(part.last, {})[host] = part
-            self._arrived.setdefault(part.last, time.monotonic())
+            self._first_heard = self._first_heard or now
+            self._heard[host] = (now, max(part.last, self._heard.get(host, (now, 0))[1]))
+            self._missing.discard(host)  # a host that sends again is heard again
             self.expected.add(host)
+            if part.last <= self._judged:
+                return  # too late to be judged, but heard
+            if part.last not in self._arrived:
+                if self._arrived:
+                    gap = now - self._arrived[max(self._arrived)]
+                    self._period = gap if not self._period else 0.8 * self._period + 0.2 * gap
+                self._arrived[part.last] = now
+            self._pending.setdefault(part.last, {})[host] = part
 
     def judge(self, now: Optional[float] = None) -> Verdicts:
         """Judge every window that is complete (or waited LATE_S), oldest first."""
@@ -127,20 +142,28 @@ class StragglerJudge:
                     break  # windows in order: a later one waits for this one
                 del self._pending[last], self._arrived[last]
                 self._judged = last
-                self._note_missing(parts, out)
                 self._note_silent(parts, out)
                 out.windows.append(_summary(parts))
                 found = self._window(parts)
                 if found is not None:
                     out.stragglers.append(found)
+            self._note_missing(now, out)
         return out
 
-    def _note_missing(self, parts: dict[str, HostWindow], out: Verdicts) -> None:
-        first, last = min(p.first for p in parts.values()), max(p.last for p in parts.values())
-        for host in sorted(self.expected - set(parts) - self._missing):
-            self._missing.add(host)
-            out.missing.append(Quiet(host, first, last))
-        self._missing &= self.expected - set(parts)  # a host that sent again is heard again
+    def _note_missing(self, now: float, out: Verdicts) -> None:
+        """Hosts that sent no part for QUIET_S (or three windows' time) while others sent theirs:
+        O(hosts) a judgement."""
+        if self._first_heard is None:
+            return
+        quiet_s = max(QUIET_S, 3 * self._period)
+        newest = max(step for _, step in self._heard.values())
+        if now - max(at for at, _ in self._heard.values()) >= quiet_s:
+            return  # nobody sends: the run is between launches, or ended; not one host's silence
+        for host in sorted(self.expected - self._missing):
+            at, step = self._heard.get(host, (self._first_heard, 0))  # never heard: since the first part
+            if now - at >= quiet_s:
+                self._missing.add(host)
+                out.missing.append(Quiet(host, step + 1, max(newest, step + 1)))
 
     def _note_silent(self, parts: dict[str, HostWindow], out: Verdicts) -> None:
         for host, part in parts.items():

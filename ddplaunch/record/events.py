@@ -184,8 +184,9 @@ class RanksSilent(_Event):
 
 @dataclass
 class HostQuiet(_Event):
-    """A host whose part of a window of steps never came while the other hosts sent theirs (its
-    agent, or its ranks' reports, went quiet; whether the host lives is its heartbeat's to say)."""
+    """A host whose parts of the windows of steps stopped coming (none from step `first` on, for
+    20 s or three windows' time) while the other hosts sent theirs up to step `last` (its agent,
+    or its ranks' reports, went quiet; whether the host lives is its heartbeat's to say)."""
 
     KIND: ClassVar[str] = "host-quiet"
     host: str
