@@ -22,7 +22,6 @@ Standard library only; run as ``python emulator.py OPTIONS``.
 """
 
 import argparse
-import importlib.util
 import os
 import random
 import select
@@ -44,16 +43,12 @@ RDZV_TIMEOUT_S = 60.0
 READY_ENV = "DDPLAUNCH_EMULATE_READY_FD"
 
 
-def _sibling(name: str) -> Any:
-    known = sys.modules.get(f"ddplaunch_hostside_{name}")
-    if known is not None:
-        return known
-    spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _entry() -> Any:
+    """The worker entry beside this file (its `load_sibling` loads the others as the ranks' do)."""
+    sys.path.insert(0, HERE)
+    sys.dont_write_bytecode = True  # no __pycache__ left in the run dir
+    import entry  # type: ignore[import-not-found]
+    return entry
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -110,10 +105,11 @@ def rank_main(args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
     host = os.environ.get("DDPLAUNCH_HOST", "localhost")
     sys.stdout = _Prefixed(os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "").replace("${rank}", str(rank)))
-    entry, payloads = _sibling("entry"), _sibling("payloads")
+    entry = _entry()
+    payloads = entry.load_sibling("payloads")
     entry.say_start()
     progress = entry.Progress()
-    progress.timing = _sibling("steptiming").StepTiming()
+    progress.timing = entry.load_sibling("steptiming").StepTiming()
     slow, freeze, leave = injections(args)
     step = resumed(progress) if os.environ.get("DDPLAUNCH_RECOVERY") else 0
     print(f"emulated rank {rank} of {world} on {host} (local rank {local}, pid {os.getpid()}), from step {step}")

@@ -58,8 +58,8 @@ class StepWindows:
         out: list[dict[str, Any]] = []
         while True:
             silent = set(self.silent())
-            live = [r for r in self.started if r not in silent and r in self.newest]
-            if not live or min(self.newest[r] for r in live) < self.next_end:
+            live = [r for r in self.started if r not in silent]  # started, not yet stepped: waited for
+            if not live or min(self.newest.get(r, 0) for r in live) < self.next_end:
                 return out
             first, last = self.next_end - self.window + 1, self.next_end
             ranks = {}

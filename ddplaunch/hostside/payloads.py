@@ -168,12 +168,3 @@ def to_agent(message: dict[str, Any]) -> str:
         return BUSY
     except OSError:
         return ABSENT
-    if not _agent:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
-        _agent.append(sock)
-    try:
-        _agent[0].sendto(json.dumps(message, separators=(",", ":")).encode(), agent_address(name))
-        return True
-    except OSError:
-        return False
