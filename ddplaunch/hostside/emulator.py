@@ -239,20 +239,28 @@ def rendezvous(nnodes: int, node_rank: int, timeout: float = RDZV_TIMEOUT_S) -> 
             time.sleep(0.5)
 
 
-def node_main(args: argparse.Namespace, argv: list[str]) -> int:
-    """The node's process, as torchrun: meet the other nodes, start the ranks, end with them; one
-    that fails stops the others (SIGTERM) and its failure is reported as torchrun reports it."""
-    world, node_rank = args.ranks * args.nnodes, int(os.environ.get("GROUP_RANK", "0"))
-    ready_r, ready_w = os.pipe()
+def _spawn_ranks(args: argparse.Namespace, argv: list[str], node_rank: int, ready_w: int
+                 ) -> dict[int, "subprocess.Popen[bytes]"]:
+    """The node's ranks, as torchrun starts them (their coordinates in the environment); each says
+    it is ready on `ready_w` and reads the start time on its stdin."""
     procs: dict[int, subprocess.Popen[bytes]] = {}
     for local in range(args.ranks):
         rank = node_rank * args.ranks + local
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world),
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(args.ranks * args.nnodes),
                    LOCAL_WORLD_SIZE=str(args.ranks), GROUP_RANK=str(node_rank),
                    TORCHELASTIC_RUN_ID=os.environ.get("DDPLAUNCH_RUN_ID", "emulated"),
                    TORCHELASTIC_RESTART_COUNT="0", **{READY_ENV: str(ready_w)})
         procs[rank] = subprocess.Popen([sys.executable, "-u", os.path.abspath(__file__), *argv, "--as-rank",
                                         str(rank)], env=env, stdin=subprocess.PIPE, pass_fds=(ready_w,))
+    return procs
+
+
+def node_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """The node's process, as torchrun: meet the other nodes, start the ranks, end with them; one
+    that fails stops the others (SIGTERM) and its failure is reported as torchrun reports it."""
+    node_rank = int(os.environ.get("GROUP_RANK", "0"))
+    ready_r, ready_w = os.pipe()
+    procs = _spawn_ranks(args, argv, node_rank, ready_w)
     os.close(ready_w)
     stopping: list[float] = []
 
