@@ -98,7 +98,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ddpl-bench-supsim-"))
     t0 = time.monotonic()
     cluster = sim_up(SimConfig(n_hosts=args.hosts, prefix=PREFIX, subnet=SUBNET, state_dir=tmp / "sim",
-                               nproc_per_node=1, workdir=ROOT, slurm=args.backend == "slurm",
+                               nproc_per_node=1, workdir=ROOT, slurm=args.backend == "slurm", clean_home=True,
                                slurm_nodes=args.hosts if args.backend == "slurm" else None))
     print(f"sim of {args.hosts} hosts up in {time.monotonic() - t0:.0f}s", flush=True)
     hosts = [h.name for h in cluster.hosts]

@@ -11,6 +11,7 @@ import pwd
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,12 +38,32 @@ def pytest_collection_modifyitems(config, items):
         if "slurm_cluster" in names or (callspec is not None and callspec.params.get("bed") == "slurm"):
             item.add_marker(pytest.mark.slurm)
     if os.geteuid() == 0 and any(item.get_closest_marker("root") for item in items):
+        _stale_rehash_lock()
         _remote_shell_starts()
 
 
 #: How long root's shell may take to start as sshd starts it before the real-system tests are
 #: refused: every SSH command of every test runs in such a shell.
 SHELL_START_LIMIT_S = 15.0
+
+
+#: pyenv's rehash lock in root's home: a rehash holds it for well under a second and waits at most
+#: 60 s for it (PYENV_REHASH_TIMEOUT), so one older than this was left by a shell killed inside it.
+REHASH_LOCK, REHASH_LOCK_STALE_S = ".pyenv/shims/.pyenv-shim", 120.0
+
+
+def _stale_rehash_lock() -> None:
+    """Remove pyenv's rehash lock when a killed shell left it (a crashed sim host kills every process
+    on it, a shell reading root's rc file among them): while it stays, every later SSH session of
+    every test waits 60 s in root's ~/.bashrc (`pyenv init -`) and times out."""
+    lock = Path(pwd.getpwuid(0).pw_dir) / REHASH_LOCK
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > REHASH_LOCK_STALE_S:
+        lock.unlink(missing_ok=True)
+        print(f"note: removed {lock}, left {age:.0f} s ago by a shell killed in `pyenv rehash`")
 
 
 def _remote_shell_starts() -> None:
@@ -111,3 +132,5 @@ def _end_what_the_test_started():
     ssh_util.started.end_supervisors()
     for run_id in ssh_util.started.run_ids:
         ssh_util.kill_run(run_id)
+    if os.geteuid() == 0:
+        _stale_rehash_lock()

@@ -37,8 +37,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CKPT_FILE = "emulated-ckpt"
 #: Seconds the stopped ranks get before they are killed (as torchrun's shutdown timeout).
 STOP_GRACE_S = 5.0
-#: Seconds the nodes have to meet (torchrun's rendezvous timeout, as ddplaunch sets it).
-RDZV_TIMEOUT_S = 60.0
+#: Seconds a node's ranks have to be ready, and the nodes to meet (torchrun's default rendezvous
+#: timeout): 1,024 ranks starting on two cores took over a minute; a launch that fails to start is
+#: the hang rule's to stop sooner (job.hang_timeout).
+RDZV_TIMEOUT_S = 900.0
 #: The descriptor a rank writes a byte to once it is ready to step (the node's pipe).
 READY_ENV = "DDPLAUNCH_EMULATE_READY_FD"
 

@@ -108,11 +108,14 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
     netns.create_network(naming, cfg.n_hosts, controller=cfg.slurm)
     save_state(cluster)  # from here on `down` finds everything, even if a later step fails
     entries = []
-    podman_settings = [f"{k}={v}" for k, v in podman_env().items()]  # for the container tests
+    set_env = [f"{k}={v}" for k, v in podman_env().items()]  # for the container tests
+    if cfg.clean_home:
+        (state_dir / "home").mkdir(mode=0o700, exist_ok=True)
+        set_env.append(f"HOME={state_dir / 'home'}")
     for h in hosts:
         host_dir = cluster.host_dir(h)
         host_dir.mkdir(parents=True, exist_ok=True)
-        sshd.write_sshd_config(host_dir, h.addr, authorized, check=h is hosts[0], set_env=podman_settings)
+        sshd.write_sshd_config(host_dir, h.addr, authorized, check=h is hosts[0], set_env=set_env)
         entries.append((h.addr, sshd.public_key(host_dir / "ssh_host_ed25519_key")))
     # all at once; one that failed is stopped with its namespace by the teardown of sim_up
     pids = sshd.start_sshds([(cluster.host_dir(h), cluster.enter_prefix(h)) for h in hosts])

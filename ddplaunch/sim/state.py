@@ -44,6 +44,8 @@ class SimConfig:
     slurm_spec_out: Path | None = None  # default <state_dir>/cluster-slurm.yaml
     slurm_nodes: int | None = None     # `slurm.nodes` in that spec; default min(2, n_hosts)
     rc_noise: bool = False             # root's ~/.bashrc on the hosts prints to stdout and stderr
+    clean_home: bool = False           # sessions get an empty HOME (no rc file of this machine's: a
+                                       # bench measures ddplaunch, not root's ~/.bashrc at 1,000 shells)
 
     @property
     def resolved_state_dir(self) -> Path:
