@@ -102,6 +102,17 @@ def test_sshd_config_has_the_testbed_settings(tmp_path):
                                                        penalties_off=True).splitlines()
 
 
+def test_every_session_setting_is_on_the_one_setenv_line_sshd_reads(tmp_path):
+    """sshd takes the first SetEnv line and ignores later ones: a clean HOME on a second line was
+    never set (every session read root's ~/.bashrc)."""
+    paths = dict(addr="10.0.0.11", host_key=tmp_path / "k", pid_file=tmp_path / "p", authorized_keys=tmp_path / "a")
+    text = sshd_config_text(**paths, set_env=["CONTAINERS_CONF=/c.conf", "HOME=/h"])
+    assert [line for line in text.splitlines() if line.startswith("SetEnv")] == ["SetEnv CONTAINERS_CONF=/c.conf HOME=/h"]
+    assert not [line for line in sshd_config_text(**paths).splitlines() if line.startswith("SetEnv")]
+    with pytest.raises(ValueError, match="without white space"):
+        sshd_config_text(**paths, set_env=["HOME=/a b"])
+
+
 def test_nsswitch_asks_only_the_hosts_file_and_keeps_the_rest():
     text = nsswitch_text("passwd: files systemd\nhosts:          files mdns4_minimal dns\nnetworks: files\n")
     lines = text.splitlines()

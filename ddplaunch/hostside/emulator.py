@@ -159,8 +159,11 @@ def _start_time() -> float:
     fd = os.environ.get(READY_ENV)
     if fd is None:
         return time.time()
-    os.write(int(fd), b"r")
-    os.close(int(fd))
+    try:
+        os.write(int(fd), b"r")
+        os.close(int(fd))
+    except OSError:  # the node stopped waiting (it is stopping): end as at a failed rendezvous
+        sys.exit(1)
     line = sys.stdin.readline()
     try:
         return float(line)

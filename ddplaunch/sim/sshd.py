@@ -74,7 +74,10 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
                      penalties_off: bool = False, set_env: Sequence[str] = ()) -> str:
     """The sshd_config of one sim host (pure). `penalties_off` adds `PerSourcePenalties no`
     (OpenSSH 9.8+, where every login of the sim comes from the one bridge address and a few
-    probes that close without authenticating would get that address refused)."""
+    probes that close without authenticating would get that address refused). `set_env`: NAME=VALUE
+    words without white space (sshd splits its one SetEnv line at white space)."""
+    if any(len(assignment.split()) != 1 or "=" not in assignment for assignment in set_env):
+        raise ValueError(f"set_env: NAME=VALUE without white space, got {list(set_env)}")
     return "\n".join([
         "# written by ddplaunch sim",
         "Port 22",
@@ -99,7 +102,8 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
         *(["PerSourcePenalties no"] if penalties_off else []),  # OpenSSH >= 9.8: one source IP
         # what every session of the host gets, as a site's system config would give it (podman's
         # containers.conf for this VM: runc, cgroupfs, rlimits no higher than root's here)
-        *[f"SetEnv {assignment}" for assignment in set_env],
+        # one line: sshd takes the first SetEnv line only and ignores the rest
+        *([f"SetEnv {' '.join(set_env)}"] if set_env else []),
         "",
     ])
 
