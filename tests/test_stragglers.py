@@ -196,3 +196,12 @@ def test_a_host_late_every_window_is_not_quiet_and_one_that_stops_is_said_once(m
             quiet += [(q.host, q.first, q.last) for q in judge.judge().missing]
     assert quiet == [("stops", 61, 78)], quiet  # its last part (step 60) came at 57 s; said 20 s on, at step 78
     assert "stops" not in judge._missing  # it sent again at window 35
+    # then every rank waits (a frozen rank holds the collective): every host's parts stop at the
+    # same window, the last ones a few seconds after the first; nobody is quiet
+    quiet = []
+    for t in range(40):
+        clock[0] = 120.0 + t
+        if t < 4:
+            judge.add(["a", "b", "late", "stops"][t], part(121))
+        quiet += [q.host for q in judge.judge().missing]
+    assert quiet == [], quiet

@@ -151,7 +151,9 @@ class StragglerJudge:
         return out
 
     def _note_missing(self, now: float, out: Verdicts) -> None:
-        """Hosts that sent no part for QUIET_S (or three windows' time) while others sent theirs:
+        """Hosts that sent no part for QUIET_S (or three windows' time) while others sent parts of
+        later windows (when every rank waits — a frozen rank holds the collective — every host's
+        parts stop at the same window, some a moment before others: nobody is quiet then):
         O(hosts) a judgement."""
         if self._first_heard is None:
             return
@@ -161,7 +163,7 @@ class StragglerJudge:
             return  # nobody sends: the run is between launches, or ended; not one host's silence
         for host in sorted(self.expected - self._missing):
             at, step = self._heard.get(host, (self._first_heard, 0))  # never heard: since the first part
-            if now - at >= quiet_s:
+            if now - at >= quiet_s and newest > step:  # the others went on past its last part
                 self._missing.add(host)
                 out.missing.append(Quiet(host, step + 1, max(newest, step + 1)))
 
