@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 from ddplaunch.record.events import (HostQuiet, HostState, RanksSilent, RecoveryStarted, RunEnded, Shown,  # noqa: E402
-                                     StragglerNamed, first_event, read_events)
+                                     RunStarted, StragglerNamed, read_events)
 from ddplaunch.record.results import NodeState  # noqa: E402
 
 PREFIX, SUBNET = "dsv", "10.213.80.0/24"
@@ -49,7 +49,7 @@ SLOW_FACTOR = 1.5
 def spec_of(cluster: Any, backend: str, hosts: int, args: argparse.Namespace, tmp: Path) -> Path:
     if backend == "slurm":
         data = yaml.safe_load(cluster.slurm.spec_path.read_text())
-        data["slurm"].update(nodes=hosts, time=f"{args.minutes + 15}:00", output_dir=str(tmp / "slurm-out"))
+        data["slurm"].update(nodes=hosts, time=f"{int(args.minutes) + 15}:00", output_dir=str(tmp / "slurm-out"))
     else:
         data = yaml.safe_load(cluster.spec_path.read_text())
     data.update(workdir=str(ROOT), nproc_per_node=1, stragglers={"window": args.window},
@@ -68,6 +68,19 @@ def sample(pid: int, run_dir: Path) -> dict[str, float]:
     events = run_dir / "events.jsonl"
     return {"t": time.monotonic(), "cpu_s": (int(fields[11]) + int(fields[12])) / TICK, "rss_mib": rss / 1024,
             "threads": threads, "log_bytes": events.stat().st_size if events.exists() else 0}
+
+
+def supervisor_pid(run_dir: Path, timeout: float = 600) -> int | None:
+    """The pid of the run's supervisor, once it took the run (on Slurm, once the allocation's
+    batch script started it: on the sim, a process of this machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = read_events(run_dir) if (run_dir / "events.jsonl").exists() else []
+        started = next((e for e in events if isinstance(e, RunStarted)), None)
+        if started is not None:
+            return started.supervisor_pid
+        time.sleep(2)
+    return None
 
 
 def line_time(events: list[Any], text: str) -> float | None:
@@ -96,6 +109,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
 
     tmp = Path(tempfile.mkdtemp(prefix="ddpl-bench-supsim-"))
+    tmp.chmod(0o711)  # munged (its own user) traverses it to the sim's state dir; nobody lists it
     t0 = time.monotonic()
     cluster = sim_up(SimConfig(n_hosts=args.hosts, prefix=PREFIX, subnet=SUBNET, state_dir=tmp / "sim",
                                nproc_per_node=1, workdir=ROOT, slurm=args.backend == "slurm", clean_home=True,
@@ -118,8 +132,7 @@ def main() -> None:
     print(up.stdout.strip(), up.stderr.strip()[-2000:], flush=True)
     samples: list[dict[str, float]] = []
     try:
-        started = first_event(run_dir)
-        pid = getattr(started, "supervisor_pid", None)
+        pid = supervisor_pid(run_dir)
         assert pid is not None, f"no supervisor: {up.stdout} {up.stderr}"
         begin = time.monotonic()
         deadline = begin + args.minutes * 60 + args.hang_timeout + 300
