@@ -1,6 +1,6 @@
 """The node agent (hostside/agent.py) as a process: what its node's ranks send it, folded into one
 line per window of steps; a message from another user's process is not heard; it ends with its
-parent."""
+parent, saying its ranks' newest step first."""
 
 from __future__ import annotations
 
@@ -70,7 +70,11 @@ def test_the_agent_folds_its_ranks_steps_per_window_and_hears_only_its_user(monk
         assert round(window.ranks["1"][0], 3) == 0.05
         parent.kill()
         parent.wait(timeout=10)
-        agent.wait(timeout=15)  # ends within a look or two at its parent (each second)
+        rest, _ = agent.communicate(timeout=15)  # ends within a look or two at its parent (each second)
+        # having said its ranks' newest step (3), whenever its last status line was
+        said = [P.read_payload("HOSTSTEPS", line.split(" ", 1)[1]) for line in rest.splitlines()
+                if line.startswith("DDPLAUNCH_HOSTSTEPS_JSON ")]
+        assert said and said[-1].step == 3, rest
     finally:
         for proc in (agent, parent):
             if proc.poll() is None:

@@ -88,12 +88,17 @@ def run(name: str, parent: int, window: int, warmup: int) -> None:
         if now >= next_alive:
             next_alive = now + ALIVE_S
             if not parent_alive(parent):
+                say_status(status)  # the ranks' last steps, not lost to the 2 s pace
                 return
         if now >= next_status:
             next_status = now + STATUS_S
-            line = status.line()
-            if line is not None:
-                P.say(P.HostSteps(**line))
+            say_status(status)
+
+
+def say_status(status: "fold.Status") -> None:
+    line = status.line()
+    if line is not None:
+        P.say(P.HostSteps(**line))
 
 
 def main(argv: list[str]) -> None:

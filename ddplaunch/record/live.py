@@ -62,14 +62,26 @@ class LiveWriter:
         self.live = LiveSteps(stage_started=time.time())
         self._lock = threading.Lock()
         self._written = 0.0
+        self._dirty = False  # an update came that is not written yet
 
     def update(self, host: str, now: HostNow) -> None:
         with self._lock:
             self.live.hosts[host] = now
+            self._dirty = True
             mono = time.monotonic()
             if mono - self._written < WRITE_EVERY:
                 return
-            self._written = mono
+            self._written, self._dirty = mono, False
+            text = json.dumps(to_data(self.live), separators=(",", ":"))
+        _replace(self.path, text)
+
+    def flush(self) -> None:
+        """Write what came since the last write (the launch ended: its last status is not lost to
+        the once-a-second limit)."""
+        with self._lock:
+            if not self._dirty:
+                return
+            self._written, self._dirty = time.monotonic(), False
             text = json.dumps(to_data(self.live), separators=(",", ":"))
         _replace(self.path, text)
 

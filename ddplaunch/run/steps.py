@@ -66,6 +66,7 @@ class StepsWatch:
         if self._timer is not None:
             self._timer.join(timeout=30)
         self.tick()  # what came complete before the launch ended
+        self.live.flush()
 
     def _judge_each_second(self) -> None:
         while not self._done.wait(JUDGE_EVERY):
