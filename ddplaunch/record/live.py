@@ -68,16 +68,13 @@ class LiveWriter:
         with self._lock:
             self.live.hosts[host] = now
             self._dirty = True
-            mono = time.monotonic()
-            if mono - self._written < WRITE_EVERY:
-                return
-            self._written, self._dirty = mono, False
-            text = json.dumps(to_data(self.live), separators=(",", ":"))
-        _replace(self.path, text)
+            due = time.monotonic() - self._written >= WRITE_EVERY
+        if due:
+            self.flush()
 
     def flush(self) -> None:
-        """Write what came since the last write (the launch ended: its last status is not lost to
-        the once-a-second limit)."""
+        """Write what came since the last write (also when the launch ends: its last status is not
+        lost to the once-a-second limit)."""
         with self._lock:
             if not self._dirty:
                 return
