@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from ddplaunch.backends.contract import CommandFor, HostResult, RunContext, StopEvent
+from ddplaunch.backends.contract import Admitted, CommandFor, HostResult, RunContext, StartGate, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, NodeEnd, follow, unstarted
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
@@ -87,6 +87,13 @@ class FakeScript:
     interrupt_in: Optional[int] = None
     #: Hosts whose ranks the hang watchdog's stack program finds frozen (process state T).
     frozen: set[str] = field(default_factory=set)
+    #: The backend runs the pre-flight's probe in a launch's own sessions (as SSH does).
+    in_session: bool = False
+    #: Hosts whose probe finds the job's script missing in workdir.
+    no_script: set[str] = field(default_factory=set)
+    #: Every launch's start gate: the probe command each host ran in its session, and what it said.
+    gated: list[dict[str, str]] = field(default_factory=list)
+    admitted: list[Optional[Admitted]] = field(default_factory=list)
 
 
 def healthy_facts(host: HostSpec, master_ip: str = "10.0.0.1") -> dict[str, Any]:
@@ -153,11 +160,12 @@ class FakeBackend:
             if host.label in self.script.unreachable:
                 out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
                 continue
-            facts = self._stacks(host) if "def find_py_spy" in text else healthy_facts(host)
-            answers = "".join(f"DDPLAUNCH_ANSWER_{nonce} {json.dumps(facts)}\n"
-                              for nonce in re.findall(r"(?<![0-9a-f])[0-9a-f]{12}(?![0-9a-f])", text))
-            out.append(HostResult(host, (0, answers), None))
+            facts = self._stacks(host) if "def find_py_spy" in text else self._facts(host)
+            out.append(HostResult(host, (0, answer_lines(text, facts)), None))
         return out
+
+    def _facts(self, host: HostSpec) -> dict[str, Any]:
+        return healthy_facts(host) | ({"script_ok": False} if host.label in self.script.no_script else {})
 
     def _stacks(self, host: HostSpec) -> dict[str, Any]:
         """The hang watchdog's stack program's answer: one worker, frozen when the script says."""
@@ -173,6 +181,25 @@ class FakeBackend:
 
     def close(self) -> None:
         pass
+
+
+def answer_lines(command: str, facts: dict[str, Any]) -> str:
+    """A host program's answer line for every nonce in its command."""
+    return "".join(f"DDPLAUNCH_ANSWER_{nonce} {json.dumps(facts)}\n"
+                   for nonce in re.findall(r"(?<![0-9a-f])[0-9a-f]{12}(?![0-9a-f])", command))
+
+
+class SessionFakeBackend(FakeBackend):
+    """A FakeBackend whose launches run a start gate (the pre-flight's probe) in their sessions."""
+
+    def launch_gated(self, request: "FakeRequest", lines: StageLines, stop: StopEvent, gate: StartGate
+                     ) -> Optional[StageResult]:
+        commands = {n.host_label: gate.command(n.host) for n in request.plan.nodes if n.host is not None}
+        self.script.gated.append(commands)
+        admitted = gate.admit({label: (0, answer_lines(text, self._facts(HostSpec(addr=label, name=label))))
+                               for label, text in commands.items()}, {})
+        self.script.admitted.append(admitted)
+        return self.launch(request, lines, stop) if admitted is not None else None
 
 
 @dataclass(frozen=True)
@@ -258,7 +285,8 @@ class FakeStage:
 @contextlib.contextmanager
 def fake_registered(script: FakeScript) -> Iterator[FakeScript]:
     """Backend `fake` plays `script` while the block runs (one registration, nothing else)."""
-    registry.register(registry.Registration("fake", lambda spec, run: FakeBackend(spec, run, script)))
+    kind = SessionFakeBackend if script.in_session else FakeBackend
+    registry.register(registry.Registration("fake", lambda spec, run: kind(spec, run, script)))
     try:
         yield script
     finally:

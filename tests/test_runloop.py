@@ -18,6 +18,7 @@ from ddplaunch.errors import SpecError
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
+from ddplaunch.backends.contract import Admitted
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 from tests.ssh_util import run_view
 from tests.timing import no_hang
@@ -83,6 +84,41 @@ def test_preflight_exclude_goes_on_without_the_unreachable_host(tmp_path):
     script = FakeScript(unreachable={"f2"})
     report, out, _ = run(tmp_path, script, healthcheck={"on_fail": "exclude"})
     assert report.exit_code == 0 and [p.hosts for p in script.launched] == [["f1", "f3"]]
+
+
+def test_preflight_rides_in_the_first_launchs_sessions(tmp_path):
+    """A backend that can (SSH) probes in the stage's own sessions: one round per host, the same
+    verdict, and the interface every host reaches the master through handed to the ranks."""
+    script = FakeScript(in_session=True)
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 0 and [p.stage for p in script.launched] == ["job"]
+    assert script.probes == 0 and len(script.gated) == 1  # no separate round of sessions
+    assert sorted(script.gated[0]) == ["f1", "f2", "f3"] and '"listen": true' in script.gated[0]["f1"]
+    assert script.admitted == [Admitted("eth0")] and "using it for Gloo/NCCL" in out
+    view = run_view(tmp_path, report.run_id)
+    assert view.preflight is not None and view.preflight.ok
+    assert out.index("pre-flight") < out.index("stage job: master")
+
+
+def test_preflight_in_the_sessions_stops_before_anything_starts(tmp_path):
+    script = FakeScript(in_session=True, no_script={"f2"})
+    report, out, _ = run(tmp_path, script)
+    assert report.exit_code == 1 and report.blocked == "pre-flight" and script.launched == []
+    assert script.admitted == [None] and "stopped by the pre-flight gate: no job was started" in out
+
+
+def test_preflight_in_the_sessions_excludes_and_launches_on_the_others(tmp_path):
+    script = FakeScript(in_session=True, no_script={"f2"})
+    report, out, _ = run(tmp_path, script, healthcheck={"on_fail": "exclude"})
+    assert report.exit_code == 0 and [p.hosts for p in script.launched] == [["f1", "f3"]]
+    assert script.launched[0].nodes[0].env_dict()["GLOO_SOCKET_IFNAME"] == "eth0"  # the spec carries it on
+
+
+def test_preflight_is_its_own_round_when_a_host_cannot_be_reached(tmp_path):
+    """The master's probe would wait for a host that never comes: the separate pre-flight names it."""
+    script = FakeScript(in_session=True, unreachable={"f2"})
+    report, out, _ = run(tmp_path, script)
+    assert script.gated == [] and script.probes == 1 and report.blocked == "pre-flight"
 
 
 def test_health_gate_stops_on_a_bad_host(tmp_path):

@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from ddplaunch.plan.launch import derive_port
+from ddplaunch.record.events import PreflightChecked, Requested, Shown, StageStarted, read_events
 from tests.ssh_util import ddplaunch, run_processes, run_view, sim_spec
 from tests.timing import no_hang
 
@@ -248,3 +249,9 @@ def test_detected_interface_is_set_on_every_rank(sim_cluster, tmp_path):
     assert sorted(r[0] for r in ranks) == ["0", "1", "2"], out[-3000:]
     assert {(g, n) for _, g, n, _ in ranks} == {(sim_cluster.ifname, sim_cluster.ifname)}
     assert sorted(h for *_, h in ranks) == sorted(h.name for h in sim_cluster.hosts[:3])
+    # the probe rode in the stage's own sessions (one SSH round per host): the verdict came after
+    # the stage's request was sent, before it started
+    events = [e for e in read_events(tmp_path / "state/runs/ifname") if not isinstance(e, Shown)]
+    checked = next(i for i, e in enumerate(events) if isinstance(e, PreflightChecked))
+    assert any(isinstance(e, Requested) and " stage job:" in e.text for e in events[:checked])
+    assert isinstance(events[checked + 1], StageStarted), events[checked + 1]

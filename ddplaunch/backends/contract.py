@@ -144,6 +144,38 @@ class Launcher(Protocol[R]):
         """Release connections (and an allocation the backend made); once, when the run is over."""
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A start gate's yes: the stage starts, its ranks on `socket_ifname` (Gloo's and NCCL's
+    interface) where the gate found the one every host reaches the master through."""
+
+    socket_ifname: Optional[str] = None
+
+
+class StartGate(Protocol):
+    """A check that rides in a launch's own sessions before anything starts (the pre-flight's
+    probe: one SSH round per host, not one for the probe and one for the stage)."""
+
+    #: Seconds a host's check may take (the master's probe listens for every wave of hosts).
+    timeout: float
+
+    def command(self, host: HostSpec) -> str:
+        """The shell command that checks `host`, run in its session before the stage's line."""
+
+    def admit(self, outputs: dict[str, tuple[int, str]], errors: dict[str, BackendError]) -> Optional[Admitted]:
+        """Every host's (exit status, output) of its check, or the error that kept it from
+        answering: whether the stage starts (None: every session ends, nothing started)."""
+
+
+@runtime_checkable
+class SessionGated(Protocol):
+    """A launcher whose stage sessions can run a `StartGate` before the stage starts (SSH)."""
+
+    def launch_gated(self, request: Any, lines: StageLines, stop: StopEvent, gate: StartGate
+                     ) -> Optional[StageResult]:
+        """`launch`, with `gate` checked in the nodes' sessions first; None when it said no."""
+
+
 @runtime_checkable
 class Scheduler(Protocol):
     """A backend whose scheduler can own a whole run without the launcher: a job of its own that

@@ -12,12 +12,13 @@ import re
 import time
 from typing import Any, Optional, Union
 
-from ddplaunch.backends.contract import Launcher
+from ddplaunch.backends.contract import HostResult, Launcher
 from ddplaunch.diagnose.hostprograms import ask_hosts
 from ddplaunch.errors import BackendError
 from ddplaunch.plan.container import image_check, probe_words
 from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import host_python, master_addr, rendezvous_addr
+from ddplaunch.plan.shellword import IFNAME
 from ddplaunch.record.diagnosis import CHECKS, Check, HostReport, PreflightReport
 from ddplaunch.spec.examples import is_example
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -64,14 +65,20 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
     return (f"{image_check(image, nonce, spec.workdir_path)}; {text}" if image else text), nonce
 
 
+def reach_hosts(spec: ClusterSpec, backend: Launcher[Any]) -> list[HostResult]:
+    """Whether each host can be reached at all (connections kept for the probe and the stage)."""
+    return backend.reach(list(spec.hosts), timeout=spec.preflight.timeout + PROBE_SLACK)
+
+
 def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
-                  emulated: bool = False) -> PreflightReport:
+                  emulated: bool = False, reached: Optional[list[HostResult]] = None) -> PreflightReport:
     """Probe every host in parallel and evaluate the facts. The hosts that can be reached at all
-    are found first, so the master does not listen for a host that will never connect.
-    `emulated` (`up --emulate`): the ranks need neither torch nor GPUs."""
+    are found first (`reached`, where the caller asked already), so the master does not listen
+    for a host that will never connect. `emulated` (`up --emulate`): the ranks need neither torch
+    nor GPUs."""
     t0 = time.time()
     parallel = backend.max_parallel
-    reached = backend.reach(list(spec.hosts), timeout=spec.preflight.timeout + PROBE_SLACK)
+    reached = reach_hosts(spec, backend) if reached is None else reached
     raw: dict[str, Any] = {r.host.label: _unreached(r.error) for r in reached if r.error is not None}
     alive = [r.host for r in reached if r.error is None]
 
@@ -82,14 +89,18 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
         if alive else []
     t1 = time.time()
     for answer in answers:
-        if answer.error is not None or answer.code is None:
-            raw[answer.host.label] = _unreached(answer.error)
-            continue
-        raw[answer.host.label] = (answer.data if isinstance(answer.data, dict)
-                                  else {"exit": answer.code, "output": answer.output.strip()[-300:], "python": None})
+        raw[answer.host.label] = host_facts(answer.data, answer.code, answer.output, answer.error)
     report = evaluate(spec, raw, launcher_time=(t0, t1), port=port, emulated=emulated)
     report.elapsed_s = time.time() - t0
     return report
+
+
+def host_facts(data: Any, code: Optional[int], output: str, error: Optional[BackendError]) -> dict[str, Any]:
+    """One host's facts for `evaluate` from its probe: the probe's JSON answer (`data`), else its
+    exit status and output's tail, else the error that kept it from running."""
+    if error is not None or code is None:
+        return _unreached(error)
+    return data if isinstance(data, dict) else {"exit": code, "output": output.strip()[-300:], "python": None}
 
 
 def _unreached(err: Optional[BackendError]) -> dict[str, Any]:
@@ -279,7 +290,7 @@ def _agree_iface(spec: ClusterSpec, hosts: list[HostReport]) -> Optional[str]:
     if spec.socket_ifname or len(names) != 1 or len(spec.hosts) == 1:
         return None
     (name,) = names
-    return None if name == "lo" else name
+    return None if name == "lo" or not IFNAME.fullmatch(str(name)) else name
 
 
 def _behind_dead_jumps(bad: list[HostReport]) -> dict[str, list[str]]:

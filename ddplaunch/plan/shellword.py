@@ -8,9 +8,14 @@ there, `HomeBind` and `HostUser` from its home and the user's ids. Pure.
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from ddplaunch.plan.hostwords import CpuShare, GpuCount, HomeBind, HostFlags, HostPath, HostUser
+
+#: A network interface's name as `ip link` shows one, and nothing a shell reads as more than a
+#: word (a host's probe says which interface it routes through; the SSH session is told it raw).
+IFNAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,31}")
 
 _GPU_PROBE = "import torch; print(torch.cuda.device_count() or 1)"
 

@@ -8,13 +8,16 @@ the console. Files with the evidence (preflight.json, localize.json/.html) go to
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from ddplaunch.backends.contract import Launcher, StopEvent
+from ddplaunch.backends.contract import Admitted, HostResult, Launcher, StopEvent
 from ddplaunch.diagnose.localize import Localization, localize, render_html
-from ddplaunch.diagnose.preflight import PreflightReport, render_table, run_preflight
-from ddplaunch.errors import PlanError
+from ddplaunch.diagnose.preflight import (PROBE_SLACK, PreflightReport, evaluate, host_facts, listen_seconds,
+                                          probe_command, render_table, run_preflight)
+from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.plan.hostprogram import parse_answer
 from ddplaunch.output.console import Console
 from ddplaunch.plan.stages import exclude_hosts
 from ddplaunch.record.results import StageResult
@@ -23,17 +26,27 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
 def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
-                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None, emulated: bool = False
+                   console: Console, run_dir: Path, spares: Optional[list[HostSpec]] = None, emulated: bool = False,
+                   reached: Optional[list[HostResult]] = None
                    ) -> tuple[Optional[ClusterSpec], list[HostSpec], PreflightReport]:
     """Run the pre-flight checks on the hosts and the spares at once; the spec to go on with (None:
-    stop) and the spares that passed (a spare that fails is named and dropped; the run goes on)."""
+    stop) and the spares that passed (a spare that fails is named and dropped; the run goes on).
+    `reached`: the hosts' connections, where the caller tried them already."""
     spares = list(spares or [])
     probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
-    report = run_preflight(probed, backend, run_id, port, emulated)
-    console.block(render_table(report))
-    write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    report = run_preflight(probed, backend, run_id, port, emulated, reached)
     if report.socket_ifname and not spec.socket_ifname:
         spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
+    gated, spares = judge_preflight(spec, report, spares, console, run_dir)
+    return gated, spares, report
+
+
+def judge_preflight(spec: ClusterSpec, report: PreflightReport, spares: list[HostSpec], console: Console,
+                    run_dir: Path) -> tuple[Optional[ClusterSpec], list[HostSpec]]:
+    """The pre-flight's verdict, shown and kept in the run directory: the spec to go on with
+    (None: stop) and the spares that passed."""
+    console.block(render_table(report))
+    write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
     bad = set(report.bad_hosts)
     dropped = [s.label for s in spares if s.label in bad]
     if dropped:
@@ -41,8 +54,49 @@ def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port:
     spares = [s for s in spares if s.label not in bad]
     bad_hosts = [h.label for h in spec.hosts if h.label in bad]
     if not bad_hosts:
-        return spec, spares, report
-    return _exclude_or_stop(spec, bad_hosts, "pre-flight", console), spares, report
+        return spec, spares
+    return _exclude_or_stop(spec, bad_hosts, "pre-flight", console), spares
+
+
+class InStagePreflight:
+    """The pre-flight in the first launch's own sessions (`backends.contract.StartGate`): each
+    node's session runs the probe once its files are there, and the stage starts only when the
+    verdict keeps every host — one SSH round per host instead of two. Otherwise nothing started:
+    `outcome` is the spec to go on with (hosts excluded) or None (stop), as `preflight_gate` says.
+    Called from the backend's thread; `verdict(report, the stage starts)` runs there too."""
+
+    def __init__(self, spec: ClusterSpec, parallel: int, run_id: str, port: int, console: Console,
+                 run_dir: Path, emulated: bool, verdict: Callable[[PreflightReport, bool], None]):
+        self.spec, self.run_id, self.port, self.console, self.run_dir = spec, run_id, port, console, run_dir
+        self.parallel, self.emulated, self.verdict = parallel, emulated, verdict
+        self.timeout = listen_seconds(spec, parallel) + PROBE_SLACK
+        self._nonces: dict[str, str] = {}
+        self._sent = time.time()
+        self.report: Optional[PreflightReport] = None
+        self.outcome: Optional[ClusterSpec] = spec
+
+    def command(self, host: HostSpec) -> str:
+        text, self._nonces[host.label] = probe_command(self.spec, host, self.run_id, self.port, self.parallel,
+                                                       emulated=self.emulated)
+        return text
+
+    def admit(self, outputs: dict[str, tuple[int, str]], errors: dict[str, BackendError]) -> Optional[Admitted]:
+        raw = {}
+        for host in self.spec.hosts:
+            code, out = outputs.get(host.label, (None, ""))
+            data = parse_answer(out, self._nonces.get(host.label, "")) if code is not None else None
+            raw[host.label] = host_facts(data, code, out, errors.get(host.label) if code is None else None)
+        self.report = evaluate(self.spec, raw, (self._sent, time.time()), self.port, self.emulated)
+        self.report.elapsed_s = time.time() - self._sent
+        gated, _ = judge_preflight(self.spec, self.report, [], self.console, self.run_dir)
+        if gated is not None and self.report.socket_ifname:
+            gated = gated.model_copy(update={"socket_ifname": self.report.socket_ifname})
+        self.outcome = gated
+        starts = gated is not None and [h.label for h in gated.hosts] == [h.label for h in self.spec.hosts]
+        self.verdict(self.report, starts)
+        if not starts:
+            return None
+        return Admitted(self.report.socket_ifname)
 
 
 def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, result: StageResult,

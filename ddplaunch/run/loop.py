@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ddplaunch.backends.contract import Launcher, StopEvent
+from ddplaunch.backends.contract import Launcher, SessionGated, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
+from ddplaunch.diagnose.preflight import PreflightReport, reach_hosts
 from ddplaunch.errors import PlanError
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import StageLines
@@ -36,7 +37,7 @@ from ddplaunch.record.results import Progress, StageResult, describe_exit
 from ddplaunch.record.runs import write_private
 from ddplaunch.record.view import RunView
 from ddplaunch.run.eviction import Eviction
-from ddplaunch.run.gates import healthcheck_gate, preflight_gate
+from ddplaunch.run.gates import InStagePreflight, healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.run.spares import SpareWatch
@@ -61,6 +62,8 @@ class RunLoop:
         #: (stage, master, port) the pre-flight just found free (the master listened on it): that
         #: launch takes it without probing it again
         self._proven: Optional[tuple[str, str, int]] = None
+        #: The pre-flight rides in the next launch's own sessions (`InStagePreflight`)
+        self._preflight_in_stage = False
         self.budget = RecoveryBudget(spec.recovery, [])
         #: The values of the spec's secrets, masked in everything the ranks print.
         names = spec.secret_names()
@@ -97,8 +100,17 @@ class RunLoop:
         # port the launch uses; an explicit master.port is the pre-flight's to report
         stage = stages_of(spec, self.opts)[0]
         first = spec.master.port or self._free_port(spec, stage)
+        reached = None
+        if isinstance(self.backend, SessionGated) and not spares and spec.container is None:
+            # one SSH round per host: the probe runs in the first launch's sessions, once every
+            # host is known to answer (the master's probe would wait for one that never comes)
+            reached = reach_hosts(spec, self.backend)
+            if all(r.error is None for r in reached):
+                self._preflight_in_stage = True
+                self._proven = (stage, master_addr(spec), first)
+                return spec
         gated, self.budget.spares, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console,
-                                                       self.run_dir, spares, self.opts.emulate is not None)
+                                                       self.run_dir, spares, self.opts.emulate is not None, reached)
         self.say(PreflightChecked(pf))
         if gated is None:
             self.say(GateStopped("pre-flight"))
@@ -115,7 +127,18 @@ class RunLoop:
             stage = stages[0]
             recovery = len(self.budget.done)
             port = self._free_port(spec, stage, recovery)
-            result = self._launch(spec, plan_stage(spec, self.run_id, stage, port, self.opts, recovery))
+            plan = plan_stage(spec, self.run_id, stage, port, self.opts, recovery)
+            gate, self._preflight_in_stage = (self._in_stage(spec, plan) if self._preflight_in_stage else None), False
+            result = self._launch(spec, plan, gate)
+            if gate is not None:
+                if gate.outcome is None:
+                    self.say(GateStopped("pre-flight"))
+                    return False
+                spec = gate.outcome  # the interface every host reaches the master through, hosts excluded
+                if result is None:  # it excluded hosts before anything started: launch on the others
+                    stages = stages_of(spec, self.opts)
+                    continue
+            assert result is not None
             if recovery:
                 self._resumed(result)
             if result.rescheduled:
@@ -179,12 +202,28 @@ class RunLoop:
             self.say(Requested("# re-planned without excluded hosts\n"))
         return gated
 
-    def _launch(self, spec: ClusterSpec, plan: LaunchPlan) -> StageResult:
-        """Render and launch one stage (the job under the hang watchdog); log what it produced."""
-        request = self.backend.render(plan)
-        self.say(Requested(request.text()))
+    def _in_stage(self, spec: ClusterSpec, plan: LaunchPlan) -> InStagePreflight:
+        """The pre-flight of `plan`'s hosts in its launch's sessions; its verdict is logged, and
+        the stage announced once it starts."""
+        def verdict(report: PreflightReport, starts: bool) -> None:
+            self.say(PreflightChecked(report))
+            if starts:
+                self._announce(plan)
+        return InStagePreflight(spec, self.backend.max_parallel, self.run_id, plan.master_port, self.console,
+                                self.run_dir, self.opts.emulate is not None, verdict)
+
+    def _announce(self, plan: LaunchPlan) -> None:
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
         self.say(StageStarted(plan.stage, plan.master_addr, plan.master_port, [n.host_label for n in plan.nodes]))
+
+    def _launch(self, spec: ClusterSpec, plan: LaunchPlan, gate: Optional[InStagePreflight] = None
+                ) -> Optional[StageResult]:
+        """Render and launch one stage (the job under the hang watchdog); log what it produced.
+        With a `gate`, the pre-flight runs in the stage's sessions first: None when it said no."""
+        request = self.backend.render(plan)
+        self.say(Requested(request.text()))
+        if gate is None:
+            self._announce(plan)
         omp = plan.nodes[0].env_dict().get("OMP_NUM_THREADS")
         if self.console.verbose and isinstance(omp, CpuShare) and self.console.first_time("omp"):
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
@@ -204,7 +243,13 @@ class RunLoop:
         spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say) \
             if job and self.budget.spares else contextlib.nullcontext()
         with watchdog or contextlib.nullcontext(), spares, steps or contextlib.nullcontext():
-            result = self.backend.launch(request, lines, self.stop)
+            if gate is not None and isinstance(self.backend, SessionGated):
+                gated = self.backend.launch_gated(request, lines, self.stop, gate)
+                if gated is None:
+                    return None
+                result = gated
+            else:
+                result = self.backend.launch(request, lines, self.stop)
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
         result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)

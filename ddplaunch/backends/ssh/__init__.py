@@ -20,14 +20,15 @@ from typing import Any, Callable, Optional, TypeVar
 import paramiko
 from fabric import Connection
 
-from ddplaunch.backends.contract import CommandFor, HostResult, RunContext, StopEvent
+from ddplaunch.backends.contract import Admitted, CommandFor, HostResult, RunContext, StartGate, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, follow, unstarted
 from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every, pid_file,
                                       reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.lease import Fence, Renewals
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
-from ddplaunch.backends.ssh.session import NoMarker, SshStage, await_marker, run_to_end, session_command
+from ddplaunch.backends.ssh.session import (NoMarker, SshStage, await_marker, go_line, run_to_end, session_command,
+                                           split_check)
 from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
@@ -179,28 +180,46 @@ class SshBackend(ShellLauncher):
         return code == 0
 
     def launch(self, request: ShellRequest, lines: StageLines, stop: StopEvent) -> StageResult:
+        result = self.launch_gated(request, lines, stop, None)
+        assert result is not None  # no gate to say no
+        return result
+
+    def launch_gated(self, request: ShellRequest, lines: StageLines, stop: StopEvent,
+                     gate: Optional[StartGate]) -> Optional[StageResult]:
+        """`launch`; with a `gate`, its check runs in each node's session once the node's files
+        are there, and the stage starts only when it admits every node's answer (None: it did
+        not, every session ended before anything started)."""
         plan = request.plan
         hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in hosts:
             lines.state(host.label, NodeState.NOT_STARTED)
-        opened = self._each(lambda h: self._open(h, request), hosts)
-        bad = {rank: str(err) for rank, (_, _, err) in enumerate(opened) if err is not None}
+        checks: dict[str, tuple[int, str]] = {}
+        opened = self._each(lambda h: self._open(h, request, gate, checks), hosts)
+        sessions = [session[0] for _, session, _ in opened if session is not None]
+        bad = {rank: err for rank, (_, _, err) in enumerate(opened) if err is not None}
+        admitted = Admitted()
+        if gate is not None:
+            said = gate.admit(checks, {plan.nodes[rank].host_label: err for rank, err in bad.items()})
+            if said is None:
+                for channel in sessions:
+                    channel.close()  # its shell hangs up before it reads "go": nothing started
+                return None
+            admitted = said
         if bad:
-            for rank, detail in bad.items():
-                lines.note(f"{plan.nodes[rank].host_label}: {detail}")
+            for rank, err in bad.items():
+                lines.note(f"{plan.nodes[rank].host_label}: {err}")
                 lines.state(plan.nodes[rank].host_label, NodeState.UNREACHABLE)
-            for _, session, _ in opened:
-                if session is not None:
-                    session[0].close()  # its shell hangs up before it reads "go": nothing started
+            for channel in sessions:
+                channel.close()
             lines.note("not starting: every host must be reachable")
-            return unstarted(plan, UNREACHABLE, bad)
+            return unstarted(plan, UNREACHABLE, {rank: str(err) for rank, err in bad.items()})
         channels = []
         for (_, session, _), node in zip(opened, plan.nodes):
             assert session is not None
             channel, early = session
             for line in early:  # what the host's rc files printed
                 lines.emit(node.node_rank, node.host_label, line)
-            channel.sendall(b"go\n")
+            channel.sendall(go_line(admitted.socket_ifname))
             channels.append(channel)
         stage = SshStage(plan, channels, lines, self._term,
                          lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
@@ -281,29 +300,39 @@ class SshBackend(ShellLauncher):
 
     # ------------------------------------------------------------------ steps
 
-    def _open(self, host: HostSpec, request: ShellRequest) -> tuple[paramiko.Channel, list[str]]:
+    def _open(self, host: HostSpec, request: ShellRequest, gate: Optional[StartGate] = None,
+              checks: Optional[dict[str, tuple[int, str]]] = None) -> tuple[paramiko.Channel, list[str]]:
         """The node's one session, up to the moment torchrun would start (session.py), then the
         spec's `sync` paths. One session per node per stage: each costs the host a login shell
-        and its rc files (~0.15 CPU-s here, more on real hosts with conda or modules).
+        and its rc files (~0.15 CPU-s here, more on real hosts with conda or modules). A `gate`'s
+        check runs in it; its (exit status, output) goes to `checks`.
 
         Returns:
             (the channel, the lines the host printed so far: rc-file noise).
         """
         (node,) = [n for n in request.plan.nodes if n.host == host]
         conn = self.connect(host)
-        command, bundle, nonce = session_command(request, node)
+        command, bundle, nonce = session_command(request, node, gate.command(host) if gate is not None else None)
         channel = None
+
+        def checked(said: list[str]) -> list[str]:  # the check's answer, wherever the shell stopped
+            check, rest = split_check(said, nonce)
+            if check is not None and checks is not None:
+                checks[host.label] = check
+            return rest
         try:
             channel = conn.transport.open_session(timeout=OPEN_TIMEOUT)
             channel.get_pty(width=500)
             channel.exec_command(command)
             early = await_marker(channel, f"{nonce} listening", OPEN_TIMEOUT)
             channel.sendall(bundle.encode())
-            early += await_marker(channel, f"{nonce} ready", OPEN_TIMEOUT)
+            early += checked(await_marker(channel, f"{nonce} ready",
+                                          OPEN_TIMEOUT + (gate.timeout if gate is not None else 0)))
             channel.settimeout(None)  # from here on the readers block until the node ends
         except NoMarker as err:
             assert channel is not None
             channel.close()
+            checked(err.lines)
             raise BackendError(f"{host.label}: cannot prepare the run directory, upload the run's files or "
                                f"enter workdir {node.workdir}: {err}") from None
         except (paramiko.SSHException, EOFError, OSError) as err:

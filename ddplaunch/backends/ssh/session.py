@@ -25,27 +25,48 @@ from ddplaunch.backends.failfast import LossAware, NodeEnd
 from ddplaunch.backends.shell import ShellRequest, env_name, env_text, pid_file, stage_bundle, stage_files
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan, NodeCommand
-from ddplaunch.plan.shellword import word
+from ddplaunch.plan.shellword import IFNAME, word
 
 
-def session_command(request: ShellRequest, node: NodeCommand) -> tuple[str, str, str]:
+def session_command(request: ShellRequest, node: NodeCommand, check: Optional[str] = None) -> tuple[str, str, str]:
     """(the node's command, what to send it once it says it listens, the nonce of its markers).
 
     Any step failing ends the shell before torchrun, with the reason on the channel. A pid file
     an earlier stage left is dropped (it would hide a torchrun that never starts in this one).
+    `check` (a start gate's command, e.g. the pre-flight's probe) runs once the files are in
+    place, its exit status on the line `<nonce> checked N`. "go" may name the network interface
+    the ranks use ("go IFNAME": Gloo's and NCCL's, found by the check); the node's environment
+    file, sourced after, keeps the user's own value.
     """
     plan = request.plan
     nonce = secrets.token_hex(6)
     names = [env_name(plan.stage, node.node_rank), *(dst for _, dst in plan.uploads)]
     contents = [env_text(node).encode(), *(Path(src).read_bytes() for src, _ in plan.uploads)]
     staged = stage_files(plan.run_id, names, then=[f"rm -f {pid_file(plan.run_id, node.node_rank)}"])
-    script = (f"stty -echo -icanon && echo {nonce} listening && {staged} && cd {word(node.workdir)} && "
-              f'echo {nonce} ready && IFS= read -r go && [ "$go" = go ] && stty sane && {request.line(node)}')
+    checked = f'{{ ( {check} ); echo "{nonce} checked $?"; }} && ' if check is not None else ""
+    script = (f"stty -echo -icanon && echo {nonce} listening && {staged} && {checked}cd {word(node.workdir)} && "
+              f'echo {nonce} ready && IFS=" " read -r go ifname && [ "$go" = go ] && stty sane && '
+              f'if [ -n "$ifname" ]; then export GLOO_SOCKET_IFNAME="$ifname" NCCL_SOCKET_IFNAME="$ifname"; fi && '
+              f'{request.line(node)}')
     return "bash -c " + shlex.quote(script), stage_bundle(contents), nonce
 
 
+def go_line(ifname: Optional[str]) -> bytes:
+    """What starts a node's stage: "go", with the network interface its ranks use, if one."""
+    if not ifname:
+        return b"go\n"
+    if not IFNAME.fullmatch(ifname):
+        raise ValueError(f"not an interface name: {ifname!r}")
+    return f"go {ifname}\n".encode()
+
+
 class NoMarker(Exception):
-    """The node's shell ended, or went silent, before it printed the marker."""
+    """The node's shell ended, or went silent, before it printed the marker; `lines`: what it
+    printed until then."""
+
+    def __init__(self, message: str, lines: list[str]):
+        super().__init__(message)
+        self.lines = lines
 
 
 def await_marker(ch: paramiko.Channel, marker: str, timeout: float) -> list[str]:
@@ -60,18 +81,29 @@ def await_marker(ch: paramiko.Channel, marker: str, timeout: float) -> list[str]
             before = lines[:lines.index(want)]
             return [raw.decode("utf-8", "replace") for raw in before if raw.strip()]
         left = deadline - time.monotonic()
-        said = "\n".join(raw.decode("utf-8", "replace") for raw in lines
-                         if raw.strip() and not raw.startswith(want.split()[0]))[-300:]
+        read = [raw.decode("utf-8", "replace") for raw in lines if raw.strip()]
+        said = "\n".join(line for line in read if not line.startswith(marker.split()[0]))[-300:]
         if left <= 0:
-            raise NoMarker(f"no answer within {timeout:.0f}s: {said}")
+            raise NoMarker(f"no answer within {timeout:.0f}s: {said}", read)
         ch.settimeout(left)
         try:
             chunk = ch.recv(65536)
         except socket.timeout:
             continue
         if not chunk:
-            raise NoMarker(said or "its shell ended without a word")
+            raise NoMarker(said or "its shell ended without a word", read)
         data += chunk
+
+
+def split_check(lines: list[str], nonce: str) -> tuple[Optional[tuple[int, str]], list[str]]:
+    """A session's lines up to "ready" -> ((the check's exit status, its output) or None when it
+    did not end, the other lines)."""
+    mark = f"{nonce} checked "
+    at = next((i for i, line in enumerate(lines) if line.startswith(mark)), None)
+    if at is None:
+        return None, lines
+    code = lines[at][len(mark):].strip()
+    return (int(code) if code.isdigit() else -1, "\n".join(lines[:at])), lines[at + 1:]
 
 
 def exit_status(ch: paramiko.Channel) -> Optional[int]:
