@@ -113,7 +113,9 @@ def main() -> None:
     t0 = time.monotonic()
     cluster = sim_up(SimConfig(n_hosts=args.hosts, prefix=PREFIX, subnet=SUBNET, state_dir=tmp / "sim",
                                nproc_per_node=1, workdir=ROOT, slurm=args.backend == "slurm", clean_home=True,
-                               slurm_nodes=args.hosts if args.backend == "slurm" else None))
+                               slurm_nodes=args.hosts if args.backend == "slurm" else None,
+                               # srun's launch of 128 nodes' tasks on 2 cores answered past Slurm's 10 s
+                               slurm_message_timeout=60 if args.backend == "slurm" else None))
     print(f"sim of {args.hosts} hosts up in {time.monotonic() - t0:.0f}s", flush=True)
     hosts = [h.name for h in cluster.hosts]
     slow_step = int(args.slow_at * 60 / args.step_s)

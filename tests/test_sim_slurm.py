@@ -68,6 +68,10 @@ def test_slurm_conf_has_the_agreed_settings(tmp_path):
     assert conf["AuthInfo"] == f"socket={tmp_path}/munge/munge.socket.2"
     assert "NodeName=dls2 NodeAddr=10.213.0.12 CPUs=2 RealMemory=2000 State=UNKNOWN" in text
     assert "PartitionName=debug Nodes=dls1,dls2 Default=YES MaxTime=INFINITE State=UP" in text
+    assert "MessageTimeout" not in conf  # Slurm's own 10 s, unless a bench of 128 nodes asks for more
+    longer = sim_slurm.slurm_conf_text(cluster_name="dls", controller=("dlsctl", "10.213.0.10"), nodes=[],
+                                       base=tmp_path, munge_socket=tmp_path / "m", message_timeout=60)
+    assert "MessageTimeout=60" in longer.splitlines()
 
 
 def test_render_slurm_spec_has_the_agreed_keys(tmp_path):

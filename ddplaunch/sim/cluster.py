@@ -128,7 +128,7 @@ def _build(cfg: SimConfig, naming: netns.Naming, state_dir: Path) -> SimCluster:
     cluster.spec_path.write_text(render_spec(cluster, python=python, workdir=workdir,
                                              nproc_per_node=cfg.nproc_per_node))
     if cluster.slurm is not None:
-        start_slurm(cluster, save=lambda: save_state(cluster))
+        start_slurm(cluster, save=lambda: save_state(cluster), message_timeout=cfg.slurm_message_timeout)
         save_state(cluster)
         cluster.slurm.spec_path.parent.mkdir(parents=True, exist_ok=True)
         cluster.slurm.spec_path.write_text(render_slurm_spec(
@@ -239,7 +239,7 @@ def _teardown(state_dir: Path, purge: bool, naming: netns.Naming | None = None) 
     return result
 
 
-def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> slurm.SlurmState:
+def start_slurm(cluster: SimCluster, save: Callable[[], None], message_timeout: int | None = None) -> slurm.SlurmState:
     """Write slurm.conf, start munged, slurmctld and every slurmd; wait until all nodes are idle.
 
     `cluster.slurm` must hold a fresh SlurmState (conf/spec paths, controller names); its
@@ -260,7 +260,7 @@ def start_slurm(cluster: SimCluster, save: Callable[[], None]) -> slurm.SlurmSta
     st.conf.write_text(slurm.slurm_conf_text(
         cluster_name=cluster.prefix, controller=(st.controller_name, st.controller_addr),
         nodes=[(h.name, h.addr) for h in cluster.hosts], base=base, munge_socket=st.munge_socket,
-        partition=st.partition))
+        partition=st.partition, message_timeout=message_timeout))
 
     st.munged_pid = slurm.start_munged(cluster.state_dir)
     save()

@@ -85,8 +85,10 @@ def require_slurm() -> None:
 # ----------------------------------------------------------------------------- pure parts
 
 def slurm_conf_text(*, cluster_name: str, controller: tuple[str, str], nodes: Sequence[tuple[str, str]],
-                    base: Path, munge_socket: Path, partition: str = PARTITION) -> str:
-    """slurm.conf of a sim cluster (pure). `controller` and `nodes` are (name, addr) pairs."""
+                    base: Path, munge_socket: Path, partition: str = PARTITION,
+                    message_timeout: int | None = None) -> str:
+    """slurm.conf of a sim cluster (pure). `controller` and `nodes` are (name, addr) pairs;
+    `message_timeout`: how long Slurm's daemons and srun wait for an answer (default 10 s)."""
     ctl_name, ctl_addr = controller
     lines = [
         "# written by ddplaunch sim",
@@ -125,6 +127,7 @@ def slurm_conf_text(*, cluster_name: str, controller: tuple[str, str], nodes: Se
         "KillWait=5",
         "MinJobAge=300",
     ]
+    lines += [f"MessageTimeout={int(message_timeout)}"] if message_timeout else []
     lines += [f"NodeName={name} NodeAddr={addr} CPUs=2 RealMemory=2000 State=UNKNOWN"
               for name, addr in nodes]
     lines += [f"PartitionName={partition} Nodes={','.join(n for n, _ in nodes)} Default=YES "

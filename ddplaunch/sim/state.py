@@ -46,6 +46,8 @@ class SimConfig:
     rc_noise: bool = False             # root's ~/.bashrc on the hosts prints to stdout and stderr
     clean_home: bool = False           # sessions get an empty HOME (no rc file of this machine's: a
                                        # bench measures ddplaunch, not root's ~/.bashrc at 1,000 shells)
+    slurm_message_timeout: int | None = None  # slurm.conf MessageTimeout (Slurm's default: 10 s);
+                                       # a step of 128 nodes on 2 cores answers srun later than that
 
     @property
     def resolved_state_dir(self) -> Path:
