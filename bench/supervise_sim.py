@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -152,6 +153,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "ddplaunch", "down", run_id], env=env, cwd=ROOT,
                            capture_output=True, timeout=300)
             sim_down(cluster.state_dir, prefix=PREFIX)
+            shutil.rmtree(tmp, ignore_errors=True)
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

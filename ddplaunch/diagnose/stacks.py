@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.diagnose.hostprograms import ask_hosts
 from ddplaunch.hostside.stacks import FROZEN
-from ddplaunch.output.console import rank_ranges
+from ddplaunch.output.console import hosts_named, rank_ranges
 from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import tool_python
 from ddplaunch.record.runs import write_private
@@ -140,11 +140,6 @@ def render_stack(stack: RankStack) -> str:
     return "\n".join(out) + "\n"
 
 
-#: A group of stuck ranks names this many of its hosts at most (the line stays one line at 1,000
-#: hosts; every host's stacks are in the run directory).
-HOSTS_NAMED = 8
-
-
 def summarize_stacks(stacks: list[RankStack]) -> str:
     """One line: ranks grouped by where they are stuck, e.g.
     `rank 0 (dlt1): all_reduce at jobs/x.py:43 — rank 1 (dlt2): barrier at jobs/x.py:45`."""
@@ -155,7 +150,7 @@ def summarize_stacks(stacks: list[RankStack]) -> str:
     parts = []
     for where, members in groups.items():
         names = list(dict.fromkeys(m.host for m in members))
-        hosts = ", ".join(names[:HOSTS_NAMED]) + (f", ... ({len(names)} hosts)" if len(names) > HOSTS_NAMED else "")
+        hosts = hosts_named(names)  # every host's stacks are in the run directory
         if members[0].rank is None:
             parts.append(f"torchrun ({hosts}): {where}")
             continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import IO, Optional
+from typing import IO, Optional, Sequence
 
 from rich.console import Console as RichConsole
 from rich.live import Live
@@ -32,8 +32,16 @@ from ddplaunch.record.results import NodeState
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
 FOLD_S = 0.5
-#: A folded line names its hosts up to this many; beyond, it gives their count.
-FOLD_HOSTS_NAMED = 8
+#: A line that names hosts names this many at most, then gives their count (one line at 1,000
+#: hosts; the run's files and `status --json` hold them all).
+HOSTS_NAMED = 8
+
+
+def hosts_named(labels: Sequence[str], most: int = HOSTS_NAMED) -> str:
+    """`a, b, c`; past `most`: `a, b, ..., h, ... (1000 hosts)`."""
+    if len(labels) <= most:
+        return ", ".join(labels)
+    return ", ".join(labels[:most]) + f", ... ({len(labels)} hosts)"
 
 
 class _Fold:
@@ -51,15 +59,15 @@ class _Fold:
         ranks = [r for _, r in self.who if r is not None]
         hosts = sorted(set(h for h, _ in self.who))
         if len(ranks) == len(self.who):
-            if len(hosts) > FOLD_HOSTS_NAMED:  # one line for thousands of ranks stays one line
+            if len(hosts) > HOSTS_NAMED:  # one line for thousands of ranks stays one line
                 return f"[x{len(ranks)} ranks: {rank_ranges(ranks)} on {len(hosts)} hosts] {rest}"
             by_host: dict[str, list[int]] = {}
             for host, rank in sorted(self.who, key=lambda w: w[1] or 0):
                 by_host.setdefault(host, []).append(rank or 0)
             names = ", ".join(f"{h}:{rank_ranges(rs)}" for h, rs in by_host.items())
             return f"[x{len(ranks)} ranks: {names}] {rest}"
-        if len(hosts) > FOLD_HOSTS_NAMED:
-            return f"[x{len(hosts)} hosts: {', '.join(hosts[:FOLD_HOSTS_NAMED])}, ...] {rest}"
+        if len(hosts) > HOSTS_NAMED:
+            return f"[x{len(hosts)} hosts: {', '.join(hosts[:HOSTS_NAMED])}, ...] {rest}"
         return f"[x{len(self.who)} hosts: {', '.join(hosts)}] {rest}"
 
 

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
+from ddplaunch.output.console import hosts_named
 from ddplaunch.record.diagnosis import HealthVerdict, Probe
 from ddplaunch.record.events import StepWindow, events_from
 from ddplaunch.record.view import RunView
@@ -138,7 +139,7 @@ def timeline(view: RunView) -> str:
     rows: list[tuple[float, str]] = []
     for launch in view.launches:
         e = launch.started
-        rows.append((e.t, f"stage {e.stage} started on {', '.join(e.hosts)} (master {e.master}:{e.port})"))
+        rows.append((e.t, f"stage {e.stage} started on {hosts_named(e.hosts)} (master {e.master}:{e.port})"))
         if launch.result is not None:
             rows.append((launch.result.ended_at or e.t, f"stage {e.stage} {stage_verdict(launch.result)}"))
     for r in view.recoveries:
@@ -173,7 +174,7 @@ def render(view: RunView, windows: Sequence[StepWindow] = ()) -> str:
     pairs = pairs or ([*loc.pairs, *loc.repairs] if loc is not None else [])
     title = f"run {view.run_id}"
     started = view.started
-    head = f"{_esc(started.backend)} backend, hosts {_esc(', '.join(started.hosts))}" if started else ""
+    head = f"{_esc(started.backend)} backend, hosts {_esc(hosts_named(started.hosts))}" if started else ""
     state = f"{view.ended.state} (exit {view.ended.exit_code})" if view.ended else "running (no end in its log yet)"
     summary = f"<pre>{_esc(summarize(view))}</pre>" if view.ended else ""
     return ("<!doctype html><html><head><meta charset='utf-8'><title>" + _esc(title) + "</title><style>"

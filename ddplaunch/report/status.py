@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from ddplaunch.output.console import state_text
+from ddplaunch.output.console import hosts_named, state_text
 from ddplaunch.record.live import LiveSteps
 from ddplaunch.record.view import Launch, RunView
 
@@ -33,7 +33,7 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
     s = view.started
     running = f"supervisor pid {s.supervisor_pid} on {s.supervisor_host}" if s is not None else where
     hosts = s.hosts if s is not None else view.hosts  # the hosts it started with; recoveries below
-    lines = [f"{view.run_id}: {shown_state(view, supervisor_alive)} ({backend}; hosts {', '.join(hosts)}"
+    lines = [f"{view.run_id}: {shown_state(view, supervisor_alive)} ({backend}; hosts {hosts_named(hosts)}"
              + (f"; {running})" if running else ")")]
     if view.ended is not None and view.ended.by_scheduler:
         lines.append("  its job ended without its supervisor logging the end (the scheduler's word)")

@@ -18,7 +18,7 @@ from ddplaunch.diagnose.preflight import (PROBE_SLACK, PreflightReport, evaluate
                                           probe_command, render_table, run_preflight)
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.plan.hostprogram import parse_answer
-from ddplaunch.output.console import Console
+from ddplaunch.output.console import Console, hosts_named
 from ddplaunch.plan.stages import exclude_hosts
 from ddplaunch.record.results import StageResult
 from ddplaunch.record.runs import write_private
@@ -138,5 +138,5 @@ def _exclude_or_stop(spec: ClusterSpec, bad: list[str], what: str, console: Cons
         console.note(f"{what} failed on {', '.join(bad)} and they cannot be excluded: {err}")
         return None
     console.note(f"{what} failed on {', '.join(bad)}: EXCLUDED them (healthcheck.on_fail: exclude); "
-              f"going on with {len(kept.hosts)} host(s): {', '.join(h.label for h in kept.hosts)}")
+              f"going on with {len(kept.hosts)} host(s): {hosts_named([h.label for h in kept.hosts])}")
     return kept

@@ -23,7 +23,7 @@ from ddplaunch.backends.contract import Launcher, SessionGated, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
 from ddplaunch.diagnose.preflight import PreflightReport, reach_hosts
 from ddplaunch.errors import PlanError
-from ddplaunch.output.console import Console
+from ddplaunch.output.console import Console, hosts_named
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import mismatch_lines, store_errors
 from ddplaunch.plan.hostwords import CpuShare
@@ -88,7 +88,7 @@ class RunLoop:
         hosts = self.backend.hosts()
         spec = self.spec.model_copy(update={"hosts": hosts})
         if [h.label for h in hosts] != self.view.hosts:
-            self.console.note(f"hosts: {', '.join(h.label for h in hosts)}")
+            self.console.note(f"hosts: {hosts_named([h.label for h in hosts])}")
         text = self.backend.allocation_text()
         if text and not self.view.requested:
             self.say(Requested(text))
@@ -179,7 +179,7 @@ class RunLoop:
         if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
             self.stop.reset()
         self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
-                          f"relaunching on {', '.join(h.label for h in hosts)}")
+                          f"relaunching on {hosts_named([h.label for h in hosts])}")
         self.say(RecoveryStarted(recovery, [h.label for h in hosts]))
         return spec.model_copy(update={"hosts": hosts})
 
