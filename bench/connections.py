@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
 import selectors
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,49 +41,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddplaunch.sim.sshd import loopback_sshd  # noqa: E402
+
 #: What each session runs: a line a second (the host's heartbeat), bash builtins only.
 LOOP = "while :; do echo hb; read -t 1; done"
 PARALLEL = 64  # sessions opened at once (ddplaunch's MAX_PARALLEL)
 CLIENTS = ("paramiko", "paramiko-0.1s", "asyncssh", "openssh")
-
-
-def start_sshd(d: Path) -> tuple[subprocess.Popen[bytes], int]:
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
-    (d / "home").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (d / "sshd_config").write_text(f"""Port {port}
-ListenAddress 127.0.0.1
-HostKey {d}/host_key
-PidFile {d}/sshd.pid
-AuthorizedKeysFile {d}/authorized_keys
-StrictModes no
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-UseDNS no
-MaxStartups 200:30:400
-SetEnv HOME={d}/home
-""")
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
-                            stdout=subprocess.DEVNULL, stderr=open(d / "sshd.log", "w"))
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit("sshd did not start: " + (d / "sshd.log").read_text())
-            time.sleep(0.05)
-    key = (d / "host_key.pub").read_text().split()
-    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {key[0]} {key[1]}\n")
-    return proc, port
 
 
 def pss_kib(pid: int) -> int:
@@ -266,9 +229,14 @@ def main() -> None:
     if os.geteuid() != 0:
         sys.exit("needs root (a throwaway sshd)")
     d = Path(tempfile.mkdtemp(prefix="ddpl-bench-conn-"))
-    sshd, port = start_sshd(d)
+    (d / "home").mkdir()
     rows = []
-    try:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, d, ignore_errors=True)
+        port, host_pub = cleanup.enter_context(loopback_sshd(d, extra=["MaxStartups 200:30:400",
+                                                                       f"SetEnv HOME={d}/home"]))
+        key = host_pub.read_text().split()
+        (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {key[0]} {key[1]}\n")
         for name in args.clients.split(","):
             proc = subprocess.run([sys.executable, __file__, "--child", name, "--n", str(args.n), "--idle",
                                    str(args.idle), "--port", str(port), "--dir", str(d)],
@@ -279,10 +247,6 @@ def main() -> None:
                 continue
             rows.append({"client": name, **json.loads(got[0][7:])})
             print(f"{name}: {rows[-1]}", flush=True)
-    finally:
-        sshd.terminate()
-        sshd.wait(timeout=30)
-        shutil.rmtree(d, ignore_errors=True)
     print(f"\n{args.n} sessions to one sshd on 127.0.0.1, a line a second each, held {args.idle:.0f} s\n")
     print("| client | open all (s) | threads / processes | memory (PSS, MiB) | CPU while held (cores) | lines arrived / sent |")
     print("|---|---:|---|---:|---:|---|")

@@ -7,8 +7,11 @@ wrapper (so sessions get the host's hostname and /etc/hosts) and found again by 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import socket
+import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ddplaunch.sim.proc import (SimError, pid_alive, pid_cmdline, read_pid, require_tool, run, run_concurrently,
@@ -199,3 +202,49 @@ def is_our_sshd(pid: int | None, host_dir: Path) -> bool:
 def mkdir_privsep() -> None:
     """sshd needs its privilege-separation dir, which systemd would normally create."""
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+
+
+@contextlib.contextmanager
+def loopback_sshd(d: Path, addrs: Sequence[str] = ("127.0.0.1",), extra: Sequence[str] = ()
+                  ) -> Iterator[tuple[int, Path]]:
+    """A throwaway sshd on a free port of loopback addresses `addrs`, for tests and benches that
+    need one sshd and no sim: its host key and a client key (`d`/host_key, `d`/client_key, the
+    latter authorized for root), `extra` config lines, its log in `d`/sshd.log. Yields (port,
+    the host key's .pub); ended by its PID when the block ends.
+
+    Raises:
+        SimError: sshd ended, or did not listen within START_TIMEOUT_S (its log in the message).
+    """
+    new_keypair(d / "host_key", "throwaway sshd")
+    (d / "authorized_keys").write_bytes(new_keypair(d / "client_key", "throwaway client").read_bytes())
+    with socket.socket() as s:
+        s.bind((addrs[0], 0))
+        port = s.getsockname()[1]
+    lines = [f"Port {port}", *(f"ListenAddress {a}" for a in addrs), f"HostKey {d}/host_key",
+             f"PidFile {d}/sshd.pid", f"AuthorizedKeysFile {d}/authorized_keys", "StrictModes no",
+             "PermitRootLogin prohibit-password", "PubkeyAuthentication yes", "PasswordAuthentication no",
+             "KbdInteractiveAuthentication no", "UsePAM no", "UseDNS no", *extra]
+    (d / "sshd_config").write_text("\n".join(lines) + "\n")
+    mkdir_privsep()
+    with open(d / "sshd.log", "wb") as log:
+        proc = subprocess.Popen([require_sshd(), "-D", "-e", "-f", str(d / "sshd_config")],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def listens() -> bool:
+            if proc.poll() is not None:
+                raise SimError("sshd ended: " + (d / "sshd.log").read_text()[-2000:])
+            try:
+                socket.create_connection((addrs[0], port), timeout=1).close()
+                return True
+            except OSError:
+                return False
+        if not wait_until(listens, START_TIMEOUT_S):
+            raise SimError(f"sshd did not listen within {START_TIMEOUT_S:g}s: " + (d / "sshd.log").read_text()[-2000:])
+        yield port, d / "host_key.pub"
+    finally:
+        proc.terminate()  # our own child: ended by its PID, waited for
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -9,11 +9,8 @@ import base64
 import multiprocessing
 import os
 import shutil
-import socket
 import stat
-import subprocess
 import threading
-import time
 from pathlib import Path
 
 import paramiko
@@ -24,6 +21,7 @@ from hypothesis import strategies as st
 from ddplaunch.backends.known_hosts import (AcceptNewPolicy, RevokedHostKeyError, StrictPolicy, configure,
                                             load_host_keys, parse_known_hosts, record_host_key)
 from ddplaunch.errors import BackendError
+from ddplaunch.sim.sshd import loopback_sshd
 
 N_HOSTS = 6
 #: One sshd answers on all of these: six "hosts" whose keys known_hosts records separately.
@@ -415,50 +413,10 @@ def sshd(tmp_path_factory: pytest.TempPathFactory):
     if os.geteuid() != 0 or not Path("/usr/sbin/sshd").exists() or not shutil.which("ssh-keygen"):
         pytest.skip("needs root, /usr/sbin/sshd and ssh-keygen")
     d = tmp_path_factory.mktemp("sshd")
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True,
-                       timeout=30)
-    shutil.copy(d / "client_key.pub", d / "authorized_keys")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    listen = "".join(f"ListenAddress {a}\n" for a in LOOPBACK_HOSTS)
-    (d / "sshd_config").write_text(f"""Port {port}
-{listen}HostKey {d}/host_key
-PidFile {d}/sshd.pid
-AuthorizedKeysFile {d}/authorized_keys
-StrictModes no
-PermitRootLogin prohibit-password
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-UseDNS no
-MaxStartups 100:30:200
-""")
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-    proc = subprocess.Popen(["/usr/sbin/sshd", "-D", "-e", "-f", str(d / "sshd_config")],
-                            stdout=open(d / "sshd.log", "w"), stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("sshd did not start: " + (d / "sshd.log").read_text())
-                time.sleep(0.05)
-        host_pub = (d / "host_key.pub").read_text().split()
+    with loopback_sshd(d, LOOPBACK_HOSTS, ["MaxStartups 100:30:200"]) as (port, host_pub_path):
+        host_pub = host_pub_path.read_text().split()
         yield {"port": port, "client_key": str(d / "client_key"), "dir": d,
                "host_key": paramiko.PKey.from_type_string(host_pub[0], base64.b64decode(host_pub[1]))}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _connect(sshd: dict, known: Path, policy: str) -> None:
