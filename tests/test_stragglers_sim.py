@@ -56,12 +56,14 @@ def _spec(cluster, tmp_path: Path, kind: str = "ddp") -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", sorted(JOBS))
+# Each job kind is named on each backend once: FSDP2 here and DDP in the SSH eviction below
+# (which names the straggler first), DDP on Slurm here and FSDP2 in the Slurm eviction (CI time).
+@pytest.mark.parametrize("kind", ["fsdp2"])
 def test_a_host_slowed_mid_training_is_named_with_its_rank_and_slowdown(sim_cluster, tmp_path, kind):
     _slowed_host_is_named(sim_cluster, _spec(sim_cluster, tmp_path, kind), tmp_path, f"strag-slow-{kind}")
 
 
-@pytest.mark.parametrize("kind", sorted(JOBS))
+@pytest.mark.parametrize("kind", ["ddp"])
 def test_a_slurm_node_slowed_mid_training_is_named(slurm_cluster, tmp_path, kind):
     """The same on the Slurm sim: the job's srun step on 3 nodes, one node's CPU limited."""
     data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
