@@ -9,6 +9,7 @@ resharded on fewer hosts (`recovery.min_hosts`)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import yaml
 
 from ddplaunch.record.events import RecoveryStarted, Shown, read_events
 from ddplaunch.record.incidents import Recovery
+from ddplaunch.report.goodput import ledger
 from ddplaunch.record.view import RunView
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
@@ -122,7 +124,11 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
                      rf"\S+:22 answers neither this machine nor [^)]+\)", out), out[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {hosts[victim]} lost \(no heartbeat for \d+s and "
                      rf".*\) → replaced by {hosts[3]}, resumed after \d+s from step \d+", out), out[-3000:]
-    assert re.search(r"training time: \S+ of \S+ wall \(\d+% effective\)", out)
+    # where the time went: the crash's detection and recovery, the steps trained again, adding up
+    spent = ledger(record)
+    assert spent is not None and spent.faults == 1 and spent.parts["recovery"] > 0 and spent.parts["detection"] > 0
+    assert math.isclose(sum(spent.parts.values()), record.wall_s, rel_tol=1e-9)
+    assert re.search(r"goodput \d+% of \S+ wall: training \S+; lost to .*recovery \S+ \(1 fault\)", out), out[-2000:]
     new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]
     assert record.hosts == new_hosts
     assert f"stage job: master {sim_cluster.hosts[3 if victim == 0 else 0].addr}:" in out.split("recovery 1 of")[1]
@@ -131,7 +137,7 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     wait_for(lambda: run_processes(run_id) == {}, timeout=15)
     if victim == 1:
         check_doc_example("recovered", out, hosts, [r"\[ddplaunch\] (\S+ \(node \d+\) lost|recovery \d|training resumed)",
-                                                    r"stage job: ", r"recovered from", r"  \S+ lost \(", r"training time",
+                                                    r"stage job: ", r"recovered from", r"  \S+ lost \(", r"goodput ",
                                                     r"run \S+: "])
 
 

@@ -425,6 +425,7 @@ def test_the_json_schema_knows_every_check_state_and_stage_the_code_writes(tmp_p
 
     from ddplaunch.plan.launch import STAGES
     from ddplaunch.diagnose.preflight import CHECKS
+    from ddplaunch.report.goodput import CAUSES
     from ddplaunch.report.summary import summary_json
     from ddplaunch.record.results import STATE_ORDER
     from tests.ssh_util import ROOT
@@ -435,6 +436,8 @@ def test_the_json_schema_knows_every_check_state_and_stage_the_code_writes(tmp_p
     outcome = schema["properties"]["stages"]["items"]["properties"]["outcomes"]["items"]
     assert sorted(outcome["properties"]["state"]["enum"]) == sorted(STATE_ORDER)
     assert schema["properties"]["stages"]["items"]["properties"]["stage"]["enum"] == list(STAGES)
+    parts = schema["properties"]["goodput"]["oneOf"][1]["properties"]["parts_s"]
+    assert parts["required"] == list(CAUSES) and sorted(parts["properties"]) == sorted(CAUSES)
     report, _, _ = run(tmp_path, FakeScript(unreachable={"f2"}), recovery=RECOVER)
     summary = json.loads(summary_json(report))
     jsonschema.validate(summary["preflight"], preflight)  # the real pre-flight's cells, from scripted facts

@@ -1,6 +1,6 @@
 """A run's summary, from the one fold of its events (record/view.py): the text people read after
 a run — the first failing host and rank with its own last lines, then every host's outcome, the
-recoveries, stragglers and dropped spares, the training time — and `--json`'s object. What a
+recoveries, stragglers and dropped spares, where the wall time went (report/goodput.py) — and `--json`'s object. What a
 launch's end says of it (`stage_verdict`) is said the same way here and on the run page.
 Pure: a view in, text out.
 """
@@ -11,6 +11,7 @@ import json
 
 from ddplaunch.record.results import STATE_ORDER, StageResult
 from ddplaunch.record.view import RunView
+from ddplaunch.report.goodput import ledger
 
 
 def summarize(report: RunView, tail_lines: int = 10) -> str:
@@ -28,10 +29,9 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
     out += [f"spare {label} dropped while it waited: {why}" for label, why in report.spares_dropped.items()]
-    training = sum(s.progress.training_s for s in report.stages if s.progress is not None)
-    if training >= 1 and report.wall_s:
-        out.append(f"training time: {_duration(training)} of {_duration(report.wall_s)} wall "
-                   f"({100 * training / report.wall_s:.0f}% effective)")
+    spent = ledger(report)
+    if spent is not None and spent.parts["training"] >= 1:
+        out.append(spent.line())
     code = report.exit_code
     out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")
@@ -78,20 +78,10 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
     return out
 
 
-def _duration(seconds: float) -> str:
-    """`41s`, `3m10s`, `2h05m`."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
 def summary_json(report: RunView) -> str:
     """The machine-readable summary printed by `--json` (docs/check-schema.json)."""
-    health = report.healthcheck
-    return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
+    health, spent = report.healthcheck, ledger(report)
+    return json.dumps({"run_id": report.run_id, "goodput": spent.to_dict() if spent is not None else None, "exit_code": report.exit_code, "blocked": report.blocked,
                        "preflight": report.preflight.to_dict() if report.preflight is not None else None,
                        "healthcheck": health.to_dict() if health is not None else None,
                        "localization": report.localization.to_dict() if report.localization is not None else None,

@@ -1,0 +1,127 @@
+"""Where a run's wall time went: the goodput ledger, from the one fold of its events.
+
+The wall time from `up` to the run's end is cut into causes along one timeline, so the parts add
+up to the wall time exactly:
+
+- `startup`: from `up` to the job's first completed step (pre-flight, health check, rendezvous,
+  the job's imports and its first step);
+- `training`: from each launch's first completed step to its last, less what was redone;
+- `redone`: steps trained again after a resume (the steps between the checkpoint the relaunched
+  job loaded and the step the lost launch had reached), at that launch's pace;
+- `detection`: from a failed launch's last step to the host failure being named;
+- `recovery`: from the failure named to the relaunched job's first completed step (the survivors
+  stopped, the relaunch, the job's start and its checkpoint load);
+- `other`: the rest (a relaunch after a requeue, the end of the run after its last step).
+
+Steps are what the entry counts inside rank 0's process (record/results.Progress), never a print
+convention. Goodput = training / wall. Pure: a view in, seconds out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ddplaunch.plan.launch import Stage
+from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.results import Progress
+from ddplaunch.record.view import RunView
+
+#: The causes, in the order of a run's life.
+CAUSES = ("startup", "training", "redone", "detection", "recovery", "other")
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Seconds of a run's wall time per cause (they add up to `wall_s`), and its host failures."""
+
+    wall_s: float
+    parts: dict[str, float]
+    faults: int = 0
+
+    @property
+    def goodput(self) -> float:
+        return self.parts["training"] / self.wall_s if self.wall_s > 0 else 0.0
+
+    def line(self) -> str:
+        """`goodput 72% of 3m39s wall: training 2m38s; lost to startup 22s, redone 4s, detection 6s,
+        recovery 25s (2 faults), other 4s` — the causes in a run's order, each one after a fault
+        (a healthy run's: those it had)."""
+        said = []
+        for cause in (c for c in CAUSES if c != "training"):
+            if self.faults or self.parts[cause] > 0:
+                faults = f" ({self.faults} fault{'s' if self.faults > 1 else ''})" if cause == "recovery" else ""
+                said.append(f"{cause} {duration(self.parts[cause])}{faults}")
+        return (f"goodput {100 * self.goodput:.0f}% of {duration(self.wall_s)} wall: training "
+                f"{duration(self.parts['training'])}" + (f"; lost to {', '.join(said)}" if said else ""))
+
+    def to_dict(self) -> dict[str, object]:
+        return {"wall_s": round(self.wall_s, 3), "goodput": round(self.goodput, 4), "faults": self.faults,
+                "parts_s": {c: round(s, 3) for c, s in self.parts.items()}}
+
+
+def ledger(view: RunView) -> Optional[Ledger]:
+    """The ledger of a run that ended (None before its end, or for a run that never started)."""
+    if view.started is None or view.ended is None:
+        return None
+    timeline = _Timeline(view.started.t, view.ended.t)
+    stepped = [r.progress for r in view.stages if r.stage == Stage.JOB and r.progress is not None]
+    faults = 0
+    for i, progress in enumerate(stepped):
+        timeline.upto(progress.first_at, "startup" if i == 0 else "other")
+        timeline.upto(progress.last_at, "training")
+        if i + 1 < len(stepped):
+            after = stepped[i + 1]
+            recovery = _recovery_before(view.recoveries, after)
+            if recovery is not None:
+                faults += 1
+                timeline.upto(recovery.detected_at, "detection")
+                timeline.upto(after.first_at, "recovery")
+                timeline.move("training", "redone", _redone_s(progress, recovery))
+    timeline.upto(timeline.end, "other" if stepped else "startup")
+    return Ledger(timeline.end - timeline.start, timeline.parts, faults)
+
+
+class _Timeline:
+    """Consecutive intervals from `start`, each given to a cause; none runs backwards or past `end`."""
+
+    def __init__(self, start: float, end: float):
+        self.start, self.end = start, max(start, end)
+        self.cursor = start
+        self.parts = {cause: 0.0 for cause in CAUSES}
+
+    def upto(self, t: float, cause: str) -> None:
+        t = min(max(t, self.cursor), self.end)
+        self.parts[cause] += t - self.cursor
+        self.cursor = t
+
+    def move(self, src: str, dst: str, seconds: float) -> None:
+        seconds = min(max(0.0, seconds), self.parts[src])
+        self.parts[src] -= seconds
+        self.parts[dst] += seconds
+
+
+def _recovery_before(recoveries: list[Recovery], after: Progress) -> Optional[Recovery]:
+    """The recovery whose relaunch made `after` (its first step is the one the recovery says)."""
+    return next((r for r in recoveries if r.first_step_at is not None and abs(r.first_step_at - after.first_at) < 1e-6),
+                None)
+
+
+def _redone_s(lost: Progress, recovery: Recovery) -> float:
+    """Seconds of `lost`'s steps trained again: the steps past the checkpoint the relaunch resumed
+    from, at `lost`'s pace (0 where either end is unknown)."""
+    if recovery.resumed_from is None or lost.optimizer_steps is None or lost.last_step <= lost.first_step:
+        return 0.0
+    reached = (lost.resumed_from or 0) + lost.optimizer_steps
+    per_step = lost.training_s / (lost.last_step - lost.first_step)
+    return max(0, reached - recovery.resumed_from) * per_step
+
+
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

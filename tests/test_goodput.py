@@ -1,0 +1,95 @@
+"""The goodput ledger (report/goodput.py): a run's wall time cut into causes along one timeline,
+from the events a run logs. The parts add up to the wall time, whatever the order and overlap of
+the times the launcher and the hosts said; a real crash's ledger is checked in test_recovery.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ddplaunch.record.events import (RecoveryStarted, RecoveryUpdated, RunEnded, RunStarted, StageEnded,
+                                     StageStarted)
+from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.results import Progress, RunState, StageResult
+from ddplaunch.record.view import RunView
+from ddplaunch.report.goodput import CAUSES, ledger
+from ddplaunch.report.summary import summarize
+
+T0 = 1_000_000.0
+
+
+def launch(started: float, progress: Progress | None, ended: float) -> list:
+    result = StageResult(stage="job", outcomes=[], started_at=started, ended_at=ended, progress=progress)
+    return [StageStarted("job", "m", 1, ["a", "b"], t=started), StageEnded(result, t=ended)]
+
+
+def run_of(*events, end: float) -> RunView:
+    return RunView.of([RunStarted("r", "ssh", ["a", "b"], 1, "here", t=T0), *events,
+                       RunEnded(RunState.OK, 0, t=end)])
+
+
+def test_a_healthy_run_is_startup_training_and_its_end():
+    view = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81), T0 + 92), end=T0 + 100)
+    spent = ledger(view)
+    assert spent is not None and spent.parts == {"startup": 10, "training": 80, "redone": 0, "detection": 0,
+                                                 "recovery": 0, "other": 10}
+    assert spent.goodput == 0.8 and spent.faults == 0
+    assert "goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in summarize(view)
+
+
+def test_a_crash_is_detection_recovery_and_the_steps_trained_again():
+    """Steps 1-40 at 1 s a step, checkpoint at 30, host lost: named 3 s after the last step,
+    the relaunch's first step (resumed from 30) 12 s after that; steps 31-40 are trained again."""
+    lost = Progress(T0 + 10, 1, T0 + 49, 40, optimizer_steps=40)
+    recovery = Recovery(1, ["b"], {"b": "no heartbeat"}, lost_at=T0 + 50, detected_at=T0 + 52)
+    relaunched = Progress(T0 + 64, 31, T0 + 133, 100, resumed_from=30, optimizer_steps=70)
+    recovery.resumed(relaunched)
+    view = run_of(*launch(T0 + 2, lost, T0 + 53), RecoveryStarted(recovery, ["a", "c"], t=T0 + 53),
+                  *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64), end=T0 + 135)
+    spent = ledger(view)
+    assert spent is not None and spent.faults == 1
+    assert spent.parts == pytest.approx({"startup": 10, "training": 39 + 69 - 10, "redone": 10, "detection": 3,
+                                         "recovery": 12, "other": 2})
+    assert math.isclose(sum(spent.parts.values()), spent.wall_s) and spent.wall_s == 135
+    assert spent.line() == ("goodput 73% of 2m15s wall: training 1m38s; lost to startup 10s, redone 10s, detection 3s, "
+                            "recovery 12s (1 fault), other 2s")
+
+
+def test_a_run_that_never_stepped_spent_its_wall_time_starting():
+    view = run_of(*launch(T0 + 2, None, T0 + 30), end=T0 + 31)
+    spent = ledger(view)
+    assert spent is not None and spent.parts["startup"] == 31 and spent.goodput == 0
+    assert "goodput" not in summarize(view)  # no training to speak of: the stage lines say what happened
+
+
+def test_no_ledger_before_the_end():
+    view = RunView.of([RunStarted("r", "ssh", ["a"], 1, "here", t=T0)])
+    assert ledger(view) is None
+
+
+times = st.floats(min_value=T0 - 50, max_value=T0 + 500, allow_nan=False)
+
+
+@given(st.lists(st.tuples(times, times), min_size=1, max_size=4), times, times, st.integers(0, 50))
+def test_the_parts_add_up_to_the_wall_time_whatever_the_clocks_say(spans, detected, end, resumed):
+    """Hosts' clocks and the launcher's disagree; steps are reported late: the parts still add up
+    and none is negative."""
+    events: list = []
+    progresses = []
+    for first, last in spans:
+        progress = Progress(first, 1, last, 20, optimizer_steps=20)
+        progresses.append(progress)
+        events += launch(first - 1, progress, last + 1)
+    if len(progresses) > 1:
+        recovery = Recovery(1, ["b"], {}, lost_at=detected - 1, detected_at=detected)
+        progresses[1].resumed_from = resumed
+        recovery.resumed(progresses[1])
+        events.insert(2, RecoveryStarted(recovery, ["a"]))
+    spent = ledger(run_of(*events, end=end))
+    assert spent is not None and set(spent.parts) == set(CAUSES)
+    assert all(s >= 0 for s in spent.parts.values())
+    assert math.isclose(sum(spent.parts.values()), spent.wall_s, abs_tol=1e-6)
+    assert spent.wall_s == max(0.0, end - T0)
