@@ -667,3 +667,25 @@ def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_gr
     assert stage.stopped_at is not None and stage.stopped_at - t0 < REPORT_GRACE
     assert stage.settle_timeout == LOST_STOP_GRACE + SETTLE_SLACK
     assert [o.state for o in result.outcomes] == ["lost", "interrupted"]
+
+
+def test_stack_dumps_that_fail_alike_are_one_line_naming_eight_hosts(tmp_path):
+    """At 1,000 hosts a dump that times out everywhere is one line, not a thousand."""
+    from ddplaunch.backends.contract import HostResult
+    from ddplaunch.diagnose.stacks import collect_stacks
+    from ddplaunch.errors import BackendError
+    from ddplaunch.spec.model import HostSpec
+
+    hosts = [HostSpec(addr=f"h{i}", name=f"h{i}") for i in range(1, 21)]
+
+    class Silent:
+        max_parallel = 64
+
+        def probe(self, command, timeout=30, hosts=None):
+            return [HostResult(h, None, BackendError(f"{h.label}: no answer within {timeout:g}s")) for h in hosts]
+
+    with fake_registered(FakeScript()):
+        spec = load_spec(fake_spec(tmp_path, hosts=20))
+    stacks, problems, raw = collect_stacks(Silent(), spec, "r", hosts)
+    assert (stacks, raw) == ([], {})
+    assert problems == ["h1, h2, h3, h4, h5, h6, h7, h8, ... (20 hosts): no stack dump: no answer within 30s"]

@@ -47,30 +47,36 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     """Dump every worker of run `run_id` on every host with py-spy.
 
     Returns:
-        (one RankStack per dumped process, problem lines per host, raw answers by host label).
+        (one RankStack per dumped process, one line per problem naming its hosts, raw answers by
+        host label).
     """
     def command(host: HostSpec) -> tuple[str, str]:
         python = tool_python(spec, host)
         return host_program("stacks", python, run_id, python)
 
-    stacks, problems, raw = [], [], {}
+    stacks: list[RankStack] = []
+    raw: dict[str, Any] = {}
+    found: dict[str, list[str]] = {}  # a problem -> the hosts that have it: one line each at 1,000 hosts
+
+    def problem(host: HostSpec, what: str) -> None:
+        found.setdefault(what, []).append(host.label)
     for answer in ask_hosts(backend, command, hosts, DUMP_TIMEOUT):
         host, data = answer.host, answer.data
         if answer.error is not None or answer.code is None:
-            problems.append(f"{host.label}: no stack dump: {answer.error}")
+            error = str(answer.error)
+            problem(host, f"no stack dump: {error.removeprefix(host.label + ': ')}")
             continue
         if not isinstance(data, dict):
-            problems.append(f"{host.label}: no stack dump (exit {answer.code}): {answer.output.strip()[-300:]}")
+            problem(host, f"no stack dump (exit {answer.code}): {answer.output.strip()[-300:]}")
             continue
         raw[host.label] = data
         if not data["procs"]:
-            problems.append(f"{host.label}: no process of this run (torchrun never started there?)")
+            problem(host, "no process of this run (torchrun never started there?)")
         elif not data["py_spy"]:
-            problems.append(f"{host.label}: py-spy not found (looked for {', '.join(data['looked_for'])} and "
-                            "PATH): install it on the host with `pip install py-spy` in the job's environment")
+            problem(host, f"py-spy not found (looked for {', '.join(data['looked_for'])} and "
+                          "PATH): install it on the host with `pip install py-spy` in the job's environment")
         elif not data["workers"]:
-            problems.append(f"{host.label}: no worker started yet: torchrun is still in rendezvous "
-                            "(a host missing? see rdzv_timeout)")
+            problem(host, "no worker started yet: torchrun is still in rendezvous (a host missing? see rdzv_timeout)")
         for proc in data["procs"]:
             threads = proc.get("threads") or []
             where = stuck_at(threads, proc["cwd"]) if threads else \
@@ -78,7 +84,7 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
                 if proc.get("state") in FROZEN else "unknown"
             stacks.append(RankStack(host=host.label, pid=proc["pid"], rank=proc["rank"], threads=threads,
                                     where=where, error=proc.get("error")))
-    return stacks, problems, raw
+    return stacks, [f"{hosts_named(labels)}: {what}" for what, labels in found.items()], raw
 
 
 def frozen_hosts(raw: dict[str, Any]) -> dict[str, str]:
