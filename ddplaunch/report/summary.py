@@ -1,7 +1,8 @@
 """A run's summary, from the one fold of its events (record/view.py): the text people read after
 a run — the first failing host and rank with its own last lines, then every host's outcome, the
-recoveries, stragglers and dropped spares, where the wall time went (report/goodput.py) — and `--json`'s object. What a
-launch's end says of it (`stage_verdict`) is said the same way here and on the run page.
+recoveries, stragglers and dropped spares, where the wall time went (report/goodput.py) — and
+`--json`'s object. What a launch's end says of it (`stage_verdict`) is said the same way here and
+on the run page.
 Pure: a view in, text out.
 """
 
@@ -81,7 +82,8 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
 def summary_json(report: RunView) -> str:
     """The machine-readable summary printed by `--json` (docs/check-schema.json)."""
     health, spent = report.healthcheck, ledger(report)
-    return json.dumps({"run_id": report.run_id, "goodput": spent.to_dict() if spent is not None else None, "exit_code": report.exit_code, "blocked": report.blocked,
+    return json.dumps({"run_id": report.run_id, "exit_code": report.exit_code, "blocked": report.blocked,
+                       "goodput": spent.to_dict() if spent is not None else None,
                        "preflight": report.preflight.to_dict() if report.preflight is not None else None,
                        "healthcheck": health.to_dict() if health is not None else None,
                        "localization": report.localization.to_dict() if report.localization is not None else None,

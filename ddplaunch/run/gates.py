@@ -35,8 +35,6 @@ def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port:
     spares = list(spares or [])
     probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
     report = run_preflight(probed, backend, run_id, port, emulated, reached)
-    if report.socket_ifname and not spec.socket_ifname:
-        spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
     gated, spares = judge_preflight(spec, report, spares, console, run_dir)
     return gated, spares, report
 
@@ -44,8 +42,11 @@ def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port:
 def judge_preflight(spec: ClusterSpec, report: PreflightReport, spares: list[HostSpec], console: Console,
                     run_dir: Path) -> tuple[Optional[ClusterSpec], list[HostSpec]]:
     """The pre-flight's verdict, shown and kept in the run directory: the spec to go on with
-    (None: stop) and the spares that passed."""
+    (None: stop; with the interface every host reaches the master through, where one was found)
+    and the spares that passed."""
     console.block(render_table(report))
+    if report.socket_ifname and not spec.socket_ifname:
+        spec = spec.model_copy(update={"socket_ifname": report.socket_ifname})
     write_private(run_dir / "preflight.json", json.dumps(report.to_dict(), indent=2, sort_keys=True))
     bad = set(report.bad_hosts)
     dropped = [s.label for s in spares if s.label in bad]
@@ -72,7 +73,6 @@ class InStagePreflight:
         self.timeout = listen_seconds(spec, parallel) + PROBE_SLACK
         self._nonces: dict[str, str] = {}
         self._sent = time.time()
-        self.report: Optional[PreflightReport] = None
         self.outcome: Optional[ClusterSpec] = spec
 
     def command(self, host: HostSpec) -> str:
@@ -86,17 +86,15 @@ class InStagePreflight:
             code, out = outputs.get(host.label, (None, ""))
             data = parse_answer(out, self._nonces.get(host.label, "")) if code is not None else None
             raw[host.label] = host_facts(data, code, out, errors.get(host.label) if code is None else None)
-        self.report = evaluate(self.spec, raw, (self._sent, time.time()), self.port, self.emulated)
-        self.report.elapsed_s = time.time() - self._sent
-        gated, _ = judge_preflight(self.spec, self.report, [], self.console, self.run_dir)
-        if gated is not None and self.report.socket_ifname:
-            gated = gated.model_copy(update={"socket_ifname": self.report.socket_ifname})
+        report = evaluate(self.spec, raw, (self._sent, time.time()), self.port, self.emulated)
+        report.elapsed_s = time.time() - self._sent
+        gated, _ = judge_preflight(self.spec, report, [], self.console, self.run_dir)
         self.outcome = gated
         starts = gated is not None and [h.label for h in gated.hosts] == [h.label for h in self.spec.hosts]
-        self.verdict(self.report, starts)
+        self.verdict(report, starts)
         if not starts:
             return None
-        return Admitted(self.report.socket_ifname)
+        return Admitted(report.socket_ifname)
 
 
 def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, result: StageResult,
