@@ -73,6 +73,12 @@ def known_hosts_text(entries: Sequence[tuple[str, str]]) -> str:
     return "".join(f"{addr} {key}\n" for addr, key in entries)
 
 
+#: How root logs in to a sim host's or a throwaway sshd: its key only. StrictModes off: /tmp (1777)
+#: fails its path check (cluster.py checks the state dir); no PAM: the namespaces have no login stack.
+LOGIN_OPTIONS = ("StrictModes no", "PermitRootLogin prohibit-password", "PubkeyAuthentication yes",
+                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "UsePAM no", "UseDNS no")
+
+
 def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_keys: Path,
                      penalties_off: bool = False, set_env: Sequence[str] = ()) -> str:
     """The sshd_config of one sim host (pure). `penalties_off` adds `PerSourcePenalties no`
@@ -88,13 +94,7 @@ def sshd_config_text(*, addr: str, host_key: Path, pid_file: Path, authorized_ke
         f"HostKey {host_key}",
         f"PidFile {pid_file}",
         f"AuthorizedKeysFile {authorized_keys}",
-        "StrictModes no",              # /tmp (1777) fails its path check; cluster.py checks the state dir
-        "PermitRootLogin prohibit-password",
-        "PubkeyAuthentication yes",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",                   # PAM needs a login stack the namespaces do not have
-        "UseDNS no",
+        *LOGIN_OPTIONS,
         "PrintMotd no",
         f"AcceptEnv {ACCEPT_ENV}",
         # one client (the launcher, or a test) may open 128+ logins at once: no early drops
@@ -221,9 +221,7 @@ def loopback_sshd(d: Path, addrs: Sequence[str] = ("127.0.0.1",), extra: Sequenc
         s.bind((addrs[0], 0))
         port = s.getsockname()[1]
     lines = [f"Port {port}", *(f"ListenAddress {a}" for a in addrs), f"HostKey {d}/host_key",
-             f"PidFile {d}/sshd.pid", f"AuthorizedKeysFile {d}/authorized_keys", "StrictModes no",
-             "PermitRootLogin prohibit-password", "PubkeyAuthentication yes", "PasswordAuthentication no",
-             "KbdInteractiveAuthentication no", "UsePAM no", "UseDNS no", *extra]
+             f"PidFile {d}/sshd.pid", f"AuthorizedKeysFile {d}/authorized_keys", *LOGIN_OPTIONS, *extra]
     (d / "sshd_config").write_text("\n".join(lines) + "\n")
     mkdir_privsep()
     with open(d / "sshd.log", "wb") as log:
