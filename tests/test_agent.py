@@ -1,12 +1,15 @@
 """The node agent (hostside/agent.py) as a process: what its node's ranks send it, folded into one
 line per window of steps; a message from another user's process is not heard; it ends with its
-parent, saying its ranks' newest step first."""
+parent, saying its ranks' newest step first; it says which of its ranks froze, and when they run
+again."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -78,5 +81,58 @@ def test_the_agent_folds_its_ranks_steps_per_window_and_hears_only_its_user(monk
     finally:
         for proc in (agent, parent):
             if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _said(agent: subprocess.Popen[str], kind: str, timeout: float) -> object:
+    """The next payload of `kind` the agent prints, within `timeout` seconds (a hang guard)."""
+    assert agent.stdout is not None
+    fd, buffer, deadline = agent.stdout.fileno(), b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if ready and not chunk:
+            break
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(f"DDPLAUNCH_{kind}_JSON ".encode()):
+                return P.read_payload(kind, line.decode().split(" ", 1)[1])
+    raise AssertionError(f"no {kind} from the agent in {timeout:g}s")
+
+
+RANK_PROCESS = """
+import sys, time
+from ddplaunch.hostside import payloads as P
+while P.to_agent({"kind": "start", "rank": int(sys.argv[1])}) != P.SENT:  # until the agent's socket is bound
+    time.sleep(0.05)
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_agent_says_which_of_its_ranks_froze_and_when_they_run_again(monkeypatch):
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv(P.AGENT_ENV, name)
+    parent = subprocess.Popen(["sleep", "120"])
+    agent = _start(parent.pid, name)
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_PROCESS, str(r)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        for rank in ranks:
+            assert rank.stdout is not None and rank.stdout.readline() == "sent\n"
+        os.kill(ranks[1].pid, signal.SIGSTOP)  # as a hung device leaves a rank
+        # said at the second look that finds it stopped (looks 2 s apart): 3x that as the guard
+        frozen = _said(agent, "FROZEN", timeout=12.0)
+        assert isinstance(frozen, P.HostFrozen)
+        assert (frozen.ranks, frozen.of) == ({"1": ["T", ranks[1].pid]}, 2)
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        again = _said(agent, "FROZEN", timeout=12.0)
+        assert isinstance(again, P.HostFrozen) and (again.ranks, again.of) == ({}, 2)
+    finally:
+        for proc in (*ranks, agent, parent):
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
                 proc.kill()
                 proc.wait(timeout=10)

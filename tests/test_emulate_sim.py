@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddplaunch.record.events import HostQuiet, HostState, RunEnded, StragglerNamed, read_events
+from ddplaunch.record.events import HostQuiet, HostState, RanksFrozen, RunEnded, StragglerNamed, read_events
 from ddplaunch.record.results import NodeState
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec
 from tests.timing import no_hang
@@ -73,6 +73,9 @@ def test_a_frozen_rank_is_named_by_the_hang_rule(sim_cluster, tmp_path):
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr
     assert "hang: no output for " in out.stdout
     assert re.search(rf"rank 6 \({hosts[3]}\): frozen \(process state T: stopped\)", out.stdout), out.stdout[-3000:]
+    # its node's agent said so as it froze, apart from any stack dump
+    said = [(e.host, e.ranks) for e in read_events(tmp_path / "state" / "runs" / "emu-freeze") if isinstance(e, RanksFrozen)]
+    assert said[:1] == [(hosts[3], {"6": "T"})], said
 
 
 def test_a_rank_that_exits_is_named_with_its_code(sim_cluster, tmp_path):

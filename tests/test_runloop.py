@@ -689,3 +689,39 @@ def test_stack_dumps_that_fail_alike_are_one_line_naming_eight_hosts(tmp_path):
     stacks, problems, raw = collect_stacks(Silent(), spec, "r", hosts)
     assert (stacks, raw) == ([], {})
     assert problems == ["h1, h2, h3, h4, h5, h6, h7, h8, ... (20 hosts): no stack dump: no answer within 30s"]
+
+
+def test_a_hang_names_the_ranks_the_agents_saw_frozen_when_no_stack_dump_answers(tmp_path):
+    """At 1,024 ranks the stack dumps may not answer in time: the ranks the node agents said are
+    frozen are named all the same, and a host whose every rank froze is the one lost."""
+    from ddplaunch.backends.contract import HostResult, StopEvent
+    from ddplaunch.errors import BackendError
+    from ddplaunch.hostside.payloads import HostFrozen
+    from ddplaunch.output.console import Console
+    from ddplaunch.output.stagelines import StageLines
+    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.run.hangwatch import HangWatchdog
+
+    class Silent:
+        max_parallel = 64
+
+        def probe(self, command, timeout=30, hosts=None):
+            return [HostResult(h, None, BackendError(f"{h.label}: no answer within {timeout:g}s")) for h in hosts]
+
+    with fake_registered(FakeScript()):
+        spec = load_spec(fake_spec(tmp_path, hosts=4))
+    plan = make_plan(spec, "frozen-1", "job", 29500)
+    labels = [n.host_label for n in plan.nodes]
+    said = {labels[3]: HostFrozen({"6": ["T", 4242]}, of=2),
+            labels[1]: HostFrozen({"2": ["T", 11], "3": ["D", 12]}, of=2)}
+    lines, stop = StageLines(Console(io.StringIO())), StopEvent()
+    watchdog = HangWatchdog(Silent(), spec, plan, lines, stop, tmp_path / "stacks", timeout=0.2, poll=0.05,
+                            frozen=lambda: said)
+    with watchdog:
+        lines.emit(0, labels[0], f"[{labels[0]}:0] started")  # a rank spoke: the hang timeout alone counts
+        assert stop.wait(timeout=60), "the hang watchdog never fired"
+    headline = watchdog.diagnosis[0]
+    assert f"ranks 2,6 ({labels[1]}, {labels[3]}): frozen (process state T: stopped)" in headline, watchdog.diagnosis
+    assert f"rank 3 ({labels[1]}): frozen (process state D: in an uninterruptible wait)" in headline
+    assert list(stop.lost) == [labels[1]], stop.lost  # every rank of it frozen; labels[3] has one that runs
+    assert (tmp_path / "stacks" / f"{labels[3]}-rank6.txt").exists()

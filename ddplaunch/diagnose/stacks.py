@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.diagnose.hostprograms import ask_hosts
-from ddplaunch.hostside.stacks import FROZEN
+from ddplaunch.hostside.payloads import HostFrozen
+from ddplaunch.hostside.procs import FROZEN, FROZEN_WHY
 from ddplaunch.output.console import hosts_named, rank_ranges
 from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import tool_python
@@ -24,8 +25,6 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 #: The rank-side step timing's file (in the package, or staged in a host's run directory): its
 #: wrappers sit between a job's line and torch's call.
 TIMING_FILE = re.compile(r"/(hostside|\.ddplaunch/runs/[^/]+)/steptiming\.py$")
-#: What a frozen process's state letter means.
-FROZEN_WHY = {"T": "stopped", "t": "stopped by a debugger", "D": "in an uninterruptible wait"}
 #: Seconds py-spy gets per host (all its workers are dumped in parallel there).
 DUMP_TIMEOUT = 30.0
 
@@ -102,6 +101,29 @@ def frozen_hosts(raw: dict[str, Any]) -> dict[str, str]:
         elif workers:
             running = True
     return frozen if running else {}
+
+
+def frozen_by_agents(reports: dict[str, HostFrozen], stacks: list[RankStack], hosts: int
+                     ) -> tuple[list[RankStack], dict[str, str]]:
+    """What the node agents said of their frozen ranks (host label -> its latest word; the stage
+    has `hosts` hosts), for the ranks no stack dump covered (a host whose dump failed or ran out
+    of time: a thousand hosts' dumps need not answer for a frozen rank to be named): their stacks
+    (frozen, with the state), and the hosts whose every rank is frozen while another host has a
+    rank that can run."""
+    dumped = {(s.host, s.rank) for s in stacks}
+    found: list[RankStack] = []
+    whole: dict[str, str] = {}
+    for host, said in reports.items():
+        ranks = {int(r): v for r, v in said.ranks.items() if r.isdigit() and isinstance(v, list) and len(v) == 2}
+        for rank, (state, pid) in sorted(ranks.items()):
+            if (host, rank) not in dumped:
+                found.append(RankStack(host=host, pid=int(pid), rank=rank,
+                                       where=f"frozen (process state {state}: {FROZEN_WHY.get(str(state), 'cannot run')})"))
+        if ranks and len(ranks) >= said.of:
+            states = "/".join(sorted({str(state) for state, _ in ranks.values()}))
+            pids = " ".join(str(pid) for _, pid in ranks.values())
+            whole[host] = f"its ranks are frozen (process state {states}: pid {pids}), as its node's agent saw"
+    return found, whole if len(whole) < hosts else {}
 
 
 def stuck_at(threads: list[dict[str, Any]], cwd: str) -> str:

@@ -9,7 +9,11 @@ host and not a line per rank per second:
   every rank's median compute (step time minus its wait at the collectives) and wait over those
   steps, and the ranks that went silent (started, yet no report for SILENT_S while others report);
 - one ``DDPLAUNCH_HOSTSTEPS_JSON`` every STATUS_S seconds while the ranks step: the newest step, the
-  median step time and wait over the last interval, and the rank that computes longest.
+  median step time and wait over the last interval, and the rank that computes longest;
+- one ``DDPLAUNCH_FROZEN_JSON`` when the ranks that cannot run change (stopped, or in an
+  uninterruptible wait, at two looks STATUS_S apart: a checkpoint's write to a slow disk is not
+  one): the hang watchdog names them from it, with no stack dump of a thousand hosts needed. The
+  agent knows its ranks' pids from their messages' credentials.
 
 The heartbeat that says the host lives is not the agent's (the node's shell says it, apart from
 any parsing). It ends when its parent (the node's shell, then torchrun) does. Standard library
@@ -28,18 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a scrip
 sys.dont_write_bytecode = True  # no __pycache__ left in the run dir
 import fold  # type: ignore[import-not-found]  # noqa: E402  (the folding, beside it)
 import payloads as P  # type: ignore[import-not-found]  # noqa: E402  (the payload schema, beside it)
+import procs  # type: ignore[import-not-found]  # noqa: E402  (process states, beside it)
 
 #: Seconds between two looks at the parent, and between two status lines.
 ALIVE_S, STATUS_S = 1.0, 2.0
-
-
-def parent_alive(pid: int) -> bool:
-    """Whether the node's shell (then torchrun) still runs: not gone, not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def open_socket(name: str) -> socket.socket:
@@ -50,34 +46,56 @@ def open_socket(name: str) -> socket.socket:
     return sock
 
 
-def receive(sock: socket.socket) -> Optional[dict[str, Any]]:
-    """One message from a rank of this user (others' are dropped), None when none came."""
+def receive(sock: socket.socket) -> tuple[Optional[dict[str, Any]], int]:
+    """One message from a rank of this user (others' are dropped) and its sender's pid; None when
+    none came."""
     try:
         data, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(12))
     except (socket.timeout, BlockingIOError, InterruptedError):
-        return None
-    uid = None
+        return None, 0
+    pid, uid = 0, None
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
-            uid = struct.unpack("iII", payload[:12])[1]
+            pid, uid, _ = struct.unpack("iII", payload[:12])
     if uid != os.getuid():
-        return None
+        return None, 0
     try:
         message = json.loads(data)
     except ValueError:
-        return None
-    return message if isinstance(message, dict) else None
+        return None, 0
+    return (message, pid) if isinstance(message, dict) else (None, 0)
+
+
+class Frozen:
+    """The node's ranks that cannot run: each rank's pid, and which were frozen at the last look."""
+
+    def __init__(self) -> None:
+        self.pids: dict[int, int] = {}
+        self.seen: dict[int, str] = {}  # frozen at the last look
+        self.said: dict[int, str] = {}
+
+    def look(self) -> Optional[dict[str, Any]]:
+        """The ranks frozen at this look and the one before, when that changed since it was last said."""
+        now = {r: s for r, pid in self.pids.items() if (s := procs.state_of(pid)) in procs.FROZEN}
+        held = {r: s for r, s in now.items() if r in self.seen}
+        self.seen = now
+        if held == self.said:
+            return None
+        self.said = held
+        return {"ranks": {str(r): [s, self.pids[r]] for r, s in sorted(held.items())}, "of": len(self.pids)}
 
 
 def run(name: str, parent: int, window: int, warmup: int) -> None:
     sock = open_socket(name)
-    windows, status = fold.StepWindows(window, warmup), fold.Status()
+    windows, status, frozen = fold.StepWindows(window, warmup), fold.Status(), Frozen()
     next_alive = next_status = time.monotonic()
     while True:
-        message = receive(sock)
+        message, pid = receive(sock)
         now = time.monotonic()
         if message is not None and isinstance(message.get("rank"), int):
             rank = message["rank"]
+            if pid > 0:
+                frozen.pids[rank] = pid
             if message.get("kind") == "start":
                 windows.start(rank, now)
             elif isinstance(message.get("steps"), list):
@@ -87,12 +105,15 @@ def run(name: str, parent: int, window: int, warmup: int) -> None:
                     P.say(P.HostWindow(**done))
         if now >= next_alive:
             next_alive = now + ALIVE_S
-            if not parent_alive(parent):
+            if not procs.proc_alive(parent):
                 say_status(status)  # the ranks' last steps, not lost to the 2 s pace
                 return
         if now >= next_status:
             next_status = now + STATUS_S
             say_status(status)
+            change = frozen.look()
+            if change is not None:
+                P.say(P.HostFrozen(**change))
 
 
 def say_status(status: "fold.Status") -> None:

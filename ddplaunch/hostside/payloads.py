@@ -93,8 +93,15 @@ class HostSteps:  # a node's agent, every few seconds: newest step, median step 
     worst: list[Any]
 
 
+@dataclasses.dataclass
+class HostFrozen:  # a node's agent, when it changes: its ranks that cannot run (rank -> [state, pid]), of how many
+    KIND: ClassVar[str] = "FROZEN"
+    ranks: dict[str, Any]
+    of: int
+
+
 PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing, HostWindow,
-                                      HostSteps)}
+                                      HostSteps, HostFrozen)}
 _TYPES: dict[Any, Any] = {int: int, str: str, float: (int, float), list[Any]: list, dict[str, Any]: dict,
                           Optional[str]: (str, type(None))}
 

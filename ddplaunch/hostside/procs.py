@@ -19,13 +19,26 @@ def _netns(pid: int | str) -> str:
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-def proc_alive(pid: int | str) -> bool:
-    """True while `pid` runs (a zombie counts as dead)."""
+#: Process states of a rank that cannot run: stopped (SIGSTOP, a debugger), or in an
+#: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one; the
+#: node agent says its ranks in these states, and the hang watchdog names them.
+FROZEN = ("T", "t", "D")
+#: What a frozen process's state letter means.
+FROZEN_WHY = {"T": "stopped", "t": "stopped by a debugger", "D": "in an uninterruptible wait"}
+
+
+def state_of(pid: int | str) -> str:
+    """The process's state letter from /proc/PID/stat (R, S, D, T, Z, ...), "?" when gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def proc_alive(pid: int | str) -> bool:
+    """True while `pid` runs (a zombie counts as dead)."""
+    return state_of(pid) not in ("Z", "?")
 
 
 def run_processes(run_id: str | None = None, any_netns: bool = False) -> dict[int, dict[bytes, bytes]]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 try:
-    from ddplaunch.hostside.procs import run_processes
+    from ddplaunch.hostside.procs import FROZEN, run_processes, state_of
 except ImportError:  # sent to a host as one program: procs.py's source comes first
     pass
 
@@ -24,21 +24,6 @@ except ImportError:  # sent to a host as one program: procs.py's source comes fi
 def find_py_spy(python: str) -> tuple[str | None, list[str]]:
     candidates = [os.path.join(os.path.dirname(python), "py-spy"), shutil.which("py-spy")]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None), [c for c in candidates if c]
-
-
-#: Process states of a rank that cannot run: stopped (SIGSTOP, a debugger), or in an
-#: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one; the
-#: hang watchdog (watchdog.frozen_hosts) reads these states too.
-FROZEN = ("T", "t", "D")
-
-
-def state_of(pid: int) -> str:
-    """The process's state letter from /proc/PID/stat (R, S, D, T, ...), "?" when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 def dump(spy: str, proc: dict[str, Any]) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ddplaunch.hostside.payloads import (Held, HostSteps, HostWindow, Loaded, RankExit, RankFailed, RankStart,
-                                         StepsDone, Timing, read_payload)
+from ddplaunch.hostside.payloads import (Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
+                                         RankStart, StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
 from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
 from ddplaunch.output.who import rank_of
@@ -31,10 +31,10 @@ from ddplaunch.spec.values import SECRET_SHOWN
 
 TAIL_LINES = 40
 #: Payloads handed to the run loop as they come (`on_report`), never kept or logged here: the
-#: node agents' windows and status lines (hostside/agent.py), a rank's own timing line where its
-#: node has no agent, rank 0 holding after a checkpoint (entry.py's HOLD_FILE: logged).
-Report = Union[Timing, Held, HostWindow, HostSteps]
-REPORTS = (Timing.KIND, Held.KIND, HostWindow.KIND, HostSteps.KIND)
+#: node agents' windows, status lines and frozen ranks (hostside/agent.py), a rank's own timing
+#: line where its node has no agent, rank 0 holding after a checkpoint (entry.py's HOLD_FILE: logged).
+Report = Union[Timing, Held, HostWindow, HostSteps, HostFrozen]
+REPORTS = (Timing.KIND, Held.KIND, HostWindow.KIND, HostSteps.KIND, HostFrozen.KIND)
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
 
@@ -128,11 +128,14 @@ class StageLines:
 
     def _report(self, node_rank: int, host: str, kind: str, text: str, mono: float) -> None:
         """A rank's report for the run loop: the node lives (the hang watchdog's clock too: a
-        rank's timing comes only while it steps); the payload goes to `on_report`."""
+        rank's timing comes only while it steps, unlike word of its frozen ranks); the payload goes
+        to `on_report`."""
         with self._lock:
-            self.last_line_at = self.heard_at[node_rank] = mono
+            self.heard_at[node_rank] = mono
+            if kind != HostFrozen.KIND:
+                self.last_line_at = mono
         payload = read_payload(kind, text) if self._on_report is not None else None
-        if isinstance(payload, (Timing, Held, HostWindow, HostSteps)) and self._on_report is not None:
+        if isinstance(payload, (Timing, Held, HostWindow, HostSteps, HostFrozen)) and self._on_report is not None:
             self._on_report(host, payload)
 
     def _kept(self, node_rank: int, kind: str, text: str, now: float) -> None:

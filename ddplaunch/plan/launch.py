@@ -39,7 +39,7 @@ ENTRY_SOURCE = HOSTSIDE / "entry.py"
 ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "payloads.py", HOSTSIDE / "steptiming.py")
 #: The node agent (hostside/agent.py): beside torchrun on every node, the ranks' reports folded per host.
 AGENT_SOURCE = HOSTSIDE / "agent.py"
-AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py")
+AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py", HOSTSIDE / "procs.py")
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 class Stage(StrEnum):

@@ -183,6 +183,16 @@ class RanksSilent(_Event):
 
 
 @dataclass
+class RanksFrozen(_Event):
+    """A host's ranks that cannot run (stopped, or in an uninterruptible wait: rank -> state
+    letter), as its node agent said when they changed (empty: they run again)."""
+
+    KIND: ClassVar[str] = "ranks-frozen"
+    host: str
+    ranks: dict[str, str]
+
+
+@dataclass
 class HostQuiet(_Event):
     """A host whose parts of the windows of steps stopped coming (none from step `first` on, for
     20 s or three windows' time) while the other hosts sent theirs up to step `last` (its agent,
@@ -234,7 +244,7 @@ class RunEnded(_Event):
 
 Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
               HostsExcluded, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, StepWindow, RanksSilent,
-              HostQuiet, StragglerNamed, SpareDropped, Requeued, RunEnded]
+              RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, Requeued, RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
 DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, GateStopped,

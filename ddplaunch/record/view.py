@@ -16,7 +16,7 @@ from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.diagnosis import HealthVerdict, Localization, PreflightReport
 from ddplaunch.record.events import (Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RanksSilent, RecoveryStarted, RecoveryUpdated, Requested,
+                                     PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted, RecoveryUpdated, Requested,
                                      Requeued, RunEnded, RunStarted, SpareDropped, StageEnded, StageStarted, StepWindow,
                                      StragglerNamed)
 from ddplaunch.record.incidents import Recovery, Straggler
@@ -58,6 +58,8 @@ class RunView:
     #: ranks gone silent (host -> ranks), hosts whose step reports stopped while others came
     silent: dict[str, list[int]] = field(default_factory=dict)
     quiet: list[str] = field(default_factory=list)
+    #: the ranks each host's agent says cannot run now (host -> rank -> process state)
+    frozen: dict[str, dict[str, str]] = field(default_factory=dict)
     requeues: int = 0
     ended: Optional[RunEnded] = None
     #: a dry run's text (`ddplaunch.up(..., dry_run=True)`): nothing ran
@@ -119,6 +121,9 @@ class RunView:
             self.spares_dropped[event.host] = event.why
         elif isinstance(event, RanksSilent):
             self.silent.setdefault(event.host, []).extend(r for r in event.ranks if r not in self.silent[event.host])
+        elif isinstance(event, RanksFrozen):
+            self.frozen.pop(event.host, None)
+            self.frozen.update({event.host: event.ranks} if event.ranks else {})
         elif isinstance(event, HostQuiet):
             self.quiet += [] if event.host in self.quiet else [event.host]
         elif isinstance(event, Requeued):

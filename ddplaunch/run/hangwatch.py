@@ -2,7 +2,8 @@
 
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
 any rank it has every worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck
-and ends the run. A host whose ranks are frozen, or whose training link a link test finds broken
+and ends the run. Ranks the node agents said are frozen are named so whether or not their host's
+dump answered. A host whose ranks are frozen, or whose training link a link test finds broken
 (diagnose/links.py), is named as lost: with recovery on, a spare takes its place.
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.links import broken_links
-from ddplaunch.diagnose.stacks import DUMP_TIMEOUT, collect_stacks, frozen_hosts, save_stacks, summarize_stacks
+from ddplaunch.diagnose.stacks import (DUMP_TIMEOUT, collect_stacks, frozen_by_agents, frozen_hosts, save_stacks,
+                                       summarize_stacks)
+from ddplaunch.hostside.payloads import HostFrozen
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -29,9 +32,11 @@ class HangWatchdog:
 
     def __init__(self, backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, lines: StageLines,
                  stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5,
-                 witnesses: Sequence[HostSpec] = ()):
+                 witnesses: Sequence[HostSpec] = (), frozen: Callable[[], dict[str, HostFrozen]] = dict):
         self.backend, self.spec, self.plan, self.lines, self.stop = backend, spec, plan, lines, stop
         self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
+        #: what the node agents say of their frozen ranks now (run/steps.StepsWatch.frozen)
+        self.frozen = frozen
         #: spares that take part in the link test (never named)
         self.witnesses = list(witnesses)
         self.diagnosis: list[str] = []
@@ -70,6 +75,8 @@ class HangWatchdog:
                                                    [n.host for n in self.plan.nodes if n.host is not None])
         except Exception as err:  # noqa: BLE001 - the run must still be ended
             stacks, problems, raw = [], [f"stack dump failed: {type(err).__name__}: {err}"], {}
+        said, whole = frozen_by_agents(self.frozen(), stacks, len(self.plan.nodes))
+        stacks += said
         headline = f"hang: no output for {idle:.0f}s (job.hang_timeout={self.timeout:g})"
         lines = [headline + (f"; stuck at: {summarize_stacks(stacks)}" if stacks else "")]
         lines += problems
@@ -78,7 +85,7 @@ class HangWatchdog:
             lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
         except OSError as err:
             lines.append(f"could not save the stacks in {self.out_dir}: {err}")
-        culprits = frozen_hosts(raw) or self._cut_off()
+        culprits = frozen_hosts(raw) or whole or self._cut_off()
         lines += [f"{host}: {why}" for host, why in culprits.items()]
         self.diagnosis = lines
         self.fired_after = time.monotonic() - self._started

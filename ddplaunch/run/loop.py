@@ -236,7 +236,8 @@ class RunLoop:
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
         if job and hang_timeout:
             watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.run_dir / "stacks",
-                                    hang_timeout, witnesses=self.budget.spares)
+                                    hang_timeout, witnesses=self.budget.spares,
+                                    frozen=steps.frozen if steps is not None else dict)
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
             self.say(RecoveryUpdated(self.budget.done[-1]))

@@ -7,7 +7,9 @@ judges, so the heartbeats it reads never wait for a judgement); a status
 (`HostSteps`) to the live view (record/live.py: `live.json`, for `top` and `status`). What the
 judge finds is said once — on screen and in the event log (`StepWindow`: the newest window
 judged, a few numbers per host, every WINDOW_LOG_S; `StragglerNamed`, `RanksSilent`, `HostQuiet`) — and a straggler is handed to
-`on_straggler` (the run loop evicts it where the spec allows). Ranks whose reports came as lines
+`on_straggler` (the run loop evicts it where the spec allows). An agent's word of its frozen
+ranks (`HostFrozen`) is logged (`RanksFrozen`) and kept, newest per host, for the hang watchdog
+to name them. Ranks whose reports came as lines
 (their node had no agent) are folded here as an agent folds them (hostside/fold.py). Bounded by
 the run's hosts and ranks, whatever the run's length.
 """
@@ -21,11 +23,11 @@ from typing import Callable, Optional
 
 from ddplaunch.diagnose.stragglers import WARMUP, StragglerJudge
 from ddplaunch.hostside.fold import Status, StepWindows
-from ddplaunch.hostside.payloads import Held, HostSteps, HostWindow, Timing
+from ddplaunch.hostside.payloads import Held, HostFrozen, HostSteps, HostWindow, Timing
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import Report
 from ddplaunch.plan.launch import LaunchPlan
-from ddplaunch.record.events import Event, HostQuiet, RanksSilent, StepWindow, StragglerNamed
+from ddplaunch.record.events import Event, HostQuiet, RanksFrozen, RanksSilent, StepWindow, StragglerNamed
 from ddplaunch.record.incidents import Straggler
 from ddplaunch.record.live import HostNow, LiveWriter
 
@@ -55,6 +57,7 @@ class StepsWatch:
         self._folds: dict[str, tuple[StepWindows, Status]] = {}
         self._said: dict[str, float] = {}
         self._window_said = -WINDOW_LOG_S
+        self._frozen: dict[str, HostFrozen] = {}  # host -> its agent's newest word of frozen ranks
 
     def __enter__(self) -> "StepsWatch":
         self._timer = threading.Thread(target=self._judge_each_second, name="ddplaunch-steps", daemon=True)
@@ -82,6 +85,18 @@ class StepsWatch:
             self._fold(host, payload)
         elif isinstance(payload, Held):
             self.on_held(payload)
+        elif isinstance(payload, HostFrozen):
+            with self._lock:
+                if payload.ranks:
+                    self._frozen[host] = payload
+                else:
+                    self._frozen.pop(host, None)
+            self.say(RanksFrozen(host, {r: str(v[0]) for r, v in payload.ranks.items() if isinstance(v, list) and v}))
+
+    def frozen(self) -> dict[str, HostFrozen]:
+        """The hosts whose agents say some of their ranks are frozen now: label -> what they said."""
+        with self._lock:
+            return dict(self._frozen)
 
     def tick(self) -> None:
         """Judge what waits (the timer's thread; once more when the launch ended)."""
