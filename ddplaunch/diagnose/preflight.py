@@ -29,6 +29,8 @@ MIN_TORCH = (2, 10)
 #: 64 MB default breaks NCCL's shared-memory transport.
 MIN_SHM = 1 << 30
 PROBE_SLACK = 20.0  # a probe's time beyond its port test (python start, facts)
+#: Seconds the port test leaves of the launcher's wait, for the probe's answer to come back.
+ANSWER_S = 5.0
 
 
 #: What to do about a host the backend could not reach, unless the backend's error says better.
@@ -36,10 +38,19 @@ REACH_FIX = "check the host is up and reachable (ssh: sshd runs and ssh.* is rig
 
 
 def listen_seconds(spec: ClusterSpec, parallel: int, hosts: Optional[int] = None) -> float:
-    """How long the master's probe listens: `preflight.timeout` for each wave of the launcher's
-    fan-out (`hosts` probed `parallel` at a time), so the last wave's hosts still find it; it stops
-    as soon as every host got through."""
+    """How long the pre-flight's port test may take: `preflight.timeout` for each wave of the
+    launcher's fan-out (`hosts` probed `parallel` at a time), so the last wave's hosts still find
+    the master; the launcher waits this long plus PROBE_SLACK for the answers."""
     return spec.preflight.timeout * -(-(hosts or len(spec.hosts)) // max(1, parallel))
+
+
+def port_window(spec: ClusterSpec, parallel: int, hosts: Optional[int] = None) -> float:
+    """How long the master's probe listens, and each host's probe tries to reach it, from its own
+    start: as long as the launcher waits for the answers, less ANSWER_S. The probes of one round
+    start seconds apart where hosts are loaded (srun's tasks on 128 busy nodes: over 15 s), and
+    a window counted from one host's start would call a late or early host cut off. Each side
+    stops as soon as the test passed (the master once every host got through)."""
+    return listen_seconds(spec, parallel, hosts) + PROBE_SLACK - ANSWER_S
 
 
 def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional[int],
@@ -54,11 +65,9 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             # None: a shipped `example:` job, or one `sync:` copies there at launch (after the probe)
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
             "need_gpus": not emulated and (spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto"),
-            "probe_s": spec.preflight.timeout}
+            "probe_s": port_window(spec, parallel, expect)}
     if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
-    if args["listen"]:
-        args["probe_s"] = listen_seconds(spec, parallel, expect)
     image = spec.container if spec.container is not None and spec.container.runtime != "pyxis" else None
     before = probe_words(image, run_id, host.label, spec.workdir_path) if image else []
     text, nonce = host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True), before=before)
