@@ -161,6 +161,54 @@ def runs() -> None:
     Console(width=200 if not sys.stdout.isatty() else None, highlight=False).print(table)
 
 
+HEALTH_FILE_OPT = click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
+                               help="A shared host-health file (recovery.host_health_file) [default: ~/.ddplaunch/host-health.json].")
+
+
+@cli.group("hosts", invoke_without_command=True)
+@HEALTH_FILE_OPT
+@click.option("--all", "show_all", is_flag=True, help="Expired entries too.")
+@click.pass_context
+@_handle_errors
+def hosts_group(ctx: click.Context, path: str | None, show_all: bool) -> None:
+    """Hosts remembered bad by earlier runs (lost, frozen, cut off, failed the health check, evicted
+    as a straggler): `up` skips them until their entry expires (recovery.remember_bad_hosts) or
+    they are readmitted (`hosts clear HOST`, or a `check` that passes on them)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddplaunch.record.hosthealth import health_file, recorded
+    from ddplaunch.report.goodput import duration
+    from ddplaunch.spec.model import RecoverySpec
+
+    file = health_file(path)
+    entries = recorded(file, float("inf") if show_all else RecoverySpec().remember_bad_hosts)
+    if not entries:
+        click.echo(f"no host recorded in {file}")
+        return
+    table = Table("host", "cause", "run", "when", box=None, pad_edge=False)
+    for e in sorted(entries.values(), key=lambda e: -e.at):
+        table.add_row(e.host, e.cause, e.run_id, f"{duration(time.time() - e.at)} ago")
+    Console(width=200 if not sys.stdout.isatty() else None, highlight=False).print(table)
+    click.echo(f"({file}; `ddplaunch hosts clear HOST` readmits one)")
+
+
+@hosts_group.command("clear")
+@click.argument("hosts", nargs=-1, required=True, metavar="HOST...")
+@HEALTH_FILE_OPT
+@_handle_errors
+def hosts_clear(hosts: tuple[str, ...], path: str | None) -> None:
+    """Readmit HOSTs: the next `up` runs on them again."""
+    from ddplaunch.record.hosthealth import clear, health_file
+
+    file = health_file(path)
+    gone = clear(file, list(hosts))
+    for host in hosts:
+        click.echo(f"{host}: readmitted" if host in gone else f"{host}: was not recorded in {file}")
+
+
 def _pick(run_id: str | None) -> Any:
     """The named run, or the latest run of this directory's project (saying which, on stderr)."""
     from ddplaunch.record.runs import latest_run, load_run

@@ -236,6 +236,18 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     (got,) = SHA_RE.findall(out)
     assert got == reference
     assert wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in frozen), timeout=30) is True
+    # remembered: the next `up` puts the spare in its place and says so, until it is readmitted
+    listed = ddplaunch(["hosts"], tmp_path, timeout=60)
+    assert re.search(rf"{hosts[1]}\s+its ranks are frozen .* while the host answers\s+{run_id}\s", listed.stdout), \
+        listed.stdout
+    again = ddplaunch(["up", str(spec), "--dry-run"], tmp_path, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert re.search(rf"^# skipped {hosts[1]}: its ranks are frozen .* \(run {run_id}, \S+ ago\): "
+                     rf"{hosts[3]} in its place$", again.stdout, re.M), again.stdout[:2000]
+    assert hosts[1] not in again.stdout.split("# skipped")[-1].split("\n", 2)[-1]
+    cleared = ddplaunch(["hosts", "clear", hosts[1]], tmp_path, timeout=60)
+    assert cleared.stdout.strip() == f"{hosts[1]}: readmitted"
+    assert "# skipped" not in ddplaunch(["up", str(spec), "--dry-run"], tmp_path, timeout=60).stdout
 
 
 def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):

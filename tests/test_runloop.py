@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddplaunch.cli import cli
-from ddplaunch.errors import SpecError
+from ddplaunch.errors import PlanError, SpecError
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
@@ -127,6 +127,13 @@ def test_health_gate_stops_on_a_bad_host(tmp_path):
     report, out, _ = run(tmp_path, script)
     assert report.exit_code == 1 and report.blocked == "health check" and len(script.launched) == 1
     assert "the health check failed on f2: stopping" in out
+    # remembered: the next `up` refuses to start on it (no spare), a `check` that passes readmits it
+    with pytest.raises(PlanError, match=r"f2: failed the health check: slow \(run "):
+        run(tmp_path, FakeScript())
+    report, _, _ = run(tmp_path, FakeScript(), UpOptions(healthcheck_only=True))
+    assert report.exit_code == 0
+    report, _, _ = run(tmp_path, FakeScript())
+    assert report.exit_code == 0 and report.excluded == []
 
 
 def test_health_gate_excludes_the_bad_host_and_launches_again(tmp_path):
@@ -541,6 +548,7 @@ def test_recovery_turns_the_hang_watchdog_on(tmp_path, monkeypatch):
     assert report.exit_code == 0 and [r.lost for r in report.recoveries] == [["f3"]], out
     script = FakeScript(stages=[StageScript(nodes={h: NodeScript(after=1.0) for h in ("f1", "f2", "f3")})])
     (tmp_path / "off").mkdir()
+    monkeypatch.setenv("DDPLAUNCH_HOME", str(tmp_path / "off" / "state"))  # f3 is not remembered there
     report, out, _ = run(tmp_path / "off", script, rdzv_timeout=1)  # no recovery: no default watchdog
     assert report.exit_code == 0 and "hang:" not in out, out
 

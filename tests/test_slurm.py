@@ -70,6 +70,21 @@ def test_up_two_nodes_two_procs(slurm_cluster, tmp_path):
     assert f"slurm job {job_of(tmp_path, 'sl-ok')} (submitted by this run): COMPLETED" in status.stdout, status.stdout
 
 
+def test_a_node_remembered_bad_is_excluded_from_the_allocation(slurm_cluster, tmp_path):
+    """Slurm picks the nodes (slurm.nodes: 2 of 3): the node an earlier run recorded bad is passed
+    as --exclude, and the job runs on the other two."""
+    from ddplaunch.record.hosthealth import remember
+
+    hosts = [h.name for h in slurm_cluster.hosts]
+    remember(tmp_path / "state" / "host-health.json", {hosts[0]: "lost (its ranks are frozen)"}, "earlier", "slurm")
+    out = ddplaunch(["up", str(slurm_spec(slurm_cluster, tmp_path)), "--run-id", "sl-excl"], tmp_path, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert re.search(rf"excluded from the allocation {hosts[0]}: lost \(its ranks are frozen\) \(run earlier, ", text)
+    ran = set(re.findall(r"^\[(\S+):\d+\] rank=\d+ mean_grad", text, re.M))
+    assert ran == {hosts[1], hosts[2]}, text
+
+
 def test_plain_sbatch_without_ddplaunch(slurm_cluster, tmp_path):
     env = dict(slurm_env(slurm_cluster), PYTHON=str(ROOT / ".venv/bin/python"), NPROC_PER_NODE="2",
                SOCKET_IFNAME=slurm_cluster.ifname)

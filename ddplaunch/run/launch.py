@@ -27,12 +27,13 @@ from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, Pla
 from ddplaunch.output.console import make_console
 from ddplaunch.plan.launch import LaunchPlan, derive_port, stage_port_key
 from ddplaunch.plan.stages import UpOptions, exclude_hosts, plan_stage, stages_of
-from ddplaunch.record.events import EVENTS_FILE, EventLog, RunEnded, RunStarted, read_events
+from ddplaunch.record.events import EVENTS_FILE, EventLog, HostsExcluded, RunEnded, RunStarted, read_events
 from ddplaunch.record.snapshot import Snapshots
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import Local, RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
 from ddplaunch.record.view import RunView, run_state
 from ddplaunch.report.summary import summarize
+from ddplaunch.run.hostmemory import HOST_HEALTH, readmit, skip_recorded
 from ddplaunch.run.loop import RunLoop
 from ddplaunch.spec.model import ClusterSpec
 
@@ -64,11 +65,13 @@ def dry_run(spec: ClusterSpec, opts: UpOptions, spec_path: str = "<spec>") -> st
     marked. With `--detach` on a backend with a scheduler, the one request that hands the run to it
     (elsewhere a detached run executes what an attached one does)."""
     spec, run_id = prepared(spec, opts, fresh=False)
+    skipped = skip_recorded(spec, opts.healthcheck_only)
+    spec, notes = skipped.spec, "".join(f"# {line}\n" for line in skipped.lines())
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
     scheduler = scheduler_of(backend)
     if opts.detach and scheduler is not None:
-        return detached_request(spec, scheduler, backend, run_id, spec_path, opts)[1]
-    return backend.allocation_text() + "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
+        return notes + detached_request(spec, scheduler, backend, run_id, spec_path, opts)[1]
+    return notes + backend.allocation_text() + "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
 
 
 def detached_request(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
@@ -99,6 +102,8 @@ class Begun:
     record: RunRecord
     events: EventLog
     view: RunView
+    #: what `up` says before anything runs (hosts remembered bad, skipped: run/hostmemory.py)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = False) -> Begun:
@@ -110,6 +115,8 @@ def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = 
         PlanError: bad --exclude or --run-id, or a run with that id exists (nothing is recorded).
     """
     spec, run_id = prepared(spec, opts, fresh=not take_over)
+    skipped = skip_recorded(spec, opts.healthcheck_only)
+    spec = skipped.spec
     record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
                        hosts=[h.label for h in spec.hosts], spec=spec.redacted(), placement=Local.this_process(),
                        base_dir=spec.base_dir)
@@ -121,7 +128,9 @@ def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = 
     events.listen(Snapshots(record.dir, view, events))  # where readers of a long run start
     events.append(RunStarted(run_id, spec.backend, [h.label for h in spec.hosts], os.getpid(), socket.gethostname(),
                              stages_of(spec, opts)[-1]))
-    return Begun(spec, record, events, view)
+    if skipped.hosts():
+        events.append(HostsExcluded(skipped.hosts(), HOST_HEALTH))
+    return Begun(spec, record, events, view, skipped.lines())
 
 
 def _take_over(record: RunRecord) -> RunRecord:
@@ -167,6 +176,8 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
             procs = _procs(spec) if opts.emulate is None else \
                 f"{opts.emulate.ranks_per_host} emulated ranks per host (no torch: `up --emulate`)"
             console.note(f"run {record.run_id}: {spec.backend} backend, {procs}; record in {record.dir}")
+            for note in begun.notes:
+                console.note(note)
             with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
                 RunLoop(spec, backend, opts, console, stop, record.run_id, record.dir, events, view).run()
     except BaseException as err:
@@ -177,6 +188,8 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
         events.close()
         raise
     code = view.exit_code
+    if opts.healthcheck_only and code == 0:  # a check that passes readmits its hosts
+        readmit(spec, [h.label for h in spec.hosts if h.label not in view.excluded])
     events.append(RunEnded(run_state(code), code))
     events.close()
     stream.write(summarize(view) + "\n")

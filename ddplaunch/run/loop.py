@@ -39,6 +39,7 @@ from ddplaunch.record.view import RunView
 from ddplaunch.run.eviction import Eviction
 from ddplaunch.run.gates import InStagePreflight, healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
+from ddplaunch.run.hostmemory import HostMemory
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.run.spares import SpareWatch
 from ddplaunch.run.steps import StepsWatch
@@ -65,13 +66,16 @@ class RunLoop:
         #: The pre-flight rides in the next launch's own sessions (`InStagePreflight`)
         self._preflight_in_stage = False
         self.budget = RecoveryBudget(spec.recovery, [])
+        self.memory = HostMemory(spec, run_id)  # bad hosts, remembered for the next runs
         #: The values of the spec's secrets, masked in everything the ranks print.
         names = spec.secret_names()
         self._secrets = [v for k, v in spec.env_values(os.environ).items() if k in names]
 
     def say(self, event: Event) -> None:
-        """Append `event` to the run's log (the fold `view` takes it too)."""
+        """Append `event` to the run's log (the fold `view` takes it too); the hosts it names bad
+        are remembered across runs."""
         self.events.append(event)
+        self.memory.note(event)
 
     def run(self) -> None:
         rescheduled = 0

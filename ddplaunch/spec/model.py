@@ -187,6 +187,12 @@ class RecoverySpec(_Strict):
     #: a host named a straggler is swapped for a spare at the job's next checkpoint (a planned
     #: recovery within max_host_failures); without a spare it is only named
     evict_stragglers: bool = False
+    #: seconds a host a run named lost, cut off, failing the health check, or evicted as a
+    #: straggler is remembered (0: never): the next `up` skips it or refuses (run/hostmemory.py)
+    remember_bad_hosts: float = Field(default=86400.0, ge=0)
+    #: the file they are remembered in (default $DDPLAUNCH_HOME/host-health.json); a team's shared
+    #: path is safe for concurrent runs
+    host_health_file: Optional[Line] = None
 
     @field_validator("spares", mode="before")
     @classmethod
@@ -250,6 +256,8 @@ class SlurmSpec(_Strict):
     gpus_per_node: Optional[int] = Field(default=None, ge=0)
     cpus_per_task: Optional[int] = Field(default=None, ge=1)
     sbatch_extra: list[SbatchOption] = Field(default_factory=list)
+    #: nodes the allocation must not hold (sbatch --exclude); hosts remembered bad are added
+    exclude: list[SlurmName] = Field(default_factory=list)
     requeue: bool = False
     signal_seconds: int = Field(default=120, ge=1, description="with requeue: SIGUSR2 this long before the time limit")
 

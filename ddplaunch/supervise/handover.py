@@ -19,6 +19,7 @@ from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import EventLog, Requested, RunEnded
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord, load_run, run_dir
+from ddplaunch.run.hostmemory import skip_recorded
 from ddplaunch.run.launch import detached_request, prepared
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise.daemon import start_daemon
@@ -51,6 +52,7 @@ def to_scheduler(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Optional
         run's log ends "failed").
     """
     spec, run_id = prepared(spec, opts, fresh=True)
+    spec = skip_recorded(spec, opts.healthcheck_only).spec  # the allocation excludes nodes remembered bad
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
     scheduler = scheduler_of(backend)
     if scheduler is None:

@@ -66,6 +66,8 @@ def sbatch_options(spec: ClusterSpec, run_id: str, output_path: str, nodelist: O
             opts.append(f"--{key}={value}")
     if nodelist:
         opts.append(f"--nodelist={','.join(nodelist)}")
+    if s.exclude:
+        opts.append(f"--exclude={','.join(s.exclude)}")
     if s.gpus_per_node:
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
     if s.cpus_per_task:
@@ -132,8 +134,10 @@ def step_template(plan: LaunchPlan, by_name: bool = False) -> NodeCommand:
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = Raw('"[$SLURMD_NODENAME:\\${rank}] "')
     if "DDPLAUNCH_AGENT" in env:
         env["DDPLAUNCH_AGENT"] = Raw(word(agent_name(plan.run_id, plan.stage, "")) + host)
-    if "GROUP_RANK" in env:  # started directly: one rank per node
-        env["RANK"] = env["GROUP_RANK"] = Raw(rank)
+    if "GROUP_RANK" in env:  # the node's rank, where no torchrun says it (started directly, emulated)
+        env["GROUP_RANK"] = Raw(rank)
+    if "RANK" in env:  # started directly: one rank per node (the emulator gives each of its ranks its own)
+        env["RANK"] = Raw(rank)
     mixed = len({str(n.nproc) for n in plan.nodes}) > 1
     if mixed:
         env["OMP_NUM_THREADS"] = Raw('"$(c=$(nproc); echo $(( c / n > 1 ? c / n : 1 )))"')
