@@ -9,19 +9,24 @@ always gets every line. `make_console` adds a live host table (rich) on a termin
 One line per cluster: the same text from many ranks (or hosts) within `FOLD_S` seconds is shown
 once, with the count and who printed it — `[x6 ranks: dle0:0-1, dle1:2-3, dle2:4-5] UserWarning:
 ...` — so a line every rank prints does not fill the screen; the log keeps every line, `verbose`
-shows them all as they come.
+shows them all as they come. A rank's progress bar (a line it redraws with `\r`) is one line
+redrawn in place under the live table on a terminal, and elsewhere its newest state every
+BAR_EVERY_S seconds and when full.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
 from typing import IO, Optional, Sequence
 
 from rich.console import Console as RichConsole
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from ddplaunch.output.who import who_of
 from ddplaunch.plan.launch import Stage
@@ -32,6 +37,12 @@ from ddplaunch.record.results import NodeState
 MAX_ROWS = 16
 #: Seconds a shown line waits for the same text from other ranks before it is shown (folded).
 FOLD_S = 0.5
+#: Where the screen is not a terminal (a file, a pipe, CI), a rank's progress bar is shown every
+#: this many seconds at most, and when it is full; a terminal redraws it in place (LiveConsole).
+BAR_EVERY_S = 10.0
+FULL_BAR_RE = re.compile(r"(?<!\d)100%")
+#: Progress bars a terminal shows live at once (the ranks that redrew theirs last).
+LIVE_BARS = 8
 #: A line that names hosts names this many at most, then gives their count (one line at 1,000
 #: hosts; the run's files and `status --json` hold them all).
 HOSTS_NAMED = 8
@@ -98,16 +109,18 @@ class Console:
         #: Lines waiting to be shown, by their text without the prefix, oldest first.
         self._folds: dict[tuple[str, bool], _Fold] = {}
         self._flusher: Optional[threading.Thread] = None
+        #: When each rank's progress bar was last shown (host, rank) -> monotonic time.
+        self._bars: dict[tuple[str, Optional[int]], float] = {}
 
-    def line(self, text: str, shown: bool) -> None:
-        """One line of a host: to the log, and to the stream when `shown` (after `FOLD_S`, once
-        for everyone who printed the same text meanwhile; at once with `verbose`)."""
+    def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
+        """One line of a host: to the log as it came, and to the stream when `shown` as a screen
+        shows it (`screen`, default `text`: after `FOLD_S`, once for everyone who printed the same
+        text meanwhile; at once with `verbose`)."""
         with self._lock:
-            if self._log is not None:
-                self._log.write(text + "\n")
-                self._log.flush()
+            self._logged(text)
             if not shown:
                 return
+            text = screen or text
             who = who_of(text)
             if self.verbose or who is None:
                 self._show(text)
@@ -124,6 +137,25 @@ class Console:
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_when_due, daemon=True)
                 self._flusher.start()
+
+    def bar(self, text: str, screen: str) -> None:
+        """A rank's progress bar redrawn (`screen`: its newest state; "" to log it only): to the
+        log as it came; shown every BAR_EVERY_S seconds at most per rank, and when it is full."""
+        with self._lock:
+            self._logged(text)
+            who = who_of(screen) if screen else None
+            if who is None:
+                return
+            key, now = (who.host, who.rank), time.monotonic()
+            if now - self._bars.get(key, -BAR_EVERY_S) >= BAR_EVERY_S or FULL_BAR_RE.search(screen):
+                self._bars[key] = now
+                self.flush()
+                self._show(screen)
+
+    def _logged(self, text: str) -> None:
+        if self._log is not None:
+            self._log.write(text + "\n")
+            self._log.flush()
 
     def _flush_when_due(self) -> None:
         while True:
@@ -193,7 +225,10 @@ class Console:
 class QuietConsole(Console):
     """Shows and logs nothing: for launches whose lines only matter as data (localization probes)."""
 
-    def line(self, text: str, shown: bool) -> None:
+    def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
+        pass
+
+    def bar(self, text: str, screen: str) -> None:
         pass
 
 
@@ -204,6 +239,8 @@ class LiveConsole(Console):
                  events: Optional[EventLog] = None):
         super().__init__(stream, log, verbose, events)
         self.states: dict[str, Optional[HostState]] = {h: None for h in hosts}
+        #: each rank's newest progress bar, redrawn under the host table (the last LIVE_BARS)
+        self.live_bars: dict[tuple[str, Optional[int]], str] = {}
         self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
         self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
         self.live.start()
@@ -211,7 +248,30 @@ class LiveConsole(Console):
     def show_state(self, event: HostState) -> None:
         with self._lock:
             self.states[event.host] = event
-            self.live.update(self._table())
+            self.live.update(self._live())
+
+    def bar(self, text: str, screen: str) -> None:
+        """A rank's progress bar: one live line, redrawn in place; printed once when full."""
+        with self._lock:
+            self._logged(text)
+            who = who_of(screen) if screen else None
+            if who is None:
+                return
+            key = (who.host, who.rank)
+            self.live_bars.pop(key, None)
+            if FULL_BAR_RE.search(screen):
+                self.flush()
+                self._show(screen)
+            else:
+                self.live_bars[key] = screen
+                while len(self.live_bars) > LIVE_BARS:
+                    del self.live_bars[next(iter(self.live_bars))]
+            self.live.update(self._live())
+
+    def _live(self) -> RenderableType:
+        if not self.live_bars:
+            return self._table()
+        return Group(self._table(), *(Text(bar, no_wrap=True, overflow="ellipsis") for bar in self.live_bars.values()))
 
     def close(self) -> None:
         self.flush()

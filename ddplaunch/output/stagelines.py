@@ -14,6 +14,7 @@ hands it all to the `StageResult`.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ddplaunch.hostside.payloads import (Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
                                          RankStart, StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
+from ddplaunch.output.screen import Piece, pieces
 from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
 from ddplaunch.output.who import rank_of
 from ddplaunch.plan.launch import Stage
@@ -75,41 +77,74 @@ class StageLines:
     # ------------------------------------------------------------------ from the backends
 
     def emit(self, node_rank: int, host: str, line: str) -> None:
-        """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get `[host] `)."""
+        """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get
+        `[host] `). ddplaunch's own words in it — the shell's heartbeat, a rank's payload — are
+        taken out wherever they stand (after a rank's partial line, a progress bar, they stand
+        inside one) and never shown; what the ranks printed around them is (output/screen.py)."""
         line = line.rstrip("\r\n")
-        now, mono = time.time(), time.monotonic()
-        if line == HEARTBEAT:  # only says the host lives: not output, not the hang watchdog's
+        mono = time.monotonic()
+        if HEARTBEAT in line:  # only says the host lives: not output, not the hang watchdog's
             with self._lock:
                 self.heard_at[node_rank] = mono
-            return
+            line = line.replace(HEARTBEAT, "")
+            if not line.strip():
+                return
         for secret in self._secrets:
             line = line.replace(secret, SECRET_SHOWN)
-        if not line.startswith(f"[{host}:"):
-            line = f"[{host}] {line}"
         marker = PAYLOAD_RE.search(line)
-        if marker and marker.group(1) in REPORTS:
-            self._report(node_rank, host, marker.group(1), marker.group(2), mono)
-            if marker.group(1) == Held.KIND:  # the others come every few seconds from every host: not logged
+        if marker is not None:
+            before = line[:marker.start()]
+            head = re.match(rf"\[{re.escape(host)}(?::\d+)?\] ", before)
+            self._payload(node_rank, f"{head.group(0) if head else f'[{host}] '}{line[marker.start():]}",
+                          marker.group(1), marker.group(2), host, mono)
+            line = before  # what the rank printed before it, without a newline
+            if head is not None and not line[head.end():].strip() or not line.strip():
+                return
+        for piece in pieces(line, host):
+            self._text(node_rank, host, piece, mono)
+
+    def _payload(self, node_rank: int, line: str, kind: str, text: str, host: str, mono: float) -> None:
+        """A payload line: a report goes to `on_report`; the others are kept and logged, never shown."""
+        if kind in REPORTS:
+            self._report(node_rank, host, kind, text, mono)
+            if kind == Held.KIND:  # the others come every few seconds from every host: not logged
                 self.console.line(line, False)
             return
+        with self._lock:
+            self.last_line_at = self.heard_at[node_rank] = mono
+            self._kept(node_rank, kind, text, time.time())
+            started = self._start_known()
+        self.console.line(line, False)
+        self._started(started)
+
+    def _text(self, node_rank: int, host: str, piece: Piece, mono: float) -> None:
+        """A piece of what a node printed: logged as it came, shown as a screen shows it (nothing
+        of padding or an empty line; a progress bar's newest redraw)."""
+        raw, screen = piece.raw, piece.shown
+        if not raw.startswith(f"[{host}:"):
+            raw, screen = f"[{host}] {raw}", f"[{host}] {screen}" if screen else ""
         started = False
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
-            if FINDING_RE.search(line) and len(self.findings) < MAX_FINDINGS:
-                self.findings.append(line)
-            if marker:  # machine-readable: kept and logged, not shown
-                self._kept(node_rank, marker.group(1), marker.group(2), now)
-                shown = False
-            else:
-                self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(line)
-                ranked = rank_of(line)
-                if ranked is not None:
-                    self.last_rank_line_at = mono
-                    self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(line)
-                    self._progress(line, now)
-                shown = self._shown(node_rank, line)
+            if FINDING_RE.search(raw) and len(self.findings) < MAX_FINDINGS:
+                self.findings.append(screen or raw)
+            if screen:
+                self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(screen)
+            ranked = rank_of(raw)
+            if ranked is not None:
+                self.last_rank_line_at = mono
+                if screen:
+                    self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(screen)
+                self._progress(screen or raw, time.time())
+            shown = bool(screen) and self._shown(node_rank, screen)
             started = self._start_known()
-        self.console.line(line, shown)
+        if piece.bar:
+            self.console.bar(raw, screen if shown else "")
+        else:
+            self.console.line(raw, shown, screen)
+        self._started(started)
+
+    def _started(self, started: bool) -> None:
         if started and self._on_first_step is not None and self.progress is not None:
             self._on_first_step(self.progress)
 
@@ -201,8 +236,6 @@ class StageLines:
         if self.console.verbose:
             return True
         if node_rank in self._muted:
-            return False
-        if line.endswith("] ") and line.count("[") == 1 and ":" not in line:  # a blank line of torchrun's
             return False
         if rank_of(line) is None:  # torchrun's own lines (the agent): its failure report stays in the log
             if node_rank in self._agent_failing:

@@ -26,6 +26,7 @@ from ddplaunch.record.hosthealth import BadHost, clear, health_file, recorded, r
 from ddplaunch.record.results import NodeState
 from ddplaunch.report.goodput import duration
 from ddplaunch.spec.model import ClusterSpec, HostSpec
+from ddplaunch.spec.registry import registration
 
 
 #: The gate `HostsExcluded` names for hosts left out because an earlier run recorded them.
@@ -99,8 +100,8 @@ def skip_recorded(spec: ClusterSpec, check: bool = False, now: Optional[float] =
     bad = recorded(health_file(spec.recovery.host_health_file), spec.recovery.remember_bad_hosts, now)
     if not bad:
         return Skipped(spec)
-    if spec.backend == "slurm" and "hosts" not in spec.model_fields_set:  # Slurm picks the nodes
-        excluded = [e for h, e in sorted(bad.items()) if e.backend == "slurm" and h not in spec.slurm.exclude]
+    if registration(spec.backend).allocates and "hosts" not in spec.model_fields_set:  # the scheduler picks the nodes
+        excluded = [e for h, e in sorted(bad.items()) if e.backend == spec.backend and h not in spec.slurm.exclude]
         slurm = spec.slurm.model_copy(update={"exclude": [*spec.slurm.exclude, *(e.host for e in excluded)]})
         return Skipped(spec.model_copy(update={"slurm": slurm}), excluded=excluded)
     hosts, spares = _swap(spec, bad)

@@ -1,0 +1,54 @@
+"""What of a node's output line reaches the screen: pure text handling, no I/O.
+
+A node's line is not always one line of one rank. torchrun copies each rank's output as it comes,
+so a rank's partial line (a progress bar redrawn with `\\r`, never ended by a newline) is followed,
+in the same line, by that rank's or another rank's next output, each with its own `[host:rank] `
+prefix; the node's shell heartbeat lands after a partial line too. `pieces` cuts a line where a
+rank's prefix begins inside it, and gives each piece the text a terminal would show: the last
+`\\r`-segment that holds anything, without ANSI sequences (cursor moves, colours, titles) or other
+control characters; a piece of nothing but padding shows nothing. A piece that was rewritten with
+`\\r` is a progress bar (its redraws are one live line, not a stream of lines). The log keeps each
+piece as it came.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: ANSI escape sequences: CSI (cursor moves, erase, colours), OSC (window titles), and the two-byte ones.
+ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]?")
+#: Control characters a screen line never carries (tabs stay; `\r` is handled before), C1 and
+#: Unicode's line separators included: a terminal or a reader would break the line there.
+CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's part of a node's line: as it came (for the log), what a screen shows of it
+    ("" when nothing), and whether it was a redraw (`\\r`: a progress bar)."""
+
+    raw: str
+    shown: str
+    bar: bool
+
+
+def pieces(line: str, host: str) -> list[Piece]:
+    """`line` (one line a node printed, without its newline) cut before every `[host:rank] ` that
+    begins inside it (torchrun's prefix of this node's ranks), each piece with its screen text."""
+    starts = [m.start() for m in re.finditer(rf"\[{re.escape(host)}:\d+\] ", line) if m.start() > 0]
+    bounds = [0, *starts, len(line)]
+    return [_piece(line[a:b], host) for a, b in zip(bounds, bounds[1:]) if line[a:b]]
+
+
+def _piece(raw: str, host: str) -> Piece:
+    prefix = re.match(rf"\[{re.escape(host)}(?::\d+)?\] ", raw)
+    head, body = (raw[:prefix.end()], raw[prefix.end():]) if prefix else ("", raw)
+    segments = [screen_text(s) for s in body.split("\r")]
+    last = next((s for s in reversed(segments) if s.strip()), "")
+    return Piece(raw, head + last if last else "", "\r" in body)
+
+
+def screen_text(text: str) -> str:
+    """`text` as a terminal line shows it: no ANSI sequences or control characters, no trailing padding."""
+    return CONTROL_RE.sub("", ANSI_RE.sub("", text)).rstrip()

@@ -1,0 +1,100 @@
+"""The screen of real training scripts (output/screen.py, output/stagelines.py, output/console.py):
+ddplaunch's own words (the heartbeat, the ranks' payloads) never reach the screen wherever they
+land in a node's output — after a progress bar's partial line too — while every character the job
+printed reaches the log; a bar redrawn with `\\r` is its newest state, not a stream of lines; empty,
+padding-only and ANSI-laden pieces never show as prefixed lines."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddplaunch.output.console import BAR_EVERY_S, Console
+from ddplaunch.output.screen import pieces, screen_text
+from ddplaunch.output.stagelines import StageLines
+from ddplaunch.output.torchrun import HEARTBEAT
+
+HOST = "h1"
+#: Anything of ddplaunch's own that must never be seen on the screen.
+PROTOCOL_RE = re.compile(r"DDPLAUNCH_[A-Z]+")
+
+
+def _lines() -> tuple[StageLines, io.StringIO, io.StringIO]:
+    screen, log = io.StringIO(), io.StringIO()
+    return StageLines(Console(screen, log)), screen, log
+
+
+def test_a_bar_glued_to_the_heartbeat_shows_its_newest_state_and_no_marker():
+    lines, screen, log = _lines()
+    lines.emit(0, HOST, f"[{HOST}:0] \r 93%|█████████▎| 560/600 [02:29<00:18, 1.8it/s]\r 94%|█████████▍| 567/600 "
+                        f"[02:30<00:18,  1.82it/s]{HEARTBEAT}\r\n")
+    lines.emit(0, HOST, f"[{HOST}:0] \x1b[A\x1b[2K   \n")  # a cursor move and padding: nothing to show
+    lines.emit(0, HOST, "\n")
+    lines.console.flush()
+    shown = screen.getvalue().splitlines()
+    assert shown == [f"[{HOST}:0]  94%|█████████▍| 567/600 [02:30<00:18,  1.82it/s]"], shown
+    assert "560/600" in log.getvalue() and HEARTBEAT not in log.getvalue()  # the log has every redraw
+    assert lines.heard_at[0] > 0  # the heartbeat counted
+
+
+def test_a_rank_prefix_inside_a_line_starts_a_line_of_its_own():
+    got = pieces(f"[{HOST}:0]  34%|███▍      | 206/600 [00:02<00:01, 210.63it/s][{HOST}:0] {{'loss': '4.707'}}", HOST)
+    assert [p.shown for p in got] == [f"[{HOST}:0]  34%|███▍      | 206/600 [00:02<00:01, 210.63it/s]",
+                                      f"[{HOST}:0] {{'loss': '4.707'}}"]
+    assert "".join(p.raw for p in got).count("206/600") == 1
+
+
+def test_a_payload_after_a_partial_line_is_read_and_the_text_before_it_kept():
+    lines, screen, log = _lines()
+    lines.emit(0, HOST, f'[{HOST}:0] epoch 3 done DDPLAUNCH_PROGRESS_JSON {{"rank": 0, "steps": 7}}')
+    lines.console.flush()
+    assert screen.getvalue().splitlines() == [f"[{HOST}:0] epoch 3 done"]
+    assert lines.progress is not None and lines.progress.optimizer_steps == 7
+
+
+def test_a_bar_off_a_terminal_is_shown_every_few_seconds_and_when_full(monkeypatch):
+    from ddplaunch.output import console as console_module
+
+    clock = [100.0]
+    monkeypatch.setattr(console_module.time, "monotonic", lambda: clock[0])
+    lines, screen, _ = _lines()
+    for i in range(1, 11):
+        clock[0] += BAR_EVERY_S / 4
+        lines.emit(0, HOST, f"[{HOST}:0] \r {i * 10}%|{'█' * i}{' ' * (10 - i)}| {i}/10")
+    shown = screen.getvalue().splitlines()
+    assert shown[0] == f"[{HOST}:0]  10%|█         | 1/10" and shown[-1] == f"[{HOST}:0]  100%|██████████| 10/10"
+    assert len(shown) == 4, shown  # 10%, 50%, 90% (every 10 s at one redraw each 2.5 s), then the full bar
+
+
+#: What a job may print: text, partial lines, redraws, ANSI sequences, padding, and words that
+#: look like ddplaunch's own.
+CHUNKS = st.lists(st.one_of(
+    st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\n"), max_size=30),
+    st.sampled_from(["\r", "\x1b[A", "\x1b[2K", "\x1b[31m", "\x1b[0m", "   ", "\t", "\x1b]0;title\x07",
+                     "DDPLAUNCH_", "DDPLAUNCH_ALIVE", "DDPLAUNCH_X_JSON {", " 50%|█████     | 5/10"]),
+), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chunks=CHUNKS, heartbeat_at=st.integers(min_value=0, max_value=12), rank=st.integers(0, 7))
+def test_fuzz_the_screen_never_shows_protocol_and_the_log_keeps_the_jobs_text(chunks, heartbeat_at, rank):
+    job = "".join(chunks)
+    words = [w for w in re.split(r"[\x00-\x1f\x7f\s]+", job) if w and "DDPLAUNCH" not in w]
+    glued = "".join(chunks[:heartbeat_at]) + HEARTBEAT + "".join(chunks[heartbeat_at:])
+    lines, screen, log = _lines()
+    lines.emit(rank % 2, HOST, f"[{HOST}:{rank}] {glued}")
+    lines.emit(rank % 2, HOST, f"[{HOST}:{rank}] {job}" + ' DDPLAUNCH_PROGRESS_JSON {"rank": 0, "steps": 3}')
+    lines.console.flush()
+    shown = screen.getvalue()
+    assert HEARTBEAT not in shown and "DDPLAUNCH_PROGRESS_JSON" not in shown, shown
+    assert "DDPLAUNCH" in job or not PROTOCOL_RE.search(shown), shown
+    for line in shown.splitlines():
+        assert line.startswith(f"[{HOST}:{rank}] ") and line[len(f"[{HOST}:{rank}] "):].strip(), repr(line)
+        assert line.count(f"[{HOST}:{rank}] ") == 1 or job.count(f"[{HOST}:") > 0, repr(line)
+        assert screen_text(line) == line  # no control character or ANSI sequence reaches the screen
+    logged = log.getvalue()
+    for word in words:  # every word the job printed is in the log, whole
+        assert word in logged.replace(HEARTBEAT, ""), (word, logged)
