@@ -677,20 +677,24 @@ def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_gr
     assert [o.state for o in result.outcomes] == ["lost", "interrupted"]
 
 
+class Silent:
+    """A backend no host answers (a stack dump that times out everywhere)."""
+
+    max_parallel = 64
+
+    def probe(self, command, timeout=30, hosts=None):
+        from ddplaunch.backends.contract import HostResult
+        from ddplaunch.errors import BackendError
+
+        return [HostResult(h, None, BackendError(f"{h.label}: no answer within {timeout:g}s")) for h in hosts]
+
+
 def test_stack_dumps_that_fail_alike_are_one_line_naming_eight_hosts(tmp_path):
     """At 1,000 hosts a dump that times out everywhere is one line, not a thousand."""
-    from ddplaunch.backends.contract import HostResult
     from ddplaunch.diagnose.stacks import collect_stacks
-    from ddplaunch.errors import BackendError
     from ddplaunch.spec.model import HostSpec
 
     hosts = [HostSpec(addr=f"h{i}", name=f"h{i}") for i in range(1, 21)]
-
-    class Silent:
-        max_parallel = 64
-
-        def probe(self, command, timeout=30, hosts=None):
-            return [HostResult(h, None, BackendError(f"{h.label}: no answer within {timeout:g}s")) for h in hosts]
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=20))
@@ -702,19 +706,12 @@ def test_stack_dumps_that_fail_alike_are_one_line_naming_eight_hosts(tmp_path):
 def test_a_hang_names_the_ranks_the_agents_saw_frozen_when_no_stack_dump_answers(tmp_path):
     """At 1,024 ranks the stack dumps may not answer in time: the ranks the node agents said are
     frozen are named all the same, and a host whose every rank froze is the one lost."""
-    from ddplaunch.backends.contract import HostResult, StopEvent
-    from ddplaunch.errors import BackendError
+    from ddplaunch.backends.contract import StopEvent
     from ddplaunch.hostside.payloads import HostFrozen
     from ddplaunch.output.console import Console
     from ddplaunch.output.stagelines import StageLines
     from ddplaunch.plan.launch import make_plan
     from ddplaunch.run.hangwatch import HangWatchdog
-
-    class Silent:
-        max_parallel = 64
-
-        def probe(self, command, timeout=30, hosts=None):
-            return [HostResult(h, None, BackendError(f"{h.label}: no answer within {timeout:g}s")) for h in hosts]
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=4))
