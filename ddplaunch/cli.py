@@ -144,9 +144,26 @@ def validate(spec: str) -> None:
     click.echo(before_stages(loaded), nl=False)
 
 
+def _age(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """`7d`, `12h`, `30m`, `90s` or plain seconds, in seconds."""
+    if value is None:
+        return None
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+    text = value.strip().lower()
+    try:
+        seconds = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise click.BadParameter(f"{value!r}: give an age like 7d, 12h, 30m or 90 (seconds)")
+    return seconds
+
+
 @cli.command()
+@click.option("--goodput", is_flag=True, help="Where the ended runs' time went: goodput and seconds per cause, and the total.")
+@click.option("--since", callback=_age, default=None, metavar="AGE", help="Only runs started within AGE (7d, 12h, 30m).")
 @_handle_errors
-def runs() -> None:
+def runs(goodput: bool, since: float | None) -> None:
     """List recorded runs, newest first."""
     from rich.console import Console
     from rich.table import Table
@@ -154,11 +171,31 @@ def runs() -> None:
     from ddplaunch.record.runs import list_runs
     from ddplaunch.supervise.commands import state_of
 
+    records = [r for r in list_runs() if since is None or r.started_at >= time.time() - since]
+    out = Console(width=200 if not sys.stdout.isatty() else None, highlight=False)
+    if goodput:
+        out.print(_goodput_table(records))
+        return
     table = Table("run id", "state", "backend", "hosts", "started", box=None, pad_edge=False)
-    for r in list_runs():
+    for r in records:
         table.add_row(r.run_id, state_of(r), r.backend, str(len(r.hosts)),
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started_at)))
-    Console(width=200 if not sys.stdout.isatty() else None, highlight=False).print(table)
+    out.print(table)
+
+
+def _goodput_table(records: list[Any]) -> Any:
+    """`runs --goodput`: each ended run's ledger, then their total (report/goodput.py)."""
+    from rich.table import Table
+
+    from ddplaunch.report.goodput import CAUSES, duration, total
+    from ddplaunch.supervise.commands import ledgers
+
+    table = Table("run id", "goodput", "wall", *CAUSES, "faults", box=None, pad_edge=False)
+    found = [(record.run_id, spent) for record, spent in ledgers(records)]
+    for name, spent in [*found, *([("total", total([s for _, s in found]))] if found else [])]:
+        table.add_row(name, f"{100 * spent.goodput:.0f}%", duration(spent.wall_s),
+                      *(duration(spent.parts[c]) for c in CAUSES), str(spent.faults))
+    return table
 
 
 HEALTH_FILE_OPT = click.option("--file", "path", type=click.Path(dir_okay=False), default=None,

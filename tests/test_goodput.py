@@ -4,6 +4,7 @@ the times the launcher and the hosts said; a real crash's ledger is checked in t
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -93,3 +94,39 @@ def test_the_parts_add_up_to_the_wall_time_whatever_the_clocks_say(spans, detect
     assert all(s >= 0 for s in spent.parts.values())
     assert math.isclose(sum(spent.parts.values()), spent.wall_s, abs_tol=1e-6)
     assert spent.wall_s == max(0.0, end - T0)
+
+
+def test_status_of_an_ended_run_says_its_ledger_and_runs_add_up_to_their_total():
+    from ddplaunch.report.goodput import total
+    from ddplaunch.report.status import status_lines
+
+    healthy = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81), T0 + 92), end=T0 + 100)
+    assert "  goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in \
+        status_lines(healthy, "ssh", None)
+    never = run_of(*launch(T0 + 2, None, T0 + 30), end=T0 + 31)
+    both = total([ledger(healthy), ledger(never)])
+    assert (both.wall_s, both.parts["startup"], both.parts["training"]) == (131, 41, 80)
+    assert math.isclose(sum(both.parts.values()), both.wall_s)
+
+
+def test_runs_goodput_lists_each_ended_run_and_their_total(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ddplaunch.cli import cli
+    from ddplaunch.plan.stages import UpOptions
+    from ddplaunch.run.launch import run_here
+    from ddplaunch.spec.load import load_spec
+    from tests.fakes import FakeScript, fake_registered, fake_spec
+
+    monkeypatch.setenv("DDPLAUNCH_HOME", str(tmp_path / "state"))
+    for run_id in ("g1", "g2"):
+        with fake_registered(FakeScript()):
+            run_here(load_spec(fake_spec(tmp_path)), "fake.yaml", UpOptions(run_id=run_id), stream=io.StringIO())
+    out = CliRunner().invoke(cli, ["runs", "--goodput", "--since", "1d"])
+    assert out.exit_code == 0, out.output
+    rows = [line.split()[0] for line in out.output.splitlines()[1:]]
+    assert rows == ["g2", "g1", "total"], out.output
+    assert "startup" in out.output.splitlines()[0] and "faults" in out.output.splitlines()[0]
+    assert CliRunner().invoke(cli, ["runs", "--goodput", "--since", "0s"]).output.splitlines()[1:] == []
+    bad = CliRunner().invoke(cli, ["runs", "--since", "soon"])
+    assert bad.exit_code == 2 and "'soon': give an age like 7d, 12h, 30m or 90 (seconds)" in bad.output

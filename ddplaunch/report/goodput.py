@@ -60,6 +60,12 @@ class Ledger:
                 "parts_s": {c: round(s, 3) for c, s in self.parts.items()}}
 
 
+def total(ledgers: list[Ledger]) -> Ledger:
+    """Runs' ledgers added up: their wall times, seconds per cause and faults (`runs --goodput`)."""
+    return Ledger(sum(led.wall_s for led in ledgers), {c: sum(led.parts[c] for led in ledgers) for c in CAUSES},
+                  sum(led.faults for led in ledgers))
+
+
 def ledger(view: RunView) -> Optional[Ledger]:
     """The ledger of a run that ended (None before its end, or for a run that never started)."""
     if view.started is None or view.ended is None:
@@ -80,6 +86,13 @@ def ledger(view: RunView) -> Optional[Ledger]:
                 timeline.move("training", "redone", _redone_s(progress, recovery))
     timeline.upto(timeline.end, "other" if stepped else "startup")
     return Ledger(timeline.end - timeline.start, timeline.parts, faults)
+
+
+def worth_saying(view: RunView) -> Optional[Ledger]:
+    """The ledger the summary and `status` say: of a run that ended having trained (a second at
+    least; otherwise the stages' lines say what happened)."""
+    spent = ledger(view)
+    return spent if spent is not None and spent.parts["training"] >= 1 else None
 
 
 class _Timeline:

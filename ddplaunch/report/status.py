@@ -15,6 +15,7 @@ from typing import Optional
 from ddplaunch.output.console import hosts_named, state_text
 from ddplaunch.record.live import LiveSteps
 from ddplaunch.record.view import Launch, RunView
+from ddplaunch.report.goodput import worth_saying
 
 
 def shown_state(view: RunView, supervisor_alive: Optional[bool]) -> str:
@@ -53,6 +54,9 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
                      f"{st.slowdown:+.0%} against its peers since step {st.since_step}")
     for launch in view.launches:
         lines += _stage_lines(launch, view)
+    spent = worth_saying(view)
+    if spent is not None:
+        lines.append(f"  {spent.line()}")
     return lines
 
 

@@ -12,7 +12,7 @@ import json
 
 from ddplaunch.record.results import STATE_ORDER, StageResult
 from ddplaunch.record.view import RunView
-from ddplaunch.report.goodput import ledger
+from ddplaunch.report.goodput import ledger, worth_saying
 
 
 def summarize(report: RunView, tail_lines: int = 10) -> str:
@@ -30,8 +30,8 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
     out += [f"spare {label} dropped while it waited: {why}" for label, why in report.spares_dropped.items()]
-    spent = ledger(report)
-    if spent is not None and spent.parts["training"] >= 1:
+    spent = worth_saying(report)
+    if spent is not None:
         out.append(spent.line())
     code = report.exit_code
     out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "

@@ -23,6 +23,7 @@ from ddplaunch.record.live import read_live
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
 from ddplaunch.record.view import RunView
+from ddplaunch.report.goodput import Ledger, ledger
 from ddplaunch.report.status import shown_state, status_lines
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise import daemon
@@ -134,6 +135,19 @@ def status(record: RunRecord) -> list[str]:
     view = view_of(record)
     return status_lines(view, record.backend, supervisor_alive(record, backend), _where(record),
                         live=read_live(record.dir)) + job
+
+
+def ledgers(records: list[RunRecord]) -> list[tuple[RunRecord, Ledger]]:
+    """Each ended run's goodput ledger (report/goodput.py), from its log's fold (its snapshot first)."""
+    out = []
+    for record in records:
+        try:
+            spent = ledger(read_view(record.dir))
+        except OSError:
+            continue
+        if spent is not None:
+            out.append((record, spent))
+    return out
 
 
 def state_of(record: RunRecord) -> str:
