@@ -91,3 +91,22 @@ def test_an_interrupted_run_is_interrupted_on_its_page_as_in_its_summary(tmp_pat
     assert "stage job: INTERRUPTED on 2 of 2 node(s)" in summary and summary.endswith("run r3: interrupted (exit 130)")
     assert "stage job INTERRUPTED" in page and "FAILED" not in page
     assert "<h1>run r3: interrupted (exit 130)</h1>" in page
+
+
+def test_busbw_is_on_a_log_axis_so_small_messages_show_and_the_axes_have_ticks():
+    from ddplaunch.report.page import busbw_plot
+
+    plot = busbw_plot(HealthVerdict(ok=True, bandwidth=[{"bytes": 4096, "busbw_gbps": 0.004},
+                                                        {"bytes": 8 << 20, "busbw_gbps": 8.0}]))
+    parser = _Tags()
+    parser.feed(plot)
+    small, large = [float(a["height"]) for t, a in parser.tags if t == "rect" and a.get("class") == "busbw"]
+    assert large > small > large / 10  # on a linear axis the 4 KiB bar would be 1/2000 of the 8 MiB one
+    labels = re.findall(r'text-anchor="end" font-size="10">([^<]+)<', plot)
+    assert labels == ["0.001", "0.01", "0.1", "1", "10"] and "log scale" in plot
+
+
+def test_the_step_plot_has_time_ticks(tmp_path):
+    page = render(_run_dir(tmp_path))
+    ticks = re.findall(r'class="tick" x1="[\d.]+" y1="\d+" x2="[\d.]+" y2="\d+" stroke="#333"/><text [^>]*>([^<]+)<', page)
+    assert ticks == ["0s", "2s", "3s", "4s", "6s"], ticks  # the x axis (y1 an integer): the windows span 6 s

@@ -12,6 +12,7 @@ pure (a view and the ranks' timing reports in, text out); `page_of` reads a run 
 from __future__ import annotations
 
 import html
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,6 +21,7 @@ from ddplaunch.output.console import hosts_named
 from ddplaunch.record.diagnosis import HealthVerdict, Probe
 from ddplaunch.record.events import StepWindow, events_from
 from ddplaunch.record.view import RunView
+from ddplaunch.report.goodput import duration
 from ddplaunch.report.summary import stage_verdict, summarize
 
 W, H, PAD = 760, 260, 48
@@ -33,16 +35,28 @@ def _esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _axes(x_label: str, y_label: str, y_max: float, unit: str) -> list[str]:
+def _axes(x_label: str, y_label: str, y_max: float, unit: str,
+          y_ticks: Sequence[tuple[float, str]] = (), x_ticks: Sequence[tuple[float, str]] = ()) -> list[str]:
+    """Both axes with their labels; ticks at fractions (0-1) of each axis with their labels (the
+    y axis: five from 0 to `y_max` unless `y_ticks` says)."""
     out = [f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 10}" y2="{H - PAD}" stroke="#333"/>',
            f'<line x1="{PAD}" y1="10" x2="{PAD}" y2="{H - PAD}" stroke="#333"/>',
            f'<text x="{W // 2}" y="{H - 10}" text-anchor="middle">{_esc(x_label)}</text>',
            f'<text x="12" y="{H // 2}" transform="rotate(-90 12 {H // 2})" text-anchor="middle">{_esc(y_label)}</text>']
-    for i in range(5):
-        y = H - PAD - i * (H - PAD - 10) / 4
-        out.append(f'<text x="{PAD - 4}" y="{y + 4:.0f}" text-anchor="end" font-size="10">'
-                   f'{y_max * i / 4:.3g}{unit}</text>')
+    for at, label in y_ticks or [(i / 4, f"{y_max * i / 4:.3g}{unit}") for i in range(5)]:
+        y = H - PAD - at * (H - PAD - 10)
+        out.append(f'<line class="tick" x1="{PAD - 3}" y1="{y:.1f}" x2="{PAD}" y2="{y:.1f}" stroke="#333"/>'
+                   f'<text x="{PAD - 5}" y="{y + 4:.0f}" text-anchor="end" font-size="10">{_esc(label)}</text>')
+    for at, label in x_ticks:
+        x = PAD + at * (W - PAD - 10)
+        out.append(f'<line class="tick" x1="{x:.1f}" y1="{H - PAD}" x2="{x:.1f}" y2="{H - PAD + 3}" stroke="#333"/>'
+                   f'<text x="{x:.1f}" y="{H - PAD + 14}" text-anchor="middle" font-size="10">{_esc(label)}</text>')
     return out
+
+
+def _time_ticks(span: float) -> list[tuple[float, str]]:
+    """Five ticks over `span` seconds, in the summary's units (`0s`, `1m30s`, `2h07m`)."""
+    return [(i / 4, duration(span * i / 4)) for i in range(5)]
 
 
 def _slowest(part: list[float]) -> float:
@@ -63,7 +77,8 @@ def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
     ratios = [{h: _slowest(v) / med for h, v in hosts.items()} for _, hosts in rows
               if (med := statistics.median(_slowest(v) for v in hosts.values())) > 0]
     y_max = max(max(r.values()) for r in ratios) * 1.1 if ratios else 2.0
-    out = _axes("seconds since the run started", "slowest rank's compute per step / the median host's", y_max, "")
+    out = _axes("time since the run started", "slowest rank's compute per step / the median host's", y_max, "x",
+                x_ticks=_time_ticks(t_max))
 
     def xy(t: float, ratio: float) -> str:
         return f"{PAD + (t - t0) / t_max * (W - PAD - 10):.1f},{H - PAD - ratio / y_max * (H - PAD - 10):.1f}"
@@ -93,11 +108,18 @@ def busbw_plot(healthcheck: HealthVerdict | None) -> str:
             if isinstance(r.get("busbw_gbps"), (int, float))]
     if not rows:
         return "<p>No health-check bandwidth in this run.</p>"
-    y_max = max(r["busbw_gbps"] for r in rows) * 1.1 or 1.0
-    out = _axes("message size", "busbw (GB/s)", y_max, "")
+    # a log axis, a decade per tick: small messages' busbw is a thousandth of large ones'
+    positive = [r["busbw_gbps"] for r in rows if r["busbw_gbps"] > 0] or [1.0]
+    low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)) + 1e-9)
+    high = max(high, low + 1)
+
+    def up(gbps: float) -> float:  # 0-1 of the axis
+        return (math.log10(gbps) - low) / (high - low) if gbps > 0 else 0.0
+    ticks = [((d - low) / (high - low), f"{10.0 ** d:g}") for d in range(low, high + 1)]
+    out = _axes("message size", "busbw (GB/s, log scale)", 0, "", y_ticks=ticks)
     width = (W - PAD - 20) / len(rows)
     for i, r in enumerate(rows):
-        h = r["busbw_gbps"] / y_max * (H - PAD - 10)
+        h = max(1.0, up(r["busbw_gbps"]) * (H - PAD - 10))
         x = PAD + 5 + i * width
         out.append(f'<rect class="busbw" x="{x:.1f}" y="{H - PAD - h:.1f}" width="{width * 0.8:.1f}" height="{h:.1f}" '
                    f'fill="#1f77b4"><title>{_esc(r.get("collective", ""))} {r["bytes"]} B: '
