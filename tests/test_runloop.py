@@ -730,3 +730,28 @@ def test_a_hang_names_the_ranks_the_agents_saw_frozen_when_no_stack_dump_answers
     assert f"rank 3 ({labels[1]}): frozen (process state D: in an uninterruptible wait)" in headline
     assert list(stop.lost) == [labels[1]], stop.lost  # every rank of it frozen; labels[3] has one that runs
     assert (tmp_path / "stacks" / f"{labels[3]}-rank6.txt").exists()
+
+
+def test_a_host_whose_every_rank_its_agent_saw_frozen_is_not_waited_for_until_the_hang_timeout(tmp_path, monkeypatch):
+    """The hang rule's evidence is there once the job is silent: EVIDENT_S, not job.hang_timeout."""
+    from ddplaunch.backends.contract import StopEvent
+    from ddplaunch.hostside.payloads import HostFrozen
+    from ddplaunch.output.console import Console
+    from ddplaunch.output.stagelines import StageLines
+    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.run import hangwatch
+
+    with fake_registered(FakeScript()):
+        spec = load_spec(fake_spec(tmp_path, hosts=3))
+    plan = make_plan(spec, "evident-1", "job", 29500)
+    labels = [n.host_label for n in plan.nodes]
+    said: dict = {labels[2]: HostFrozen({"4": ["T", 7]}, of=2)}  # one of its two ranks: not pinned yet
+    monkeypatch.setattr(hangwatch, "EVIDENT_S", 0.3)
+    lines, stop = StageLines(Console(io.StringIO())), StopEvent()
+    with hangwatch.HangWatchdog(Silent(), spec, plan, lines, stop, tmp_path / "stacks", timeout=600, poll=0.05,
+                                frozen=lambda: dict(said)) as watchdog:
+        lines.emit(0, labels[0], f"[{labels[0]}:0] started")
+        assert not stop.wait(timeout=1.0)  # silent, but no host pinned: the hang timeout (600 s) holds
+        said[labels[2]] = HostFrozen({"4": ["T", 7], "5": ["T", 8]}, of=2)
+        assert stop.wait(timeout=30), "a host frozen whole was waited for"
+    assert list(stop.lost) == [labels[2]] and watchdog.diagnosis[0].startswith("hang: no output for ")

@@ -1,9 +1,9 @@
 """The hang watch: a job that printed nothing for `job.hang_timeout` seconds is diagnosed and ended.
 
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
-any rank it has every worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck
-and ends the run. Ranks the node agents said are frozen are named so whether or not their host's
-dump answered. A host whose ranks are frozen, or whose training link a link test finds broken
+any rank (EVIDENT_S, where the node agents say a host's every rank is frozen) it has every
+worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck and ends the run.
+Ranks the node agents said are frozen are named so whether or not their host's dump answered. A host whose ranks are frozen, or whose training link a link test finds broken
 (diagnose/links.py), is named as lost: with recovery on, a spare takes its place.
 """
 
@@ -22,6 +22,11 @@ from ddplaunch.hostside.payloads import HostFrozen
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.spec.model import ClusterSpec, HostSpec
+
+
+#: Seconds without a line from any rank after which a host whose every rank its agent says is
+#: frozen ends the wait (job.hang_timeout stays the bound otherwise).
+EVIDENT_S = 10.0
 
 
 class HangWatchdog:
@@ -61,15 +66,23 @@ class HangWatchdog:
             idle = time.monotonic() - max(self._started, self.lines.last_line_at)
             # Until a rank has said anything, the ranks are still starting (importing torch on a
             # loaded host can take longer than the hang timeout): they get the rendezvous timeout
-            # on top before silence counts as a hang.
-            if idle >= self.timeout + (0 if ranks_spoke else self.spec.rdzv_timeout):
+            # on top before silence counts as a hang. A job silent for EVIDENT_S while the node
+            # agents say some host's every rank is frozen is not waited for any longer: the
+            # evidence the hang rule would find is there already.
+            if idle >= self.timeout + (0 if ranks_spoke else self.spec.rdzv_timeout) or \
+                    ranks_spoke and idle >= min(EVIDENT_S, self.timeout) and self._pinned():
                 self._fire(idle)
                 return
 
+    def _pinned(self) -> bool:
+        """Whether the agents say some host's every rank is frozen while another host's can run."""
+        return bool(frozen_by_agents(self.frozen(), [], len(self.plan.nodes))[1])
+
     def _fire(self, idle: float) -> None:
         t0 = time.time()
-        self.lines.note(f"no output from any rank for {idle:.0f}s (job.hang_timeout={self.timeout:g}): "
-                       "dumping every rank's stack with py-spy")
+        why = f"job.hang_timeout={self.timeout:g}" if idle >= self.timeout else \
+            f"and a host's every rank frozen, as its node agent saw: job.hang_timeout={self.timeout:g} not waited for"
+        self.lines.note(f"no output from any rank for {idle:.0f}s ({why}): dumping every rank's stack with py-spy")
         try:
             stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
                                                    [n.host for n in self.plan.nodes if n.host is not None])
