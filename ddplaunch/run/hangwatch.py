@@ -1,7 +1,7 @@
 """The hang watch: a job that printed nothing for `job.hang_timeout` seconds is diagnosed and ended.
 
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
-any rank (EVIDENT_S, where the node agents say a host's every rank is frozen) it has every
+any rank (EVIDENT_S, where the node agents say a host's every rank is stopped) it has every
 worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck and ends the run.
 Ranks the node agents said are frozen are named so whether or not their host's dump answered. A host whose ranks are frozen, or whose training link a link test finds broken
 (diagnose/links.py), is named as lost: with recovery on, a spare takes its place.
@@ -25,8 +25,10 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
 #: Seconds without a line from any rank after which a host whose every rank its agent says is
-#: frozen ends the wait (job.hang_timeout stays the bound otherwise).
+#: stopped ends the wait (job.hang_timeout stays the bound otherwise).
 EVIDENT_S = 10.0
+#: The process states that say a rank was stopped (it cannot go on until it is continued).
+STOPPED = ("T", "t")
 
 
 class HangWatchdog:
@@ -67,7 +69,7 @@ class HangWatchdog:
             # Until a rank has said anything, the ranks are still starting (importing torch on a
             # loaded host can take longer than the hang timeout): they get the rendezvous timeout
             # on top before silence counts as a hang. A job silent for EVIDENT_S while the node
-            # agents say some host's every rank is frozen is not waited for any longer: the
+            # agents say some host's every rank is stopped is not waited for any longer: the
             # evidence the hang rule would find is there already.
             if idle >= self.timeout + (0 if ranks_spoke else self.spec.rdzv_timeout) or \
                     ranks_spoke and idle >= min(EVIDENT_S, self.timeout) and self._pinned():
@@ -75,13 +77,17 @@ class HangWatchdog:
                 return
 
     def _pinned(self) -> bool:
-        """Whether the agents say some host's every rank is frozen while another host's can run."""
-        return bool(frozen_by_agents(self.frozen(), [], len(self.plan.nodes))[1])
+        """Whether the agents say some host's every rank is stopped (SIGSTOP, a debugger) while
+        another host's can run. Not a wait in the kernel (D): a checkpoint's write to a slow file
+        system looks the same for a while, and gets the whole job.hang_timeout."""
+        stopped = {host: said for host, said in self.frozen().items()
+                   if all(isinstance(v, list) and v and v[0] in STOPPED for v in said.ranks.values())}
+        return bool(frozen_by_agents(stopped, [], len(self.plan.nodes))[1])
 
     def _fire(self, idle: float) -> None:
         t0 = time.time()
         why = f"job.hang_timeout={self.timeout:g}" if idle >= self.timeout else \
-            f"and a host's every rank frozen, as its node agent saw: job.hang_timeout={self.timeout:g} not waited for"
+            f"and a host's every rank stopped, as its node agent saw: job.hang_timeout={self.timeout:g} not waited for"
         self.lines.note(f"no output from any rank for {idle:.0f}s ({why}): dumping every rank's stack with py-spy")
         try:
             stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
