@@ -63,10 +63,12 @@ def test_a_bar_off_a_terminal_is_shown_every_few_seconds_and_when_full(monkeypat
     lines, screen, _ = _lines()
     for i in range(1, 11):
         clock[0] += BAR_EVERY_S / 4
-        lines.emit(0, HOST, f"[{HOST}:0] \r {i * 10}%|{'█' * i}{' ' * (10 - i)}| {i}/10")
+        lines.emit(0, HOST, f"[{HOST}:0] {i * 10}%|{'█' * i}{' ' * (10 - i)}| {i}/10 [00:0{i}<00:00, 1it/s]")
+    lines.emit(0, HOST, f"[{HOST}:0] 100%|██████████| 10/10 [00:10<00:00, 1it/s]")  # redrawn as it closes
     shown = screen.getvalue().splitlines()
-    assert shown[0] == f"[{HOST}:0]  10%|█         | 1/10" and shown[-1] == f"[{HOST}:0]  100%|██████████| 10/10"
-    assert len(shown) == 4, shown  # 10%, 50%, 90% (every 10 s at one redraw each 2.5 s), then the full bar
+    assert shown[0] == f"[{HOST}:0] 10%|█         | 1/10 [00:01<00:00, 1it/s]"
+    assert shown[-1] == f"[{HOST}:0] 100%|██████████| 10/10 [00:010<00:00, 1it/s]"
+    assert len(shown) == 4, shown  # 10%, 50%, 90% (every 10 s at one redraw each 2.5 s), then the full bar once
 
 
 #: What a job may print: text, partial lines, redraws, ANSI sequences, padding, and words that
@@ -98,3 +100,23 @@ def test_fuzz_the_screen_never_shows_protocol_and_the_log_keeps_the_jobs_text(ch
     logged = log.getvalue()
     for word in words:  # every word the job printed is in the log, whole
         assert word in logged.replace(HEARTBEAT, ""), (word, logged)
+
+
+def test_on_a_terminal_each_ranks_bar_is_one_live_line_and_a_full_one_is_printed_once():
+    from ddplaunch.output.console import LiveConsole
+
+    screen, log = io.StringIO(), io.StringIO()
+    console = LiveConsole(screen, log, [HOST])
+    try:
+        for i in (1, 5, 9):
+            console.bar(f"[{HOST}:0] raw {i}", f"[{HOST}:0] {i * 10}%|█| {i}/10 [00:0{i}<00:00, 1it/s]")
+        console.bar(f"[{HOST}:1] raw", f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]")
+        assert console.live_bars == {(HOST, 0): f"[{HOST}:0] 90%|█| 9/10 [00:09<00:00, 1it/s]",
+                                     (HOST, 1): f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]"}
+        console.bar(f"[{HOST}:0] raw 10", f"[{HOST}:0] 100%|█| 10/10 [00:10<00:00, 1it/s]")
+        assert list(console.live_bars) == [(HOST, 1)]  # the full one left the live lines, printed once
+    finally:
+        console.close()
+    assert screen.getvalue().count("10/10 [00:10") == 1 and "9/10" not in screen.getvalue().split("10/10")[-1]
+    assert log.getvalue().splitlines() == [f"[{HOST}:0] raw 1", f"[{HOST}:0] raw 5", f"[{HOST}:0] raw 9",
+                                           f"[{HOST}:1] raw", f"[{HOST}:0] raw 10"]

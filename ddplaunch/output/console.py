@@ -40,7 +40,8 @@ FOLD_S = 0.5
 #: Where the screen is not a terminal (a file, a pipe, CI), a rank's progress bar is shown every
 #: this many seconds at most, and when it is full; a terminal redraws it in place (LiveConsole).
 BAR_EVERY_S = 10.0
-FULL_BAR_RE = re.compile(r"(?<!\d)100%")
+#: Where a bar says how far it is (`45/100`), and a full one.
+BAR_AT_RE = re.compile(r"\|\s*(\S+)/(\S+) \[")
 #: Progress bars a terminal shows live at once (the ranks that redrew theirs last).
 LIVE_BARS = 8
 #: A line that names hosts names this many at most, then gives their count (one line at 1,000
@@ -109,8 +110,8 @@ class Console:
         #: Lines waiting to be shown, by their text without the prefix, oldest first.
         self._folds: dict[tuple[str, bool], _Fold] = {}
         self._flusher: Optional[threading.Thread] = None
-        #: When each rank's progress bar was last shown (host, rank) -> monotonic time.
-        self._bars: dict[tuple[str, Optional[int]], float] = {}
+        #: When each rank's progress bar was last shown, and how far it was: (host, rank) -> (monotonic time, count).
+        self._bars: dict[tuple[str, Optional[int]], tuple[float, Optional[str]]] = {}
 
     def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
         """One line of a host: to the log as it came, and to the stream when `shown` as a screen
@@ -147,8 +148,11 @@ class Console:
             if who is None:
                 return
             key, now = (who.host, who.rank), time.monotonic()
-            if now - self._bars.get(key, -BAR_EVERY_S) >= BAR_EVERY_S or FULL_BAR_RE.search(screen):
-                self._bars[key] = now
+            at, (shown_at, was) = bar_at(screen), self._bars.get(key, (-BAR_EVERY_S, None))
+            if at is not None and at == was:
+                return  # the same count again (a bar redrawn as it closes)
+            if now - shown_at >= BAR_EVERY_S or full(screen):
+                self._bars[key] = (now, at)
                 self.flush()
                 self._show(screen)
 
@@ -259,7 +263,7 @@ class LiveConsole(Console):
                 return
             key = (who.host, who.rank)
             self.live_bars.pop(key, None)
-            if FULL_BAR_RE.search(screen):
+            if full(screen):
                 self.flush()
                 self._show(screen)
             else:
@@ -294,6 +298,18 @@ class LiveConsole(Console):
             style = "" if event is None else STATE_STYLE.get(event.state, "")
             table.add_row(f"[bold]{host}[/]", f"[{style}]{text}[/]" if style else text)
         return table
+
+
+def bar_at(bar: str) -> Optional[str]:
+    """How far a progress bar is (`45/100`), None when it does not say."""
+    m = BAR_AT_RE.search(bar)
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
+def full(bar: str) -> bool:
+    """Whether a progress bar is at its end (`100/100`)."""
+    m = BAR_AT_RE.search(bar)
+    return m is not None and m.group(1) == m.group(2)
 
 
 #: How the live table colours a host's state.

@@ -7,8 +7,9 @@ prefix; the node's shell heartbeat lands after a partial line too. `pieces` cuts
 rank's prefix begins inside it, and gives each piece the text a terminal would show: the last
 `\\r`-segment that holds anything, without ANSI sequences (cursor moves, colours, titles) or other
 control characters; a piece of nothing but padding shows nothing. A piece that was rewritten with
-`\\r` is a progress bar (its redraws are one live line, not a stream of lines). The log keeps each
-piece as it came.
+`\\r`, or has a progress bar's shape (torchrun passes each redraw on as a line of its own), is a
+progress bar: its redraws are one live line, not a stream of lines. The log keeps each piece as it
+came.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+#: A progress bar's redraw by its shape, for redraws that arrive as lines of their own (torchrun
+#: reads a rank's output with universal newlines: its `\r` ends a line): tqdm's (Hugging Face's
+#: Trainer, Lightning's) `45%|████▌     | 45/100 [00:01<00:01, 40.1it/s]`, or `123it [00:01, 95.2it/s]`
+#: without a total.
+BAR_RE = re.compile(r"\d{1,3}%\|[^|]*\|\s*\S+/\S+ \[|\b\d+(?:\.\d+)?[kMGT]?(?:it|B) \[\d+:\d{2}")
 #: ANSI escape sequences: CSI (cursor moves, erase, colours), OSC (window titles), and the two-byte ones.
 ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]?")
 #: Control characters a screen line never carries (tabs stay; `\r` is handled before), C1 and
@@ -46,7 +52,7 @@ def _piece(raw: str, host: str) -> Piece:
     head, body = (raw[:prefix.end()], raw[prefix.end():]) if prefix else ("", raw)
     segments = [screen_text(s) for s in body.split("\r")]
     last = next((s for s in reversed(segments) if s.strip()), "")
-    return Piece(raw, head + last if last else "", "\r" in body)
+    return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None)
 
 
 def screen_text(text: str) -> str:
