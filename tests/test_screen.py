@@ -120,3 +120,23 @@ def test_on_a_terminal_each_ranks_bar_is_one_live_line_and_a_full_one_is_printed
     assert screen.getvalue().count("10/10 [00:10") == 1 and "9/10" not in screen.getvalue().split("10/10")[-1]
     assert log.getvalue().splitlines() == [f"[{HOST}:0] raw 1", f"[{HOST}:0] raw 5", f"[{HOST}:0] raw 9",
                                            f"[{HOST}:1] raw", f"[{HOST}:0] raw 10"]
+
+
+def test_a_terminal_shows_the_jobs_steps_live_whatever_it_prints():
+    """Rank 0's optimizer steps, counted inside its process (its payload), are a live line on a
+    terminal: a job whose own bar is hidden off a terminal (Lightning's) still shows progress."""
+    from rich.console import Console as RichConsole
+
+    from ddplaunch.output.console import LiveConsole
+
+    console = LiveConsole(io.StringIO(), None, [HOST])
+    try:
+        lines = StageLines(console)
+        for steps in (10, 50):
+            lines.emit(0, HOST, f'[{HOST}:0] DDPLAUNCH_PROGRESS_JSON {{"rank": 0, "steps": {steps}}}')
+        shown = RichConsole(file=io.StringIO(), width=120)
+        with shown.capture() as capture:
+            shown.print(console._live())
+    finally:
+        console.close()
+    assert "job: step 50" in capture.get()

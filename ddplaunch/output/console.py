@@ -31,7 +31,7 @@ from rich.text import Text
 from ddplaunch.output.who import who_of
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import EventLog, HostState, Shown
-from ddplaunch.record.results import NodeState
+from ddplaunch.record.results import NodeState, Progress
 
 #: More hosts than this are summarized as counts per state instead of one row each.
 MAX_ROWS = 16
@@ -156,6 +156,10 @@ class Console:
                 self.flush()
                 self._show(screen)
 
+    def progress(self, progress: Progress) -> None:
+        """The job's optimizer steps as rank 0 counts them (a terminal shows them live, whatever
+        the job prints: a bar hidden off a terminal, or none); nothing here, the summary says it."""
+
     def _logged(self, text: str) -> None:
         if self._log is not None:
             self._log.write(text + "\n")
@@ -243,8 +247,10 @@ class LiveConsole(Console):
                  events: Optional[EventLog] = None):
         super().__init__(stream, log, verbose, events)
         self.states: dict[str, Optional[HostState]] = {h: None for h in hosts}
-        #: each rank's newest progress bar, redrawn under the host table (the last LIVE_BARS)
+        #: each rank's newest progress bar, redrawn under the host table (the last LIVE_BARS), and
+        #: the job's steps as its rank 0 counts them
         self.live_bars: dict[tuple[str, Optional[int]], str] = {}
+        self.steps: Optional[Progress] = None
         self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
         self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
         self.live.start()
@@ -272,10 +278,15 @@ class LiveConsole(Console):
                     del self.live_bars[next(iter(self.live_bars))]
             self.live.update(self._live())
 
+    def progress(self, progress: Progress) -> None:
+        with self._lock:
+            self.steps = progress
+            self.live.update(self._live())
+
     def _live(self) -> RenderableType:
-        if not self.live_bars:
-            return self._table()
-        return Group(self._table(), *(Text(bar, no_wrap=True, overflow="ellipsis") for bar in self.live_bars.values()))
+        lines = [Text(steps_line(self.steps), no_wrap=True)] if self.steps is not None else []
+        lines += [Text(bar, no_wrap=True, overflow="ellipsis") for bar in self.live_bars.values()]
+        return Group(self._table(), *lines) if lines else self._table()
 
     def close(self) -> None:
         self.flush()
@@ -298,6 +309,13 @@ class LiveConsole(Console):
             style = "" if event is None else STATE_STYLE.get(event.state, "")
             table.add_row(f"[bold]{host}[/]", f"[{style}]{text}[/]" if style else text)
         return table
+
+
+def steps_line(progress: Progress) -> str:
+    """`job: step 1,240 (3.2 steps/s)`: the live line of a job's progress."""
+    done = progress.last_step - progress.first_step
+    rate = f" ({done / progress.training_s:.3g} steps/s)" if done > 0 and progress.training_s > 0 else ""
+    return f"job: step {progress.last_step:,}{rate}"
 
 
 def bar_at(bar: str) -> Optional[str]:

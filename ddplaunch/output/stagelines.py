@@ -189,6 +189,7 @@ class StageLines:
                        else self.progress.last_step)
             assert self.progress is not None
             self.progress.optimizer_steps = payload.steps
+            self.console.progress(self.progress)
         else:
             self._payloads.setdefault(kind, []).append((node_rank, payload))
 
