@@ -275,6 +275,22 @@ def test_a_spare_that_died_while_it_waited_is_skipped_at_no_cost_to_the_budget(t
     assert "f2 lost (" in only.describe() and "replaced by f5" in only.describe()
 
 
+def test_relaunches_that_lose_a_host_before_the_first_step_three_times_stop_with_no_progress(tmp_path):
+    """A failure that will happen again (each relaunch loses a host before the job's first step)
+    stops the run after three relaunches, not after the whole budget."""
+    hosts = [f"f{i}" for i in range(1, 9)]
+
+    def lost(host: str) -> StageScript:
+        return StageScript(nodes={h: NodeScript(silent=True, after=0.05) if h == host else NodeScript(hangs=True)
+                                  for h in hosts})
+    script = FakeScript(stages=[lost("f2"), lost("f4"), lost("f5"), lost("f6"), lost("f7")])
+    recovery = {**RECOVER, "max_host_failures": 5, "spares": ["f4", "f5", "f6", "f7", "f8"]}
+    report, out, _ = run(tmp_path, script, recovery=recovery)
+    assert report.exit_code == 1 and len(script.launched) == 4, out  # the first launch and three relaunches
+    assert "f6 lost: no progress — the last 3 relaunches each ended before the job's first step (lost: f4, f5, f6)" \
+        in out, out
+
+
 def test_a_spare_that_stops_answering_while_it_waits_is_dropped_after_two_rounds(tmp_path):
     """The spare watch (sparewatch.py), round by round: a spare that fails two rounds in a row
     while the control host answers is dropped at no cost; a round in which the control fails

@@ -6,8 +6,10 @@ lost host is replaced by a spare at its node rank (the world size stays, so a DD
 bitwise), or, without a spare left, left behind while at least `recovery.min_hosts` remain (the
 world shrinks; the job must reshard). A spare that the relaunch could not even reach died while
 it waited: it is named and skipped, the next spare takes its place, and it costs the budget
-nothing (the host that was lost is what counts). A job's own failure is never recovered. Pure:
-the run loop (run/loop.py) relaunches; this module decides and keeps the record.
+nothing (the host that was lost is what counts). A job's own failure is never recovered; nor is a
+run whose last NO_PROGRESS relaunches each lost a host before the job's first step (no progress: a
+failure that will happen again). Pure: the run loop (run/loop.py) relaunches; this module decides
+and keeps the record.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from ddplaunch.record.results import UNREACHABLE, NodeOutcome, StageResult
 from ddplaunch.spec.model import HostSpec, RecoverySpec
 
 
+#: Relaunches in a row that end before their job's first step: the run stops with "no progress"
+#: rather than spending its budget on a failure that will happen again.
+NO_PROGRESS = 3
+
+
 class RecoveryBudget:
     """The run's recoveries so far, its spares left, and the decision after each failed launch."""
 
@@ -30,6 +37,8 @@ class RecoveryBudget:
         self.lost: list[str] = []
         #: spares dropped while they waited (run/spares.py): label -> why
         self.dropped: dict[str, str] = {}
+        #: relaunches in a row that lost a host before their job's first step
+        self.stalled = 0
 
     def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None
                    ) -> tuple[Optional[list[HostSpec]], str]:
@@ -44,6 +53,12 @@ class RecoveryBudget:
         if dead and len(dead) == len(lost):
             return self._skip_dead_spares(hosts, dead)
         names = ", ".join(o.host for o in lost)
+        self.stalled = self.stalled + 1 if self.done and result.progress is None else 0
+        if self.stalled >= NO_PROGRESS:
+            return None, (f"{names} lost: no progress — the last {self.stalled} relaunches each ended before the job's "
+                          "first step (lost: " + ", ".join([h for r in self.done[-(self.stalled - 1):] for h in r.lost]
+                                                           + [names]) + "); not relaunched again: look at what ends "
+                          "them (the hosts' logs, the job's start)")
         if self.spec.max_host_failures == 0:
             return None, f"{names} lost: recovery.max_host_failures is 0 (set it to survive host failures)"
         if len(self.lost) + len(lost) > self.spec.max_host_failures:
