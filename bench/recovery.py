@@ -1,4 +1,4 @@
-"""Recovery from a crashed host, side by side in one run: ddplaunch with a spare vs torchrun's elastic mode.
+"""Recovery from a crashed (or frozen) host, side by side in one run: ddplaunch with a spare vs torchrun's elastic mode.
 
 Builds one `ddplaunch sim` cluster of 4 hosts (prefix drc, 10.213.60.0/24) and runs, interleaved
 (A B, B A, ...), `--trials` trials of each:
@@ -15,8 +15,13 @@ was gone), `resumed` (the first step printed after a "resumed from" line; "-" wh
 from), and whether the final weights equal an uninterrupted run's (same seed, same world size:
 3 for ddplaunch; elastic changes its world from 4 to 3, so no run it could equal exists).
 
+`--fault freeze` stops the host's processes of the run instead (SIGSTOP: a hung device; its host
+answers, its heartbeat goes on), with the hang timeout left at its default; `--baseline REV` runs
+ddplaunch of an earlier commit too (a git worktree of it), interleaved, as `ddplaunch-REV`.
+
 Needs root and pdsh (`apt-get install -y pdsh`); tears its sim down at the end.
-Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--json out.json]
+Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--fault crash|freeze]
+       [--kinds ddplaunch,elastic] [--baseline REV] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -132,27 +138,49 @@ def elastic_argv(cluster, work: Path, name: str, port: int, tag: str) -> list[st
     return ["pdsh", "-R", "ssh", "-f", "4", "-w", ",".join(addrs), remote]
 
 
-def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, victim: str = "worker") -> dict:
+def freeze(tag: str, host: str) -> None:
+    """SIGSTOP the run's processes on `host` (torchrun, its workers): as a hung device leaves them."""
+    from ddplaunch.hostside import procs
+
+    for pid, environ in procs.run_processes(tag, any_netns=True).items():
+        if environ.get(b"DDPLAUNCH_HOST") != host.encode():
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"RANK" in environ or b"torch.distributed.run" in argv or b"torchrun" in argv:  # not its shell, its agent
+            os.kill(pid, signal.SIGSTOP)
+
+
+def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, victim: str = "worker",
+          fault: str = "crash", baseline: Optional[Path] = None) -> dict:
     tag = f"bench-{kind}-{victim}-{n}"
     crashed = cluster.hosts[VICTIMS[victim]].name
     at = random.randint(8, 20)
-    if kind == "ddplaunch":
+    cwd = ROOT
+    if kind.startswith("ddplaunch"):
         argv = [sys.executable, "-m", "ddplaunch", "up", str(spec_for(cluster, work, tag, spare=True)),
                 "--run-id", tag]
+        if kind != "ddplaunch":  # an earlier commit's, from its worktree
+            cwd, env = baseline, dict(env, PYTHONPATH=str(baseline))
     else:
         (work / tag).mkdir(parents=True, exist_ok=True)
         argv = elastic_argv(cluster, work, tag, random.randint(20000, 39999), tag)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
                             start_new_session=True)
     lines = Lines(proc)
-    row = {"kind": kind, "victim": victim, "trial": n, "crash_at_step": at}
+    row = {"kind": kind, "victim": victim, "trial": n, "crash_at_step": at, "fault": fault}
     try:
         hit = lines.wait(lambda line: (m := STEP_RE.search(line)) is not None and int(m.group(1)) >= at, 240)
         if hit is None:
             row["error"] = "never reached the crash step:\n" + lines.text()[-2000:]
             return row
         t_crash = time.time()
-        sim_fault(cluster, crashed, crash=True)
+        if fault == "freeze":
+            freeze(tag, crashed)
+        else:
+            sim_fault(cluster, crashed, crash=True)
         resumed = lines.wait(lambda line: RESUMED_RE.search(line) is not None, give_up, after=t_crash)
         first = None
         if resumed is not None:
@@ -166,7 +194,7 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
             row["resumed_s"] = round(first[0] - t_crash, 1)
             row["last_step"], row["resumed_from"] = last_before, int(RESUMED_RE.search(resumed[1]).group(1))
             row["redone"] = row["last_step"] - row["resumed_from"]
-        if kind == "ddplaunch":
+        if kind.startswith("ddplaunch"):
             proc.wait(timeout=max(60.0, t_crash + give_up - time.time()))
             view = RunView.of(read_events(Path(env["DDPLAUNCH_HOME"]) / "runs" / tag))
             rec = to_data(view.recoveries[0]) if view.recoveries else {}
@@ -181,7 +209,8 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         kill_tagged(tag)
-        sim_fault(cluster, crashed, clear=True)
+        if fault == "crash":
+            sim_fault(cluster, crashed, clear=True)
     return row
 
 
@@ -205,22 +234,23 @@ def table(rows: list[dict], ref: str, give_up: float) -> str:
     for kind, victim in sorted({(r["kind"], r["victim"]) for r in rows}):
         mine = [r for r in rows if (r["kind"], r["victim"]) == (kind, victim)]
         resumed = [r["resumed_s"] for r in mine if "resumed_s" in r]
-        label = "ddplaunch, 3 hosts + 1 spare" if kind == "ddplaunch" else "torchrun --nnodes 3:4 (c10d), pdsh"
+        label = (f"{kind}, 3 hosts + 1 spare" if kind.startswith("ddplaunch")
+                 else "torchrun --nnodes 3:4 (c10d), pdsh") + (f" ({mine[0].get('fault', 'crash')})")
         # elastic runs are stopped once resumed (their world changed: nothing to compare): "-", not 0/N
-        equal = f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)}" if kind == "ddplaunch" else "-"
+        equal = f"{sum(r.get('sha') == ref for r in mine)}/{len(mine)}" if kind.startswith("ddplaunch") else "-"
         missing = len(mine) - len(resumed)
         out.append(f"| {label} | {victim} | {len(mine)} | {_med([r['named_s'] for r in mine if 'named_s' in r])} | "
                    f"{_med(resumed)}{f'; {missing} not resumed within {give_up:.0f}s' if missing else ''}"
                    f" | {_med([r['redone'] for r in mine if 'redone' in r])} | {equal} |")
-    phased = [r for r in rows if r["kind"] == "ddplaunch"]
+    phased = [r for r in rows if r["kind"].startswith("ddplaunch")]
     if phased:
-        out += ["", "ddplaunch's phases (median seconds after the crash, from its record):", "",
-                "| host crashed | named | survivors stopped | relaunch started | first resumed step |",
-                "|---|---:|---:|---:|---:|"]
-        for victim in sorted({r["victim"] for r in phased}):
-            mine = [r for r in phased if r["victim"] == victim]
+        out += ["", "ddplaunch's phases (median seconds after the fault, from its record):", "",
+                "| launcher | host | named | survivors stopped | relaunch started | first resumed step |",
+                "|---|---|---:|---:|---:|---:|"]
+        for kind, victim in sorted({(r["kind"], r["victim"]) for r in phased}):
+            mine = [r for r in phased if (r["kind"], r["victim"]) == (kind, victim)]
             cells = [_med([r[k] for r in mine if k in r]) for k, _ in PHASES]
-            out.append(f"| {victim} | {' | '.join(cells)} |")
+            out.append(f"| {kind} | {victim} | {' | '.join(cells)} |")
     return "\n".join(out)
 
 
@@ -233,10 +263,14 @@ def main() -> None:
                     help="crash a worker's host, the master's (ddplaunch only: it is elastic's rendezvous host)")
     ap.add_argument("--dist-timeout", type=int, default=None,
                     help="the job's collective timeout in seconds (jobs/train.py --dist-timeout; default 300)")
+    ap.add_argument("--fault", choices=("crash", "freeze"), default="crash")
+    ap.add_argument("--baseline", metavar="REV", default=None,
+                    help="also ddplaunch of git commit REV (a worktree of it), interleaved, as ddplaunch-REV")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", action="store_true", help="keep the runs' records and logs (printed: where)")
     args = ap.parse_args()
     kinds, victims = args.kinds.split(","), args.victims.split(",")
+    kinds += [f"ddplaunch-{args.baseline}"] if args.baseline else []
     if "elastic" in kinds and shutil.which("pdsh") is None:
         sys.exit("pdsh missing: apt-get install -y pdsh")
     global sim_fault
@@ -252,15 +286,22 @@ def main() -> None:
         TRAIN.extend(["--dist-timeout", str(args.dist_timeout)])
     runs = [(k, v) for v in victims for k in kinds if not (k == "elastic" and v == "master")]
     rows: list[dict] = []
+    baseline = work / "baseline"
+    if args.baseline:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
+                       check=True, capture_output=True)
     try:
         ref = reference(cluster, work, env)
         for n in range(args.trials):
             for kind, victim in (runs if n % 2 == 0 else runs[::-1]):
-                row = trial(kind, cluster, work, n, args.give_up, env, victim)
+                row = trial(kind, cluster, work, n, args.give_up, env, victim, args.fault, baseline)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
         sim_down(cluster.state_dir)
+        if args.baseline:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
+                           capture_output=True)
         if args.keep:
             print(f"records and logs kept in {work}/state/runs")
         else:
