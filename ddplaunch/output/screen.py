@@ -41,15 +41,29 @@ class Piece:
 
 def pieces(line: str, host: str) -> list[Piece]:
     """`line` (one line a node printed, without its newline) cut before every `[host:rank] ` that
-    begins inside it (torchrun's prefix of this node's ranks), each piece with its screen text."""
-    starts = [m.start() for m in re.finditer(rf"\[{re.escape(host)}:\d+\] ", line) if m.start() > 0]
-    bounds = [0, *starts, len(line)]
+    begins inside it (torchrun's prefix of this node's ranks), each piece with its screen text.
+    String search, no pattern per host: a thousand hosts' patterns would not stay compiled."""
+    starts, at = [0], line.find(f"[{host}:", 1)
+    while at > 0:
+        if prefix_of(line[at:], host):
+            starts.append(at)
+        at = line.find(f"[{host}:", at + 1)
+    bounds = [*starts, len(line)]
     return [_piece(line[a:b], host) for a, b in zip(bounds, bounds[1:]) if line[a:b]]
 
 
+def prefix_of(text: str, host: str) -> str:
+    """The `[host:rank] ` or `[host] ` that `text` starts with ("" when none)."""
+    if not text.startswith(f"[{host}"):
+        return ""
+    end = text.find("] ", len(host) + 1)
+    middle = text[len(host) + 1:end] if end > 0 else "x"
+    return text[:end + 2] if middle == "" or middle[:1] == ":" and middle[1:].isdigit() else ""
+
+
 def _piece(raw: str, host: str) -> Piece:
-    prefix = re.match(rf"\[{re.escape(host)}(?::\d+)?\] ", raw)
-    head, body = (raw[:prefix.end()], raw[prefix.end():]) if prefix else ("", raw)
+    head = prefix_of(raw, host)
+    body = raw[len(head):]
     segments = [screen_text(s) for s in body.split("\r")]
     last = next((s for s in reversed(segments) if s.strip()), "")
     return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None)

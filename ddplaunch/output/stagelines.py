@@ -14,7 +14,6 @@ hands it all to the `StageResult`.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
 from collections import deque
@@ -23,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ddplaunch.hostside.payloads import (Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
                                          RankStart, StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
-from ddplaunch.output.screen import Piece, pieces
+from ddplaunch.output.screen import Piece, pieces, prefix_of
 from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
 from ddplaunch.output.who import rank_of
 from ddplaunch.plan.launch import Stage
@@ -94,13 +93,13 @@ class StageLines:
         marker = PAYLOAD_RE.search(line)
         if marker is not None:
             before = line[:marker.start()]
-            head = re.match(rf"\[{re.escape(host)}(?::\d+)?\] ", before)
-            self._payload(node_rank, f"{head.group(0) if head else f'[{host}] '}{line[marker.start():]}",
-                          marker.group(1), marker.group(2), host, mono)
+            head = prefix_of(before, host)
+            self._payload(node_rank, f"{head or f'[{host}] '}{line[marker.start():]}", marker.group(1),
+                          marker.group(2), host, mono)
             line = before  # what the rank printed before it, without a newline
-            if head is not None and not line[head.end():].strip() or not line.strip():
+            if not line[len(head):].strip():
                 return
-        for piece in pieces(line, host):
+        for piece in pieces(line, host) or [Piece(line, "", False)]:  # an empty line: logged, not shown
             self._text(node_rank, host, piece, mono)
 
     def _payload(self, node_rank: int, line: str, kind: str, text: str, host: str, mono: float) -> None:
