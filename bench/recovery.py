@@ -157,6 +157,9 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
           fault: str = "crash", baseline: Optional[Path] = None) -> dict:
     tag = f"bench-{kind}-{victim}-{n}"
     crashed = cluster.hosts[VICTIMS[victim]].name
+    # a home of its own: the hosts an earlier trial lost are remembered bad there, and the next
+    # `up` would put the spare in the victim's place (recovery.remember_bad_hosts)
+    env = dict(env, DDPLAUNCH_HOME=str(work / "state" / tag))
     at = random.randint(8, 20)
     cwd = ROOT
     if kind.startswith("ddplaunch"):

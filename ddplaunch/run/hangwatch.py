@@ -26,7 +26,7 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: Seconds without a line from any rank after which a host whose every rank its agent says is
 #: stopped ends the wait (job.hang_timeout stays the bound otherwise).
-EVIDENT_S = 10.0
+EVIDENT_S = 5.0
 #: The process states that say a rank was stopped (it cannot go on until it is continued).
 STOPPED = ("T", "t")
 
