@@ -23,6 +23,9 @@ def _netns(pid: int | str) -> str:
 #: uninterruptible wait (a hung device or file system). py-spy would wait for a stopped one; the
 #: node agent says its ranks in these states, and the hang watchdog names them.
 FROZEN = ("T", "t", "D")
+#: The states of a process that was stopped (SIGSTOP, a debugger): it acts on no signal but
+#: SIGKILL and SIGCONT until it is continued.
+STOPPED = ("T", "t")
 #: What a frozen process's state letter means.
 FROZEN_WHY = {"T": "stopped", "t": "stopped by a debugger", "D": "in an uninterruptible wait"}
 

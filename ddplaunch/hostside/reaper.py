@@ -2,7 +2,8 @@
 
 Usage: `python - RUN_ID [--term PIDFILE...] [--kill] [--clean] [--containers RUNTIME]` with
 procs.py + this source on stdin or `-c`. `--term`: SIGTERM the pids recorded in these files
-(torchrun stops its workers) — each pid only after checking it is the run's. `--containers`
+(torchrun stops its workers) — each pid only after checking it is the run's; a stopped one (a frozen
+host's: it cannot act on SIGTERM) is killed, with every stopped process of the run here. `--containers`
 (docker, podman): with `--kill`, first remove the run's containers of this user (by their labels:
 the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grace SIGKILL,
 whatever of the run is left. `--clean`: then remove what of the run's directory may hold what the
@@ -19,7 +20,7 @@ import sys
 import time
 
 try:
-    from ddplaunch.hostside.procs import is_run_process, proc_alive, run_processes
+    from ddplaunch.hostside.procs import STOPPED, is_run_process, proc_alive, run_processes, state_of
 except ImportError:  # sent to a host as one program: procs.py's source comes first
     pass
 
@@ -41,6 +42,13 @@ def term_pidfiles(run_id: str, paths: list[str]) -> list[int]:
                 sent.append(pid)
             except OSError:
                 pass
+    if any(state_of(pid) in STOPPED for pid in sent):  # frozen: it cannot act on SIGTERM, nor its workers
+        for pid in run_processes(run_id):
+            if state_of(pid) in STOPPED:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
     return sent
 
 

@@ -19,6 +19,7 @@ from ddplaunch.diagnose.links import broken_links
 from ddplaunch.diagnose.stacks import (DUMP_TIMEOUT, collect_stacks, frozen_by_agents, frozen_hosts, save_stacks,
                                        summarize_stacks)
 from ddplaunch.hostside.payloads import HostFrozen
+from ddplaunch.hostside.procs import STOPPED
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -27,8 +28,6 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 #: Seconds without a line from any rank after which a host whose every rank its agent says is
 #: stopped ends the wait (job.hang_timeout stays the bound otherwise).
 EVIDENT_S = 5.0
-#: The process states that say a rank was stopped (it cannot go on until it is continued).
-STOPPED = ("T", "t")
 
 
 class HangWatchdog:
