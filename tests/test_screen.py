@@ -113,13 +113,14 @@ def test_on_a_terminal_each_ranks_bar_is_one_live_line_and_a_full_one_is_printed
         console.bar(f"[{HOST}:1] raw", f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]")
         assert console.live_bars == {(HOST, 0): f"[{HOST}:0] 90%|█| 9/10 [00:09<00:00, 1it/s]",
                                      (HOST, 1): f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]"}
-        console.bar(f"[{HOST}:0] raw 10", f"[{HOST}:0] 100%|█| 10/10 [00:10<00:00, 1it/s]")
+        for _ in range(2):  # the full bar, then its redraw as it closes
+            console.bar(f"[{HOST}:0] raw 10", f"[{HOST}:0] 100%|█| 10/10 [00:10<00:00, 1it/s]")
         assert list(console.live_bars) == [(HOST, 1)]  # the full one left the live lines, printed once
     finally:
         console.close()
     assert screen.getvalue().count("10/10 [00:10") == 1 and "9/10" not in screen.getvalue().split("10/10")[-1]
     assert log.getvalue().splitlines() == [f"[{HOST}:0] raw 1", f"[{HOST}:0] raw 5", f"[{HOST}:0] raw 9",
-                                           f"[{HOST}:1] raw", f"[{HOST}:0] raw 10"]
+                                           f"[{HOST}:1] raw", f"[{HOST}:0] raw 10", f"[{HOST}:0] raw 10"]
 
 
 def test_a_terminal_shows_the_jobs_steps_live_whatever_it_prints():

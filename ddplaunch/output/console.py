@@ -267,11 +267,13 @@ class LiveConsole(Console):
             who = who_of(screen) if screen else None
             if who is None:
                 return
-            key = (who.host, who.rank)
+            key, at = (who.host, who.rank), bar_at(screen)
             self.live_bars.pop(key, None)
             if full(screen):
-                self.flush()
-                self._show(screen)
+                if self._bars.get(key, (0.0, None))[1] != at:  # once: not again as it closes
+                    self._bars[key] = (time.monotonic(), at)
+                    self.flush()
+                    self._show(screen)
             else:
                 self.live_bars[key] = screen
                 while len(self.live_bars) > LIVE_BARS:
