@@ -232,7 +232,7 @@ def _med(xs: list) -> str:
 
 
 def table(rows: list[dict], ref: str, give_up: float) -> str:
-    out = ["| launcher | host crashed | trials | crash → host named (s) | crash → resumed step (s) | steps redone | "
+    out = ["| launcher | host | trials | fault → host named (s) | fault → resumed step (s) | steps redone | "
            "final weights = uninterrupted |", "|---|---|---:|---:|---:|---:|---:|"]
     for kind, victim in sorted({(r["kind"], r["victim"]) for r in rows}):
         mine = [r for r in rows if (r["kind"], r["victim"]) == (kind, victim)]

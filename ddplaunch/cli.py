@@ -160,8 +160,10 @@ def _age(ctx: click.Context, param: click.Parameter, value: str | None) -> float
 
 
 @cli.command()
-@click.option("--goodput", is_flag=True, help="Where the ended runs' time went: goodput and seconds per cause, and the total.")
-@click.option("--since", callback=_age, default=None, metavar="AGE", help="Only runs started within AGE (7d, 12h, 30m).")
+@click.option("--goodput", is_flag=True,
+              help="Where the ended runs' time went: goodput and seconds per cause, and the total.")
+@click.option("--since", callback=_age, default=None, metavar="AGE",
+              help="Only runs started within AGE (7d, 12h, 30m).")
 @_handle_errors
 def runs(goodput: bool, since: float | None) -> None:
     """List recorded runs, newest first."""
@@ -199,7 +201,8 @@ def _goodput_table(records: list[Any]) -> Any:
 
 
 HEALTH_FILE_OPT = click.option("--file", "path", type=click.Path(dir_okay=False), default=None,
-                               help="A shared host-health file (recovery.host_health_file) [default: ~/.ddplaunch/host-health.json].")
+                               help="A shared host-health file (recovery.host_health_file) "
+                                    "[default: ~/.ddplaunch/host-health.json].")
 
 
 @cli.group("hosts", invoke_without_command=True)

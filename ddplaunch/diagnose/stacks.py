@@ -117,8 +117,8 @@ def frozen_by_agents(reports: dict[str, HostFrozen], stacks: list[RankStack], ho
         ranks = {int(r): v for r, v in said.ranks.items() if r.isdigit() and isinstance(v, list) and len(v) == 2}
         for rank, (state, pid) in sorted(ranks.items()):
             if (host, rank) not in dumped:
-                found.append(RankStack(host=host, pid=int(pid), rank=rank,
-                                       where=f"frozen (process state {state}: {FROZEN_WHY.get(str(state), 'cannot run')})"))
+                why = FROZEN_WHY.get(str(state), "cannot run")
+                found.append(RankStack(host=host, pid=int(pid), rank=rank, where=f"frozen (process state {state}: {why})"))
         if ranks and len(ranks) >= said.of:
             states = "/".join(sorted({str(state) for state, _ in ranks.values()}))
             pids = " ".join(str(pid) for _, pid in ranks.values())

@@ -3,8 +3,9 @@
 `HangWatchdog` runs beside the job stage: after `job.hang_timeout` seconds without a line from
 any rank (EVIDENT_S, where the node agents say a host's every rank is stopped) it has every
 worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck and ends the run.
-Ranks the node agents said are frozen are named so whether or not their host's dump answered. A host whose ranks are frozen, or whose training link a link test finds broken
-(diagnose/links.py), is named as lost: with recovery on, a spare takes its place.
+Ranks the node agents said are frozen are named so whether or not their host's dump answered. A
+host whose ranks are frozen, or whose training link a link test finds broken (diagnose/links.py),
+is named as lost: with recovery on, a spare takes its place.
 """
 
 from __future__ import annotations
