@@ -15,6 +15,7 @@ DDPLAUNCH_TEST_SLURM_PREFIX / DDPLAUNCH_TEST_SLURM_SUBNET), so it can be up next
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -47,6 +48,7 @@ def sim_cluster() -> Iterator[SimCluster]:
     if reason:
         pytest.skip(reason)
     with shared_cluster(SIM_HOSTS) as cluster:
+        drop_leftover_cuts([h.addr for h in cluster.hosts])
         yield cluster
 
 
@@ -64,7 +66,21 @@ def slurm_cluster() -> Iterator[SimCluster]:
         pytest.skip(reason)
     with shared_cluster(SLURM_HOSTS, prefix=SLURM_TEST_PREFIX, subnet=SLURM_TEST_SUBNET,
                         slurm=True) as cluster:
+        drop_leftover_cuts([h.addr for h in cluster.hosts])
         yield cluster
+
+
+def drop_leftover_cuts(addrs: list[str]) -> None:
+    """Remove what a test killed mid-way may have left on this machine between it and the sim
+    hosts `addrs`: iptables DROP rules (test_recovery's launcher cut off) and blackhole routes
+    (test_bastion's unroutable hosts). Every later test would find the hosts unreachable."""
+    listed = subprocess.run(["iptables", "-w", "-S"], capture_output=True, text=True, timeout=30).stdout
+    for line in listed.splitlines():
+        words = line.split()
+        if words[:1] == ["-A"] and "DROP" in words and any(f"{a}/32" in words for a in addrs):
+            subprocess.run(["iptables", "-w", "-D", *words[1:]], capture_output=True, timeout=30)
+    for addr in addrs:
+        subprocess.run(["ip", "route", "del", "blackhole", f"{addr}/32"], capture_output=True, timeout=10)
 
 
 #: How long a Slurm test waits for the nodes the test before it used to be idle again (a cancelled
