@@ -114,13 +114,13 @@ def frozen_by_agents(reports: dict[str, HostFrozen], stacks: list[RankStack], ho
     found: list[RankStack] = []
     whole: dict[str, str] = {}
     for host, said in reports.items():
-        ranks = {int(r): v for r, v in said.ranks.items() if r.isdigit() and isinstance(v, list) and len(v) == 2}
+        ranks = said.states()
         for rank, (state, pid) in sorted(ranks.items()):
             if (host, rank) not in dumped:
-                why = FROZEN_WHY.get(str(state), "cannot run")
-                found.append(RankStack(host=host, pid=int(pid), rank=rank, where=f"frozen (process state {state}: {why})"))
+                why = FROZEN_WHY.get(state, "cannot run")
+                found.append(RankStack(host=host, pid=pid, rank=rank, where=f"frozen (process state {state}: {why})"))
         if ranks and len(ranks) >= said.of:
-            states = "/".join(sorted({str(state) for state, _ in ranks.values()}))
+            states = "/".join(sorted({state for state, _ in ranks.values()}))
             pids = " ".join(str(pid) for _, pid in ranks.values())
             whole[host] = f"its ranks are frozen (process state {states}: pid {pids}), as its node's agent saw"
     return found, whole if len(whole) < hosts else {}

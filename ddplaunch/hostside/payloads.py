@@ -99,6 +99,11 @@ class HostFrozen:  # a node's agent, when it changes: its ranks that cannot run 
     ranks: dict[str, Any]
     of: int
 
+    def states(self) -> dict[int, tuple[str, int]]:
+        """rank -> (state letter, pid), of the well-formed entries (a line is read from a host)."""
+        return {int(r): (str(v[0]), int(v[1])) for r, v in self.ranks.items()
+                if r.isdigit() and isinstance(v, list) and len(v) == 2 and isinstance(v[1], int)}
+
 
 PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing, HostWindow,
                                       HostSteps, HostFrozen)}

@@ -81,7 +81,7 @@ class HangWatchdog:
         another host's can run. Not a wait in the kernel (D): a checkpoint's write to a slow file
         system looks the same for a while, and gets the whole job.hang_timeout."""
         stopped = {host: said for host, said in self.frozen().items()
-                   if all(isinstance(v, list) and v and v[0] in STOPPED for v in said.ranks.values())}
+                   if all(state in STOPPED for state, _ in said.states().values())}
         return bool(frozen_by_agents(stopped, [], len(self.plan.nodes))[1])
 
     def _fire(self, idle: float) -> None:

@@ -91,7 +91,7 @@ class StepsWatch:
                     self._frozen[host] = payload
                 else:
                     self._frozen.pop(host, None)
-            self.say(RanksFrozen(host, {r: str(v[0]) for r, v in payload.ranks.items() if isinstance(v, list) and v}))
+            self.say(RanksFrozen(host, {str(r): state for r, (state, _) in payload.states().items()}))
 
     def frozen(self) -> dict[str, HostFrozen]:
         """The hosts whose agents say some of their ranks are frozen now: label -> what they said."""
