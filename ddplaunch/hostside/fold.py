@@ -81,8 +81,11 @@ class Status:
 
     def __init__(self) -> None:
         self.recent: dict[int, list[tuple[int, float, float]]] = {}
+        #: every rank that reported: the node's ranks, not only those that stepped since the last line
+        self.seen: set[int] = set()
 
     def add(self, rank: int, steps: list[Any]) -> None:
+        self.seen.add(rank)
         mine = self.recent.setdefault(rank, [])
         mine += _steps(steps)
         del mine[:-64]
@@ -98,4 +101,4 @@ class Status:
         compute = {r: statistics.median(t - w for _, t, w in v) for r, v in recent.items()}
         worst = max(compute, key=lambda r: compute[r])
         return {"step": max(s for v in recent.values() for s, _, _ in v), "step_s": round(step_s, 6),
-                "wait_s": round(wait_s, 6), "ranks": len(recent), "worst": [worst, round(compute[worst], 6)]}
+                "wait_s": round(wait_s, 6), "ranks": len(self.seen), "worst": [worst, round(compute[worst], 6)]}
