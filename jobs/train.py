@@ -83,7 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     # Test hooks.
-    p.add_argument("--fail-at-step", type=int, default=None, help="with --fail-rank: exit 3 there")
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="with --fail-rank: exit 3 there, in the first launch only (a transient failure)")
+    p.add_argument("--raise-at-step", type=int, default=None,
+                   help="with --fail-rank: raise ValueError there, in every launch (a failure that repeats)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument("--dist-timeout", type=float, default=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")),
@@ -363,6 +366,8 @@ def main(argv=None) -> int:
     init_distributed(backend, timeout, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # the first launch: neither torchrun nor ddplaunch (a recovery, a restart) started it again
+    first_launch = restart == 0 and os.environ.get("DDPLAUNCH_RECOVERY", "0") == "0"
     if rank == 0:
         say(f"train: world_size={world} backend={backend} host={socket.gethostname()} "
             f"restart={restart} ckpt_dir={args.ckpt_dir}")
@@ -425,9 +430,11 @@ def main(argv=None) -> int:
         # Skipping the batches already done this epoch keeps a resumed run's batch sequence
         # identical to an uninterrupted one.
         for batch_no in range(done_in_epoch, steps_per_epoch):
-            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
+            if step == args.fail_at_step and rank == args.fail_rank and first_launch:
                 say(f"rank={rank} failing on purpose at step {step} (--fail-at-step)")
                 os._exit(3)
+            if step == args.raise_at_step and rank == args.fail_rank:
+                raise ValueError(f"injected failure at step {step} (--raise-at-step)")
             idx = torch.tensor(order[batch_no * args.batch_size:(batch_no + 1) * args.batch_size])
             xb, yb = x_all[idx].to(device), y_all[idx].to(device)
             burn(args.burn_ms)

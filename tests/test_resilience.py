@@ -1,5 +1,6 @@
-"""Resilience on the sim cluster: elastic restarts that lose nothing (bitwise, at world size 4) and a
-host that never starts torchrun named within the rendezvous timeout. Hangs and mismatched
+"""Resilience on the sim cluster: restarts (job.max_restarts) that lose nothing (bitwise, at world
+size 4) and stop on a failure that repeats, and a host that never starts torchrun named within the
+rendezvous timeout. Hangs and mismatched
 collectives are in the fault matrix (tests/test_fault_matrix.py, every backend); their pure parts
 (stack summaries, PyTorch's mismatch lines) are tested here first."""
 
@@ -97,6 +98,9 @@ def _train_spec(cluster, tmp_path: Path, name: str, *args: str, **job) -> Path:
 
 
 def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, tmp_path):
+    """job.max_restarts: a rank killed mid-training is restarted with every other rank, on every
+    host together (one new launch, never torchrun's per-node restarts), resumes from its checkpoint
+    and ends with the weights of an undisturbed run."""
     ref = ddplaunch(["up", str(_train_spec(sim_cluster, tmp_path, "ref")), "--run-id", "res-ref"], tmp_path)
     assert ref.returncode == 0, ref.stdout[-3000:]
     (want,) = SHA_RE.findall(ref.stdout)
@@ -110,13 +114,32 @@ def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, 
     os.kill(victim, signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
+    assert f"restart 1 of at most 1 (job.max_restarts): the job failed (rank 3 on {host2} killed by SIGKILL)" in out
     assert re.search(r"resumed from \S+ckpt_step\d+\.pt at step \d+", out), out[-4000:]
-    assert re.search(rf"stage job: ok on all 2 node\(s\) in [\d.]+s; workers restarted: .*{host2} 1x", out), out[-2000:]
+    assert re.search(rf"stage job: rank 3 on {host2} killed by SIGKILL after [\d.]+s: restarted \(relaunch 1\)", out)
+    assert re.search(r"stage job: ok on all 2 node\(s\) in [\d.]+s\n", out), out[-2000:]
+    assert "workers restarted" not in out  # torchrun restarted nothing by itself
     (got,) = SHA_RE.findall(out)
     assert got == want
     assert run_processes("res-restart") == {}
     check_doc_example("restarts", out, [h.name for h in sim_cluster.hosts],
-                      [r"\[\S+:0\] (train: world_size|resumed from)", r"stage job: ", r"run \S+: "])
+                      [r"\[\S+:0\] (train: world_size|resumed from)", r"stage job: ", r"recovered from",
+                       r"  the job failed", r"run \S+: "])
+
+
+def test_the_same_exception_after_a_restart_stops_the_run_naming_it(sim_cluster, tmp_path):
+    """A job that raises the same error at the same step in every launch is restarted once, then
+    stopped with its exception, rank and host in the summary: max_restarts is not spent on it."""
+    spec = _train_spec(sim_cluster, tmp_path, "again", "--raise-at-step", "3", "--fail-rank", "2",
+                       "--epochs", "1", max_restarts=3)
+    out = ddplaunch(["up", str(spec), "--run-id", "res-again"], tmp_path, timeout=300).stdout
+    host2 = sim_cluster.hosts[1].name
+    failed = f"rank 2 on {host2} raised ValueError: injected failure at step 3 (--raise-at-step) (train.py:"
+    assert f"restart 1 of at most 3 (job.max_restarts): the job failed ({failed}" in out, out[-4000:]
+    assert re.search(rf"not recovered: the same failure again: {re.escape(failed)}\d+\), as before restart 1: "
+                     "not retried", out), out[-3000:]
+    assert out.count("stage job: master") == 2 and out.rstrip().endswith("FAILED (exit 1)"), out[-3000:]
+    assert run_processes("res-again") == {}
 
 
 def _sleepers(seconds: str) -> list[int]:

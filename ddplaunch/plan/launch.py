@@ -68,7 +68,9 @@ def in_run_dir(run_id: str, name: str) -> HostPath:
 @dataclass(frozen=True)
 class TorchrunArgs:
     """One torchrun invocation's options. `node_rank` may be a word a backend's renderer resolves
-    per node (a Slurm step). Forwarded signals include SIGUSR2, Slurm's preemption warning."""
+    per node (a Slurm step). Forwarded signals include SIGUSR2, Slurm's preemption warning.
+    torchrun never restarts its workers (`--max-restarts 0`): its restarts are per node and fall
+    out of step across hosts; `job.max_restarts` relaunches every host together (run/recovery.py)."""
 
     nnodes: int
     node_rank: Union[int, str]
@@ -77,7 +79,6 @@ class TorchrunArgs:
     master_port: int
     rdzv_id: str
     rdzv_timeout: int
-    max_restarts: int
     log_dir: str
     signals_to_handle: Optional[str] = None
 
@@ -87,7 +88,7 @@ class TorchrunArgs:
                "--nproc-per-node", self.nproc_per_node,
                "--master-addr", self.master_addr, "--master-port", str(self.master_port),
                "--rdzv-id", self.rdzv_id, "--rdzv-conf", f"timeout={self.rdzv_timeout}",
-               "--max-restarts", str(self.max_restarts), "--tee", "3", "--log-dir", self.log_dir]
+               "--max-restarts", "0", "--tee", "3", "--log-dir", self.log_dir]
         if self.signals_to_handle:
             out += ["--signals-to-handle", self.signals_to_handle]
         return out
@@ -212,12 +213,11 @@ def tool_python(spec: ClusterSpec, host: Optional[HostSpec]) -> str:
 
 @dataclass(frozen=True)
 class _Program:
-    """What a stage's workers run: script, arguments, staged files, torchrun's restarts."""
+    """What a stage's workers run: script, arguments, staged files."""
 
     script: str
     args: list[str]
     uploads: tuple[tuple[str, str], ...]
-    max_restarts: int
 
 
 def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list[str]],
@@ -226,7 +226,7 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
     agent = tuple((str(src), src.name) for src in AGENT_SOURCES if src not in ENTRY_SOURCES)
     if stage == "healthcheck":
         return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, pairwise),
-                        healthcheck + tuple((str(src), src.name) for src in AGENT_SOURCES), 0)
+                        healthcheck + tuple((str(src), src.name) for src in AGENT_SOURCES))
     script: str = spec.job.script
     uploads: tuple[tuple[str, str], ...] = ()
     try:
@@ -242,8 +242,7 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
     resume = spec.job.resume_args if recovery else []  # a relaunch tells the job to resume
     args = [*head, "--", script, *(spec.job.args if job_args is None else job_args), *resume]
     return _Program(in_run_dir(run_id, "entry.py"), args,
-                    (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads),
-                    spec.job.max_restarts)
+                    (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads))
 
 
 EMULATOR_SOURCE = HOSTSIDE / "emulator.py"
@@ -375,7 +374,7 @@ def _node(spec: ClusterSpec, where: _Where, program: _Program, rank: int, host: 
             # in a container the host counts its GPUs itself (`python:` is the image's)
             nproc_per_node=GpuCount("" if spec.container else python) if nproc == "auto" else str(nproc),
             master_addr=where.addr, master_port=where.port, rdzv_id=run_id, rdzv_timeout=spec.rdzv_timeout,
-            max_restarts=program.max_restarts, log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
+            log_dir=in_run_dir(run_id, f"torchrun-{stage}-node{rank}"),
             signals_to_handle=SIGNALS_TO_HANDLE)
     return NodeCommand(
         stage=stage, node_rank=rank, host_label=host.label, workdir=spec.workdir_path,
@@ -388,7 +387,7 @@ def _emulated(run_id: str, emulate: Emulation, nnodes: int) -> _Program:
     """The program of an emulated job: the emulator, with the entry's and the agent's files."""
     sources = (EMULATOR_SOURCE, *ENTRY_SOURCES, *(s for s in AGENT_SOURCES if s not in ENTRY_SOURCES))
     return _Program(in_run_dir(run_id, EMULATOR_SOURCE.name), emulate.args(nnodes),
-                    tuple((str(src), src.name) for src in sources), 0)
+                    tuple((str(src), src.name) for src in sources))
 
 
 def _container(spec: ClusterSpec, run_id: str, stage: str, rank: int, env: Mapping[str, str]

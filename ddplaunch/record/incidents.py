@@ -1,7 +1,7 @@
-"""What happened to the run's hosts while it ran, as data: a survived host failure (`Recovery`:
-what was lost, why, what took its place, when training resumed) and a host named slower than its
-peers (`Straggler`, with the evidence). The run loop and its judges fill them; readers render
-them. Data only."""
+"""What happened to the run's hosts while it ran, as data: a survived failure (`Recovery`: a host
+lost, why, what took its place, or the job's own failure restarted on the same hosts; when training
+resumed) and a host named slower than its peers (`Straggler`, with the evidence). The run loop and
+its judges fill them; readers render them. Data only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from ddplaunch.record.results import Progress
 
 @dataclass
 class Recovery:
-    """One survived host failure: what was lost, why, what took its place, when training resumed."""
+    """One survived failure, each a relaunch of the job: hosts lost (what, why, what took their
+    place), or the job's own failure restarted on the same hosts (`job.max_restarts`: `failure`
+    says what failed); when training resumed."""
 
     number: int
     lost: list[str]
@@ -41,10 +43,25 @@ class Recovery:
     #: with no load and no word of resuming: restarted from scratch.
     loaded: list[str] = field(default_factory=list)
     from_scratch: bool = False
+    #: A restart (no host lost): what the job's failing rank did, for people (`rank 1 on dlr2 raised
+    #: ValueError: boom (train.py:52)`), and what makes a later failure the same one (its
+    #: exception's type and line, or its signal; "" when neither is known).
+    failure: str = ""
+    failure_key: str = ""
+
+    def what(self) -> str:
+        """`dlr1, dlr2 lost`, or `rank 1 on dlr2 raised ...` (a restart): the cause in a few words."""
+        return self.failure or f"{', '.join(self.lost)} lost"
+
+    def since(self) -> str:
+        """What the phases count from: `dlr1 was last heard from`, or `the job failed`."""
+        return "the job failed" if self.failure else f"{', '.join(self.lost)} was last heard from"
 
     def describe(self) -> str:
-        """`dlr1 lost (no heartbeat for 2s and ...) → replaced by dlr3, resumed after 41s from step 15`."""
-        parts = []
+        """`dlr1 lost (no heartbeat for 2s and ...) → replaced by dlr3, resumed after 41s from step 15`,
+        or `the job failed (rank 1 on dlr2 raised ...) → restarted on the same 3 hosts, ...`."""
+        parts = [f"the job failed ({self.failure}) → restarted on the same {self.hosts_after} hosts"] \
+            if self.failure else []
         for host in self.lost:
             spare = self.replaced.get(host)
             parts.append(f"{host} lost ({self.causes.get(host, '?')}) → "
@@ -74,7 +91,7 @@ class Recovery:
 
     def phases(self) -> str:
         """`named 7s, stopped 9s, relaunched 10s, first step 18s`: each phase's end, in seconds
-        after the lost host was last heard from."""
+        after the lost host was last heard from (a restart: after the job failed)."""
         marks = (("named", self.detected_at), ("stopped", self.stopped_at), ("relaunched", self.relaunched_at),
                  ("first step", self.first_step_at))
         return ", ".join(f"{name} {max(0.0, at - self.lost_at):.1f}s" for name, at in marks if at is not None)

@@ -190,6 +190,21 @@ class Progress:
         return self.last_at - self.first_at
 
 
+def job_failure(node: NodeOutcome) -> tuple[str, str]:
+    """What a failed node's failing rank did, for people, and what makes a repeat the same failure:
+    the exception's type and line, or the signal that ended it ("" for an exit code alone, which
+    says too little to call two failures the same)."""
+    who = f"rank {node.failed_rank} on {node.host}" if node.failed_rank is not None else node.host
+    raised = node.failure
+    if raised is not None:
+        message = raised.message.splitlines()[0][:200] if raised.message else ""
+        where = f" ({raised.file.rsplit('/', 1)[-1]}:{raised.line})" if raised.file else ""
+        return (f"{who} raised {raised.exc_type}{': ' + message if message else ''}{where}",
+                f"{raised.exc_type} at {raised.file}:{raised.line}")
+    code = node.rank_exit_code if node.failed_rank is not None else node.exit_code
+    return f"{who} {describe_exit(code)}", (f"signal {-code}" if code is not None and code < 0 else "")
+
+
 def describe_exit(code: Optional[int]) -> str:
     """`exit code 3`, or `killed by SIGKILL` for torchrun's negative codes."""
     if code is None:

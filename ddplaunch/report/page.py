@@ -165,7 +165,8 @@ def timeline(view: RunView) -> str:
         if launch.result is not None:
             rows.append((launch.result.ended_at or e.t, f"stage {e.stage} {stage_verdict(launch.result)}"))
     for r in view.recoveries:
-        rows.append((r.detected_at, f"recovery {r.number}: {', '.join(r.lost)} lost; "
+        rows.append((r.detected_at, f"restart (relaunch {r.number}): {r.failure}" if r.failure else
+                     f"recovery {r.number}: {', '.join(r.lost)} lost; "
                      + ", ".join(f"{a} → {b}" for a, b in r.replaced.items())))
     for s in view.stragglers:
         rows.append((s.named_at, f"straggler {s.host} (rank{'s' if len(s.ranks) > 1 else ''} "

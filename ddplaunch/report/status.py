@@ -46,8 +46,9 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
         lines.append(now_line)
     for r in view.recoveries:
         replaced = ", ".join(f"{lost} -> {spare}" for lost, spare in r.replaced.items())
-        lines.append(f"  recovery {r.number}: lost {', '.join(r.lost)}"
-                     + (f"; replaced {replaced}" if replaced else f"; went on with {r.hosts_after} hosts")
+        lines.append((f"  restart (relaunch {r.number}): {r.failure}" if r.failure else
+                      f"  recovery {r.number}: lost {', '.join(r.lost)}"
+                      + (f"; replaced {replaced}" if replaced else f"; went on with {r.hosts_after} hosts"))
                      + (f"; resumed after {r.resumed_after_s:.0f}s" if r.resumed_after_s is not None else ""))
     for st in view.stragglers:
         lines.append(f"  straggler: {st.host} (ranks {', '.join(map(str, st.ranks))}) computes "

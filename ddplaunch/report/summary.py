@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 
-from ddplaunch.record.results import STATE_ORDER, StageResult
+from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.results import STATE_ORDER, StageResult, job_failure
 from ddplaunch.record.view import RunView
 from ddplaunch.report.goodput import ledger, worth_saying
 
@@ -21,11 +22,10 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
     for stage in report.stages:
         out += _stage_lines(stage, tail_lines)
     if report.recoveries:
-        n = len(report.recoveries)
-        out.append(f"recovered from {n} host failure{'s' if n > 1 else ''}:")
+        out.append(f"recovered from {_failures(report.recoveries)}:")
         for r in report.recoveries:
             out.append(f"  {r.describe()}")
-            out.append(f"    after the host was last heard from: {r.phases()}")
+            out.append(f"    after {r.since()}: {r.phases()}")
     if report.unrecovered:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
@@ -39,13 +39,20 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
     return "\n".join(out)
 
 
+def _failures(recoveries: list[Recovery]) -> str:
+    """`2 host failures and 1 job failure`."""
+    jobs = sum(1 for r in recoveries if r.failure)
+    counts = [(len(recoveries) - jobs, "host"), (jobs, "job")]
+    return " and ".join(f"{n} {kind} failure{'s' if n > 1 else ''}" for n, kind in counts if n)
+
+
 def stage_verdict(stage: StageResult) -> str:
-    """How a launch ended: `ok`, `recovered (recovery N)`, `INTERRUPTED` or `FAILED` — the
-    summary's word and the run page's alike."""
+    """How a launch ended: `ok`, `recovered (recovery N)`, `restarted (relaunch N)`, `INTERRUPTED`
+    or `FAILED` — the summary's word and the run page's alike."""
     if stage.ok:
         return "ok"
     if stage.recovered:
-        return f"recovered (recovery {stage.recovered})"
+        return f"recovered (recovery {stage.recovered})" if stage.lost_hosts else f"restarted (relaunch {stage.recovered})"
     return "INTERRUPTED" if stage.interrupted else "FAILED"
 
 
@@ -58,7 +65,11 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
         return [f"stage {stage.stage}: ok on all {len(stage.outcomes)} node(s){took}{restarts}"]
     if stage.recovered:
         lost = ", ".join(f"{o.host} (node {o.node_rank})" for o in stage.lost_hosts)
-        return [f"stage {stage.stage}: lost {lost}{took}: {stage_verdict(stage)}"]
+        if lost:
+            return [f"stage {stage.stage}: lost {lost}{took}: {stage_verdict(stage)}"]
+        first = stage.first_failure  # a restart: what failed
+        what = job_failure(first)[0] if first is not None else "failed"
+        return [f"stage {stage.stage}: {what}{took.replace(' in ', ' after ')}: {stage_verdict(stage)}"]
     bad = [o for o in stage.outcomes if o.state != "ok"]
     out = [f"stage {stage.stage}: {stage_verdict(stage)} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
     out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]

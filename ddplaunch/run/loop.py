@@ -6,7 +6,8 @@ the health check followed by its gate (which may stop the run or drop hosts). Ev
 produced comes back in its `StageResult`, and everything the run establishes is appended to its
 event log, once (record/events.py): the loop keeps no record or report of its own. Hosts given
 back by a scheduler (a requeued allocation) run every stage again. A launch that lost hosts is
-launched again on the survivors and spares while `recovery.max_host_failures` lasts (run/recovery.py).
+launched again on the survivors and spares while `recovery.max_host_failures` lasts; one whose job
+failed by itself, on the same hosts while `job.max_restarts` lasts (run/recovery.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ddplaunch.run.hostmemory import HostMemory
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.run.spares import SpareWatch
 from ddplaunch.run.steps import StepsWatch
-from ddplaunch.spec.model import ClusterSpec
+from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 PORT_ATTEMPTS = 20
 #: The hang watchdog's timeout when the spec sets none and recovery is on: a host whose ranks
@@ -164,6 +165,8 @@ class RunLoop:
                     if stage == Stage.JOB:  # the job never started: launch it again on the hosts left
                         continue
             elif not result.ok:
+                if stage == Stage.JOB and self._restart(spec, result):
+                    continue
                 return False
             stages = stages[1:]
         return False
@@ -176,16 +179,35 @@ class RunLoop:
             self.console.note(f"not recovering: {why}")
             self.say(NotRecovered(why))
             return None
+        if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
+            self.stop.reset()
+        self._relaunching(result, hosts, f"recovery {self.budget.host_recoveries} of at most "
+                                         f"{spec.recovery.max_host_failures}: {why}")
+        return spec.model_copy(update={"hosts": hosts})
+
+    def _restart(self, spec: ClusterSpec, result: StageResult) -> bool:
+        """After a launch whose job failed by itself on hosts that answer: True when it launches
+        again on the same hosts (`job.max_restarts`); a stop, a hang or a lost host is not restarted."""
+        if not spec.job.max_restarts or result.interrupted or result.rescheduled or result.lost_hosts \
+                or result.first_failure is None or self.stop.is_set():
+            return False
+        hosts, why = self.budget.restart(spec.hosts, result, spec.job.max_restarts)
+        if hosts is None:
+            self.console.note(f"not restarted: {why}")
+            self.say(NotRecovered(why))
+            return False
+        self._relaunching(result, hosts, f"restart {self.budget.restarts} of at most {spec.job.max_restarts} "
+                                         f"(job.max_restarts): {why}")
+        return True
+
+    def _relaunching(self, result: StageResult, hosts: list[HostSpec], why: str) -> None:
+        """The budget's newest relaunch decided on: what the failed launch had done, said and logged."""
         recovery = self.budget.done[-1]
         if recovery.steps_before is None and result.progress is not None:
             recovery.steps_before = result.progress.optimizer_steps
         recovery.stopped_at = recovery.stopped_at or result.ended_at
-        if self.stop.is_set() and not self.stop.by_user:  # the hang watchdog stopped it, naming the host
-            self.stop.reset()
-        self.console.note(f"recovery {recovery.number} of at most {spec.recovery.max_host_failures}: {why}; "
-                          f"relaunching on {hosts_named([h.label for h in hosts])}")
+        self.console.note(f"{why}; relaunching on {hosts_named([h.label for h in hosts])}")
         self.say(RecoveryStarted(recovery, [h.label for h in hosts]))
-        return spec.model_copy(update={"hosts": hosts})
 
     def _resumed(self, result: StageResult) -> None:
         """The launch after a recovery ended: when its job completed its first step, from which step."""
@@ -295,10 +317,9 @@ class RunLoop:
             self.say(RecoveryUpdated(recovery))
             step = f" at step {recovery.resumed_from}" if recovery.resumed_from is not None else ""
             loaded = f" (it loaded {recovery.loaded[-1]})" if recovery.loaded else ""
+            scratch = ": the job did not resume (see job.resume_args)" if recovery.from_scratch else ""
             self.console.note(f"training {'restarted from scratch' if recovery.from_scratch else 'resumed'}{step}"
-                              f"{loaded}, {recovery.resumed_after_s:.0f}s after {', '.join(recovery.lost)} was last "
-                              "heard from" + (": the job did not resume (see job.resume_args)"
-                                              if recovery.from_scratch else ""))
+                              f"{loaded}, {recovery.resumed_after_s:.0f}s after {recovery.since()}{scratch}")
 
     def _free_port(self, spec: ClusterSpec, stage: str, recovery: int = 0) -> int:
         """A free master port for `stage`: the one the pre-flight proved, `master.port`, or one

@@ -1,4 +1,4 @@
-"""Self-healing runs: after a job launch that lost hosts, which hosts to launch on next.
+"""Self-healing runs: after a job launch that failed, which hosts to launch on next.
 
 A launch whose failure is the hosts' (results.StageResult.host_failure: a host lost, every
 other failure only a peer's death) is recovered while `recovery.max_host_failures` lasts: each
@@ -6,10 +6,15 @@ lost host is replaced by a spare at its node rank (the world size stays, so a DD
 bitwise), or, without a spare left, left behind while at least `recovery.min_hosts` remain (the
 world shrinks; the job must reshard). A spare that the relaunch could not even reach died while
 it waited: it is named and skipped, the next spare takes its place, and it costs the budget
-nothing (the host that was lost is what counts). A job's own failure is never recovered; nor is a
-run whose last NO_PROGRESS relaunches each lost a host before the job's first step (no progress: a
-failure that will happen again). Pure: the run loop (run/loop.py) relaunches; this module decides
-and keeps the record.
+nothing (the host that was lost is what counts).
+
+A job's own failure (a rank raised, exited non-zero or was killed on a host that answers) is
+restarted on the same hosts while `job.max_restarts` lasts: every host's workers together, in one
+new launch (torchrun's own restarts are per node and fall out of step across hosts). The same
+failure right after a restart (the exception's type and line, or the signal) is not retried: it
+will happen again. Nor is any relaunch after the last NO_PROGRESS relaunches each ended before
+the job's first step (no progress). Pure: the run loop (run/loop.py) relaunches; this module
+decides and keeps the record.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from typing import Optional
 
 from ddplaunch.record.incidents import Recovery
-from ddplaunch.record.results import UNREACHABLE, NodeOutcome, StageResult
+from ddplaunch.record.results import UNREACHABLE, NodeOutcome, StageResult, job_failure
 from ddplaunch.spec.model import HostSpec, RecoverySpec
 
 
@@ -37,8 +42,16 @@ class RecoveryBudget:
         self.lost: list[str] = []
         #: spares dropped while they waited (run/spares.py): label -> why
         self.dropped: dict[str, str] = {}
-        #: relaunches in a row that lost a host before their job's first step
+        #: relaunches in a row that ended before their job's first step
         self.stalled = 0
+
+    @property
+    def host_recoveries(self) -> int:
+        return sum(1 for r in self.done if not r.failure)
+
+    @property
+    def restarts(self) -> int:
+        return sum(1 for r in self.done if r.failure)
 
     def next_hosts(self, hosts: list[HostSpec], result: StageResult, master: Optional[str] = None
                    ) -> tuple[Optional[list[HostSpec]], str]:
@@ -53,12 +66,9 @@ class RecoveryBudget:
         if dead and len(dead) == len(lost):
             return self._skip_dead_spares(hosts, dead)
         names = ", ".join(o.host for o in lost)
-        self.stalled = self.stalled + 1 if self.done and result.progress is None else 0
-        if self.stalled >= NO_PROGRESS:
-            return None, (f"{names} lost: no progress — the last {self.stalled} relaunches each ended before the job's "
-                          "first step (lost: " + ", ".join([h for r in self.done[-(self.stalled - 1):] for h in r.lost]
-                                                           + [names]) + "); not relaunched again: look at what ends "
-                          "them (the hosts' logs, the job's start)")
+        stalled = self._no_progress(result, f"{names} lost")
+        if stalled:
+            return None, stalled
         if self.spec.max_host_failures == 0:
             return None, f"{names} lost: recovery.max_host_failures is 0 (set it to survive host failures)"
         if len(self.lost) + len(lost) > self.spec.max_host_failures:
@@ -69,6 +79,37 @@ class RecoveryBudget:
         if master and any(by_label[o.host].addr == master for o in lost if o.host in by_label):
             return None, f"{names} lost, and master.addr {master} with it: remove master.addr so the master can move"
         return self._replace(hosts, lost)
+
+    def restart(self, hosts: list[HostSpec], result: StageResult, max_restarts: int
+                ) -> tuple[Optional[list[HostSpec]], str]:
+        """After a launch whose job failed by itself (no host lost): the same hosts again, and
+        why (None: the run ends) — unless `max_restarts` are used up, the failure is the one the
+        last restart was for, or relaunches make no progress."""
+        first = result.first_failure
+        assert first is not None, "a restart is for a launch that failed"
+        what, key = job_failure(first)
+        stalled = self._no_progress(result, what)
+        if stalled:
+            return None, stalled
+        last = self.done[-1] if self.done else None
+        if key and last is not None and last.failure_key == key:
+            return None, f"the same failure again: {what}, as before restart {last.number}: not retried"
+        if self.restarts >= max_restarts:
+            return None, f"{what}: job.max_restarts={max_restarts} restart{'s' if max_restarts > 1 else ''} used up"
+        at = first.ended_at or result.ended_at or time.time()
+        self.done.append(Recovery(number=len(self.done) + 1, lost=[], causes={}, lost_at=at, detected_at=at,
+                                  hosts_after=len(hosts), failure=what, failure_key=key))
+        return list(hosts), self.done[-1].describe()
+
+    def _no_progress(self, result: StageResult, what: str) -> str:
+        """Why the run stops when this relaunch, like the NO_PROGRESS - 1 before it, ended before
+        its job's first step ("" while relaunches make progress)."""
+        self.stalled = self.stalled + 1 if self.done and result.progress is None else 0
+        if self.stalled < NO_PROGRESS:
+            return ""
+        ends = [r.what() for r in self.done[-(self.stalled - 1):]] + [what]
+        return (f"{what}: no progress — the last {self.stalled} relaunches each ended before the job's first step "
+                f"({'; '.join(ends)}); not relaunched again: look at what ends them (the hosts' logs, the job's start)")
 
     def _dead_spares(self, result: StageResult) -> list[NodeOutcome]:
         """Spares the last recovery put in that this launch could not reach: never started there."""

@@ -135,13 +135,14 @@ class PreflightSpec(_Strict):
 
 
 class JobSpec(_Strict):
-    """The training script and how torchrun restarts it."""
+    """The training script, and how a failed job is relaunched."""
 
     script: Line = "jobs/toy_ddp.py"
     args: list[Arg] = Field(default_factory=list)
-    #: appended to the job's arguments on every relaunch after a host failure (recovery), e.g.
-    #: nanoGPT's [--init_from=resume]: a job that needs telling to resume from its checkpoint
+    #: appended to the job's arguments on every relaunch (a host failure's recovery, a restart),
+    #: e.g. nanoGPT's [--init_from=resume]: a job that needs telling to resume from its checkpoint
     resume_args: list[Arg] = Field(default_factory=list)
+    #: relaunches of the whole job on the same hosts after its own failure (run/recovery.py)
     max_restarts: int = Field(default=0, ge=0)
     hang_timeout: Optional[float] = Field(default=None, gt=0)
     debug_collectives: bool = False
