@@ -142,6 +142,20 @@ def test_the_same_exception_after_a_restart_stops_the_run_naming_it(sim_cluster,
     assert run_processes("res-again") == {}
 
 
+def test_a_job_that_ends_before_its_first_step_in_every_launch_stops_with_no_progress(sim_cluster, tmp_path):
+    """A job that exits non-zero at its start every time (an exit code: never "the same failure")
+    is restarted until three relaunches in a row ended before a step, then stopped: no progress."""
+    script = tmp_path / "gives_up.py"
+    script.write_text("import sys\nprint('giving up at once', flush=True)\nsys.exit(3)\n")
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, healthcheck={"enabled": False},
+                    job={"script": str(script), "max_restarts": 5})
+    out = ddplaunch(["up", str(spec), "--run-id", "res-stall"], tmp_path, timeout=300).stdout
+    assert re.search(r"not recovered: rank \d on \S+ exit code 3: no progress — the last 3 relaunches each ended "
+                     r"before the job's first step", out), out[-3000:]
+    assert out.count("stage job: master") == 4 and "restart 4 of" not in out, out[-3000:]
+    assert out.rstrip().endswith("FAILED (exit 1)") and run_processes("res-stall") == {}
+
+
 def _sleepers(seconds: str) -> list[int]:
     found = []
     for name in os.listdir("/proc"):
