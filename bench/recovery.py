@@ -16,11 +16,13 @@ from), and whether the final weights equal an uninterrupted run's (same seed, sa
 3 for ddplaunch; elastic changes its world from 4 to 3, so no run it could equal exists).
 
 `--fault freeze` stops the host's processes of the run instead (SIGSTOP: a hung device; its host
-answers, its heartbeat goes on), with the hang timeout left at its default; `--baseline REV` runs
+answers, its heartbeat goes on), with the hang timeout left at its default; `--fault cut` drops
+the host's training traffic but sshd's (`sim fault --cut-training`: its ranks run, every rank waits
+in a collective, its heartbeat goes on), the hang timeout at its default too; `--baseline REV` runs
 ddplaunch of an earlier commit too (a git worktree of it), interleaved, as `ddplaunch-REV`.
 
 Needs root and pdsh (`apt-get install -y pdsh`); tears its sim down at the end.
-Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--fault crash|freeze]
+Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--fault crash|freeze|cut]
        [--kinds ddplaunch,elastic] [--baseline REV] [--json out.json]
 """
 
@@ -182,6 +184,8 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
         t_crash = time.time()
         if fault == "freeze":
             freeze(tag, crashed)
+        elif fault == "cut":
+            sim_fault(cluster, crashed, cut_training=True)
         else:
             sim_fault(cluster, crashed, crash=True)
         resumed = lines.wait(lambda line: RESUMED_RE.search(line) is not None, give_up, after=t_crash)
@@ -212,7 +216,7 @@ def trial(kind: str, cluster, work: Path, n: int, give_up: float, env: dict, vic
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         kill_tagged(tag)
-        if fault == "crash":
+        if fault in ("crash", "cut"):
             sim_fault(cluster, crashed, clear=True)
     return row
 
@@ -266,7 +270,7 @@ def main() -> None:
                     help="crash a worker's host, the master's (ddplaunch only: it is elastic's rendezvous host)")
     ap.add_argument("--dist-timeout", type=int, default=None,
                     help="the job's collective timeout in seconds (jobs/train.py --dist-timeout; default 300)")
-    ap.add_argument("--fault", choices=("crash", "freeze"), default="crash")
+    ap.add_argument("--fault", choices=("crash", "freeze", "cut"), default="crash")
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="also ddplaunch of git commit REV (a worktree of it), interleaved, as ddplaunch-REV")
     ap.add_argument("--json", type=Path)

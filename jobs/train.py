@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --fail-rank: raise ValueError there, in every launch (a failure that repeats)")
     p.add_argument("--fail-rank", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--pause-every", type=int, default=0,
+                   help="steps; every rank pauses --pause-s there, silent (an evaluation between steps)")
+    p.add_argument("--pause-s", type=float, default=0.0)
     p.add_argument("--dist-timeout", type=float, default=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")),
                    help="seconds a collective may wait for a peer (init_process_group's timeout)")
     p.add_argument("--burn-ms", type=float, default=0.0,
@@ -450,6 +453,8 @@ def main(argv=None) -> int:
                     say(f"step={step} epoch={epoch} loss={mean.item() / world:.6f}")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if args.pause_every and step % args.pause_every == 0 and step < total_steps:
+                time.sleep(args.pause_s)  # silent, stepping nowhere: an evaluation's pause
             if (args.ckpt_every and step % args.ckpt_every == 0) or batch_no == steps_per_epoch - 1:
                 checkpoint()
             if preemption_agreed():

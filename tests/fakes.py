@@ -54,6 +54,10 @@ class NodeScript:
     quiet_for: float = 0.0
     #: While quiet, its probe fails with this machine's own error (a firewall rule, no route).
     local: bool = False
+    #: Rank 0's optimizer steps, said as the entry says them: one every `step_every` seconds until
+    #: `steps_until` (then silent, unless it ends or hangs as said above).
+    step_every: float = 0.0
+    steps_until: float = 0.0
 
     def quiet_at(self, elapsed: float) -> bool:
         return self.quiet_from <= elapsed < self.quiet_from + self.quiet_for
@@ -91,6 +95,10 @@ class FakeScript:
     in_session: bool = False
     #: Hosts whose probe finds the job's script missing in workdir.
     no_script: set[str] = field(default_factory=set)
+    #: Hosts a link test finds cut off: they reach no peer, no peer reaches them.
+    cut: set[str] = field(default_factory=set)
+    #: Link tests run (hostside/links.py's program sent to the hosts).
+    link_tests: int = 0
     #: Every launch's start gate: the probe command each host ran in its session, and what it said.
     gated: list[dict[str, str]] = field(default_factory=list)
     admitted: list[Optional[Admitted]] = field(default_factory=list)
@@ -155,14 +163,23 @@ class FakeBackend:
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
         self.script.probes += 1
         out = []
-        for host in self._current if hosts is None else hosts:
+        asked = self._current if hosts is None else hosts
+        for host in asked:
             text = self.script.commands[host.label] = command(host)
             if host.label in self.script.unreachable:
                 out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
                 continue
-            facts = self._stacks(host) if "def find_py_spy" in text else self._facts(host)
+            links = "def serve(srv" in text  # hostside/links.py
+            facts = self._stacks(host) if "def find_py_spy" in text else self._links(host, asked) if links \
+                else self._facts(host)
             out.append(HostResult(host, (0, answer_lines(text, facts)), None))
+        self.script.link_tests += any("def serve(srv" in self.script.commands[h.label] for h in asked)
         return out
+
+    def _links(self, host: HostSpec, tested: list[HostSpec]) -> dict[str, Any]:
+        """The link test's answer: the peers this host reached (none, or none of it, when cut)."""
+        peers = [h.addr for h in tested if h.label != host.label and h.label not in self.script.cut]
+        return {"reached": [] if host.label in self.script.cut else peers, "came_from": []}
 
     def _facts(self, host: HostSpec) -> dict[str, Any]:
         return healthy_facts(host) | ({"script_ok": False} if host.label in self.script.no_script else {})
@@ -218,6 +235,7 @@ class FakeStage:
         self.t0 = time.monotonic()
         self.done: set[int] = set()
         self.stopped: set[int] = set()
+        self.steps_said = 0
         for node in plan.nodes:
             mine = self.node(node.node_rank)
             if mine.restarts:
@@ -243,6 +261,11 @@ class FakeStage:
                 continue
             if not (mine.silent and elapsed >= mine.after or mine.quiet_at(elapsed)):
                 self.lines.emit(rank, node.host_label, HEARTBEAT)
+            if mine.step_every and rank == 0:
+                steps = int(min(elapsed, mine.steps_until) / mine.step_every)
+                if steps > self.steps_said:
+                    self.steps_said = steps
+                    self.say(0, f'DDPLAUNCH_PROGRESS_JSON {{"rank": 0, "steps": {steps}}}')
             if mine.silent or mine.hangs or elapsed < mine.after:
                 continue
             for text in mine.lines:  # as printed: a rank's lines carry their [host:rank] prefix

@@ -253,9 +253,10 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
 def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):
     """One host's traffic to and from the other hosts dropped but for sshd's (`sim fault
     --cut-training`): it still answers and heartbeats, its ranks run, every rank waits in a
-    collective. The hang watchdog's link test finds that host cut off from the others, which reach
-    each other; it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
-    spec = _spec(sim_cluster, tmp_path, "cut", [0, 1, 2], [3], "--step-sleep", "0.3", job={"hang_timeout": 10})
+    collective. Silent for 10 of its steps (5 s at least), the job is suspect: the link test finds
+    that host cut off from the others, which reach each other, before the hang timeout (its
+    default, 60 s); it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "cut", [0, 1, 2], [3], "--step-sleep", "0.3")
     hosts = [h.name for h in sim_cluster.hosts]
     try:
         out, code = _disturbed(spec, tmp_path, "rec-cut", "step=6 ",
@@ -266,10 +267,24 @@ def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp
     # the spare (host 3) took part in the link test as a witness
     assert re.search(rf"\[ddplaunch\] {hosts[1]}: its training link is broken: no TCP connection to or from "
                      rf"{hosts[0]}, {hosts[2]}, {hosts[3]} on port \d+", out), out[-4000:]
+    assert f"a link test found {hosts[1]} cut off: job.hang_timeout=60 not waited for" in out, out[-4000:]
     assert re.search(rf"recovered from 1 host failure:\n  {hosts[1]} lost \(its training link is broken.*\) → "
                      rf"replaced by {hosts[3]}", out), out[-3000:]
     (got,) = SHA_RE.findall(out)
     assert got == reference
+
+
+def test_a_healthy_job_that_pauses_between_steps_is_not_called_hung(sim_cluster, tmp_path):
+    """Every rank silent for 12 s every 12 steps (an evaluation), recovery on: the pauses are
+    suspect at the job's pace, the link test finds every link fine, nothing is stopped and the
+    run ends ok with no host lost."""
+    spec = _spec(sim_cluster, tmp_path, "pause", [0, 1, 2], [3], "--step-sleep", "0.1", "--pause-every", "12",
+                 "--pause-s", "12")
+    out = ddplaunch(["up", str(spec), "--run-id", "rec-pause"], tmp_path, timeout=300).stdout
+    assert out.rstrip().endswith("ok (exit 0)"), out[-3000:]
+    assert "hang" not in out and " lost (" not in out and "recover" not in out, out[-3000:]
+    view = run_view(tmp_path, "rec-pause")
+    assert view.recoveries == [] and view.unrecovered is None and view.exit_code == 0
 
 
 def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_scratch(sim_cluster, tmp_path):

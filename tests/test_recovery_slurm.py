@@ -1,7 +1,8 @@
 """Recovery on the Slurm sim: a node lost (crashed), frozen or cut off the training network
 mid-training is replaced by the spare node the allocation holds (a count of spares: one node more,
-its first), every other node keeping its node rank; the job's final weights are bitwise those of
-an undisturbed run. The SSH side of the same is tests/test_recovery.py."""
+its first), every other node keeping its node rank; a job's own failure is restarted on every node
+together (job.max_restarts); the job's final weights are bitwise those of an undisturbed run. The
+SSH side of the same is tests/test_recovery.py and tests/test_resilience.py."""
 
 from __future__ import annotations
 
@@ -69,6 +70,29 @@ def test_slurm_spare_node_held_by_the_allocation_replaces_a_crashed_node(slurm_c
         assert f"stage job: master {nodes[1]}:" in after, after[:2000]
         assert f"[{nodes[1]}:0] train: world_size=2" in after and f"host={nodes[1]} restart=0" in after, after[:3000]
         assert SHA_RE.findall(out) == [reference]  # bitwise equal to an undisturbed run
+    finally:
+        from ddplaunch.sim.slurm import wait_nodes_idle
+
+        wait_nodes_idle(slurm_cluster.slurm, nodes, timeout=120)
+
+
+def test_slurm_job_failure_is_restarted_on_every_node_together(slurm_cluster, tmp_path, reference):
+    """job.max_restarts on Slurm: rank 1 exits at step 10 in the first launch only; the whole job
+    is launched again (one new srun step on the same nodes, the spare left waiting), resumes from
+    its step-8 checkpoint and ends with the weights of an undisturbed run."""
+    spec = _spec(slurm_cluster, tmp_path, "slurm-restart", max_restarts=1)
+    data = yaml.safe_load(spec.read_text())
+    data["job"]["args"] += ["--fail-at-step", "10", "--fail-rank", "1"]
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    nodes = [h.name for h in slurm_cluster.hosts]
+    try:
+        out = ddplaunch(["up", str(spec), "--run-id", "rec-slurm-restart"], tmp_path, timeout=400).stdout
+        assert f"restart 1 of at most 1 (job.max_restarts): the job failed (rank 1 on {nodes[2]} exit code 3)" \
+            in out, out[-4000:]
+        after = out.split("restart 1 of at most 1")[1]
+        assert f"relaunching on {nodes[1]}, {nodes[2]}" in after and "resumed from" in after, after[:3000]
+        assert re.search(r"\[\S+:0\] resumed from \S+ckpt_step8\.pt at step 8", after), after[:3000]
+        assert SHA_RE.findall(out) == [reference] and out.rstrip().endswith("ok (exit 0)"), out[-3000:]
     finally:
         from ddplaunch.sim.slurm import wait_nodes_idle
 

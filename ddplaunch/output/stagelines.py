@@ -111,6 +111,8 @@ class StageLines:
             return
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
+            if kind == StepsDone.KIND:  # a step: the ranks are past their start, whatever they print
+                self.last_rank_line_at = mono
             self._kept(node_rank, kind, text, time.time())
             started = self._start_known()
         self.console.line(line, False)

@@ -6,6 +6,11 @@ worker's stack dumped (diagnose/stacks.py), prints where each rank is stuck and 
 Ranks the node agents said are frozen are named so whether or not their host's dump answered. A
 host whose ranks are frozen, or whose training link a link test finds broken (diagnose/links.py),
 is named as lost: with recovery on, a spare takes its place.
+
+At the job's own pace: silent for `Pace` steps of its own (its rank 0's optimizer steps so far),
+the job is suspect, and the link test runs then; a host it finds cut off is named at once rather
+than after `job.hang_timeout`. A suspicion that finds nothing ends nothing (an evaluation or a
+long checkpoint save between steps is silent too): the next one waits twice as long.
 """
 
 from __future__ import annotations
@@ -31,6 +36,32 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 EVIDENT_S = 5.0
 
 
+class Pace:
+    """When the job's silence is suspect: after STEPS of its steps (at the pace of its launch so
+    far), at least FLOOR_S; each suspicion that found nothing doubles the wait until the job
+    speaks again. Pure: seconds in, a decision out."""
+
+    STEPS, FLOOR_S = 10, 5.0
+
+    def __init__(self) -> None:
+        self._backoff = 1.0
+        self._heard: Optional[float] = None  # the last line before the silence suspected
+
+    def suspect(self, step_s: Optional[float], idle: float, last_line_at: float) -> bool:
+        """Whether a silence of `idle` seconds since `last_line_at` is suspect now (`step_s`:
+        the job's seconds a step, None while not known)."""
+        if last_line_at != self._heard:
+            self._heard, self._backoff = last_line_at, 1.0  # it spoke: a new silence
+        return step_s is not None and idle >= self.wait_s(step_s)
+
+    def wait_s(self, step_s: float) -> float:
+        return max(self.STEPS * step_s, self.FLOOR_S) * self._backoff
+
+    def cleared(self) -> None:
+        """The suspicion found nothing: the next waits twice as long."""
+        self._backoff *= 2
+
+
 class HangWatchdog:
     """Ends a job that printed nothing for `timeout` seconds, after naming where every rank is.
 
@@ -48,6 +79,7 @@ class HangWatchdog:
         self.witnesses = list(witnesses)
         self.diagnosis: list[str] = []
         self.fired_after: Optional[float] = None
+        self.pace = Pace()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="ddplaunch-hang-watchdog", daemon=True)
 
@@ -65,7 +97,8 @@ class HangWatchdog:
             if self.stop.is_set():
                 return
             ranks_spoke = (self.lines.last_rank_line_at or 0) >= self._started
-            idle = time.monotonic() - max(self._started, self.lines.last_line_at)
+            heard = max(self._started, self.lines.last_line_at)
+            idle = time.monotonic() - heard
             # Until a rank has said anything, the ranks are still starting (importing torch on a
             # loaded host can take longer than the hang timeout): they get the rendezvous timeout
             # on top before silence counts as a hang. A job silent for EVIDENT_S while the node
@@ -75,6 +108,24 @@ class HangWatchdog:
                     ranks_spoke and idle >= min(EVIDENT_S, self.timeout) and self._pinned():
                 self._fire(idle)
                 return
+            step_s = self._step_s()
+            if ranks_spoke and idle < self.timeout and self.pace.suspect(step_s, idle, heard):
+                assert step_s is not None
+                cut = self._cut_off()
+                if cut:
+                    self._fire(idle, cut, f"{idle:.0f}s is {idle / step_s:.0f} of the job's steps "
+                                          f"({step_s:.2g}s each) and a link test found "
+                                          f"{', '.join(cut)} cut off: job.hang_timeout={self.timeout:g} not waited for")
+                    return
+                self.pace.cleared()
+
+    def _step_s(self) -> Optional[float]:
+        """The job's seconds a step in this launch so far (rank 0's optimizer steps), None until it
+        took two."""
+        progress = self.lines.progress
+        if progress is None or progress.last_step <= progress.first_step:
+            return None
+        return (progress.last_at - progress.first_at) / (progress.last_step - progress.first_step)
 
     def _pinned(self) -> bool:
         """Whether the agents say some host's every rank is stopped (SIGSTOP, a debugger) while
@@ -84,10 +135,12 @@ class HangWatchdog:
                    if all(state in STOPPED for state, _ in said.states().values())}
         return bool(frozen_by_agents(stopped, [], len(self.plan.nodes))[1])
 
-    def _fire(self, idle: float) -> None:
+    def _fire(self, idle: float, cut: Optional[dict[str, str]] = None, why: str = "") -> None:
+        """Dump every rank's stack, name the hosts at fault (frozen ranks; `cut`: those a link
+        test already found cut off, else a link test now) and end the run."""
         t0 = time.time()
-        why = f"job.hang_timeout={self.timeout:g}" if idle >= self.timeout else \
-            f"and a host's every rank stopped, as its node agent saw: job.hang_timeout={self.timeout:g} not waited for"
+        why = why or (f"job.hang_timeout={self.timeout:g}" if idle >= self.timeout else "and a host's every rank "
+                      f"stopped, as its node agent saw: job.hang_timeout={self.timeout:g} not waited for")
         self.lines.note(f"no output from any rank for {idle:.0f}s ({why}): dumping every rank's stack with py-spy")
         try:
             stacks, problems, raw = collect_stacks(self.backend, self.spec, self.plan.run_id,
@@ -96,7 +149,8 @@ class HangWatchdog:
             stacks, problems, raw = [], [f"stack dump failed: {type(err).__name__}: {err}"], {}
         said, whole = frozen_by_agents(self.frozen(), stacks, len(self.plan.nodes))
         stacks += said
-        headline = f"hang: no output for {idle:.0f}s (job.hang_timeout={self.timeout:g})"
+        headline = f"hang: no output for {idle:.0f}s (" + ("at the job's pace; " if cut else "") + \
+            f"job.hang_timeout={self.timeout:g})"
         lines = [headline + (f"; stuck at: {summarize_stacks(stacks)}" if stacks else "")]
         lines += problems
         try:
@@ -104,7 +158,7 @@ class HangWatchdog:
             lines.append(f"full stacks: {saved}/ (dumped in {time.time() - t0:.1f}s)")
         except OSError as err:
             lines.append(f"could not save the stacks in {self.out_dir}: {err}")
-        culprits = frozen_hosts(raw) or whole or self._cut_off()
+        culprits = frozen_hosts(raw) or whole or cut or self._cut_off()
         lines += [f"{host}: {why}" for host, why in culprits.items()]
         self.diagnosis = lines
         self.fired_after = time.monotonic() - self._started
