@@ -1,5 +1,5 @@
 """The hang watch at the job's pace (run/hangwatch.py): a job silent for `Pace.STEPS` of its own
-steps is suspect and a link test runs; a host it finds cut off is named then, not after
+steps (6 s at least) is suspect and a link test runs; a host it finds cut off is named then, not after
 job.hang_timeout; a suspicion that finds nothing ends nothing and the next waits twice as long.
 The rule alone, then the run loop through the scripted fake backend; on the SSH sim in
 tests/test_recovery.py (a cut training link, and a healthy run that pauses between steps)."""
@@ -49,7 +49,7 @@ def _run(tmp_path, script: FakeScript, **sections):
 
 
 def test_a_host_cut_off_is_named_at_the_jobs_pace_and_replaced(tmp_path):
-    """Rank 0 steps every 0.1 s, then every rank waits (a host's training link dropped): after 5 s
+    """Rank 0 steps every 0.1 s, then every rank waits (a host's training link dropped): after 6 s
     (the floor) the link test runs, finds f2 cut off, and the spare takes its place — the hang
     timeout (60 s) is not waited for."""
     stepping = StageScript(nodes={"f1": NodeScript(hangs=True, step_every=0.1, steps_until=1.0),
@@ -74,6 +74,6 @@ def test_a_silence_with_every_link_fine_ends_nothing(tmp_path):
     report, out = _run(tmp_path, script, recovery={"max_host_failures": 1, "spares": ["f4"]})
     assert report.exit_code == 0 and report.recoveries == [] and len(script.launched) == 1, out
     assert "hang" not in out
-    # suspected after 5 s of silence, found nothing: the next suspicion would wait for 10 s of it
+    # suspected after 6 s of silence, found nothing: the next suspicion would wait for 12 s of it
     # (the job ended at 8 s of silence)
     assert script.link_tests == 1

@@ -253,7 +253,7 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
 def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):
     """One host's traffic to and from the other hosts dropped but for sshd's (`sim fault
     --cut-training`): it still answers and heartbeats, its ranks run, every rank waits in a
-    collective. Silent for 10 of its steps (5 s at least), the job is suspect: the link test finds
+    collective. Silent for 10 of its steps (6 s at least), the job is suspect: the link test finds
     that host cut off from the others, which reach each other, before the hang timeout (its
     default, 60 s); it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
     spec = _spec(sim_cluster, tmp_path, "cut", [0, 1, 2], [3], "--step-sleep", "0.3")
