@@ -130,3 +130,25 @@ def test_runs_goodput_lists_each_ended_run_and_their_total(tmp_path, monkeypatch
     assert CliRunner().invoke(cli, ["runs", "--goodput", "--since", "0s"]).output.splitlines()[1:] == []
     bad = CliRunner().invoke(cli, ["runs", "--since", "soon"])
     assert bad.exit_code == 2 and "'soon': give an age like 7d, 12h, 30m or 90 (seconds)" in bad.output
+
+
+def test_the_run_page_draws_the_ledger_as_one_bar_whose_parts_are_the_causes():
+    from html.parser import HTMLParser
+
+    from ddplaunch.report.page import W, PAD, render
+
+    view = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81), T0 + 92), end=T0 + 100)
+    rects: list[dict] = []
+
+    class Rects(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag == "rect" and dict(attrs).get("class") == "cause":
+                rects.append(dict(attrs))
+    Rects().feed(render(view))
+    assert [r["data-cause"] for r in rects] == ["startup", "training", "other"]  # the causes it had, in order
+    widths = [float(r["width"]) for r in rects]
+    assert math.isclose(sum(widths), W - PAD - 10, rel_tol=1e-3) and math.isclose(widths[1] / sum(widths), 0.8,
+                                                                                  rel_tol=1e-2)
+    assert "goodput 80% of 1m40s wall" in render(view)
+    running = RunView.of([RunStarted("r", "ssh", ["a", "b"], 1, "here", t=T0), *launch(T0 + 2, None, T0 + 30)])
+    assert "no ledger yet: the run has not ended" in render(running)

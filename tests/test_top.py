@@ -74,3 +74,18 @@ def test_at_two_thousand_hosts_the_rows_are_the_ones_to_look_at_first():
     rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.count("│") == 10]
     assert [c[0] for c in rows[:2]] == ["n0777", "n1234"] and len(rows) == MAX_ROWS + 1, [c[0] for c in rows[:3]]
     assert rows[-1][0] == f"+{2048 - MAX_ROWS} more" and "2048 hosts" in text
+
+
+def test_an_ended_run_shows_its_goodput_ledger_under_the_table():
+    from ddplaunch.record.events import StageEnded
+    from ddplaunch.record.results import Progress, StageResult
+
+    view = RunView()
+    result = StageResult(Stage.JOB, [], started_at=102.0, ended_at=192.0,
+                         progress=Progress(110.0, 1, 190.0, 81, optimizer_steps=81))
+    for event in [RunStarted("r1", "ssh", ["h1"], 1, "me", t=100.0), StageStarted(Stage.JOB, "h1", 1, ["h1"], t=102.0)]:
+        view.add(event)
+    assert "goodput" not in _text(view, live=None)  # running: no ledger yet
+    view.add(StageEnded(result, t=192.0))
+    view.add(RunEnded(RunState.OK, 0, t=200.0))
+    assert "goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in _text(view, live=None)

@@ -1,7 +1,8 @@
 """`ddplaunch report RUN_ID --html FILE`: one self-contained HTML page of a run, with plots.
 
 Drawn from the run's event log alone, folded (record/view.py), as inline SVG: no script, no
-stylesheet or font from the network, nothing to install to open it. Plots: every rank's compute
+stylesheet or font from the network, nothing to install to open it. Plots: where the wall time went
+(the goodput ledger, report/goodput.py, as one stacked bar), every rank's compute
 per step over the run (step time minus its wait at the collectives: step times are equal on
 every rank, this singles out a straggler), the health check's busbw per size, the pair bandwidth
 matrix as a heatmap, and the timeline of stages, recoveries and stragglers — each stage's verdict
@@ -21,12 +22,15 @@ from ddplaunch.output.console import hosts_named
 from ddplaunch.record.diagnosis import HealthVerdict, Probe
 from ddplaunch.record.events import StepWindow, events_from
 from ddplaunch.record.view import RunView
-from ddplaunch.report.goodput import duration
+from ddplaunch.report.goodput import CAUSES, duration, ledger
 from ddplaunch.report.summary import stage_verdict, summarize
 
 W, H, PAD = 760, 260, 48
 #: Windows of steps plotted at most (a day of them is thousands: an even spread of them).
 MAX_WINDOWS = 600
+#: The ledger's causes, training green and the losses warm.
+CAUSE_COLORS = {"startup": "#9e9e9e", "training": "#2ca02c", "redone": "#ff7f0e", "detection": "#d62728",
+                "recovery": "#9467bd", "other": "#c7c7c7"}
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf"]
 
@@ -154,6 +158,31 @@ def pair_heatmap(pairs: Sequence[Probe]) -> str:
     return _svg(out, height=60 + len(hosts) * cell)
 
 
+def goodput_bar(view: RunView) -> str:
+    """The goodput ledger of an ended run as one bar: each cause's share of the wall time, in the
+    order of a run's life, with a legend (and each part's seconds on hover)."""
+    spent = ledger(view)
+    if spent is None or spent.wall_s <= 0:
+        return "<p>no ledger yet: the run has not ended</p>"
+    width, x, out, legend = W - PAD - 10, float(PAD), [], []
+    for cause in CAUSES:
+        seconds = spent.parts[cause]
+        if seconds <= 0:
+            continue
+        w = seconds / spent.wall_s * width
+        share = f"{cause} {duration(seconds)} ({seconds / spent.wall_s:.0%})"
+        out.append(f'<rect class="cause" data-cause="{cause}" x="{x:.1f}" y="10" width="{w:.1f}" height="28" '
+                   f'fill="{CAUSE_COLORS[cause]}"><title>{_esc(share)}</title></rect>')
+        x += w
+        legend.append(share)
+    for i, share in enumerate(legend):
+        lx, ly = PAD + (i % 3) * (width // 3), 58 + (i // 3) * 18
+        cause = share.split(" ", 1)[0]
+        out.append(f'<rect x="{lx}" y="{ly - 10}" width="12" height="12" fill="{CAUSE_COLORS[cause]}"/>'
+                   f'<text x="{lx + 16}" y="{ly}">{_esc(share)}</text>')
+    return _svg(out, height=66 + (len(legend) + 2) // 3 * 18) + f"<p>{_esc(spent.line())}</p>"
+
+
 def timeline(view: RunView) -> str:
     """What happened when, in the summary's words: launches, their ends, recoveries, stragglers."""
     t0 = view.started.t if view.started is not None else min(
@@ -205,7 +234,8 @@ def render(view: RunView, windows: Sequence[StepWindow] = ()) -> str:
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
             "pre{background:#f6f6f6;padding:8px;white-space:pre-wrap}</style></head><body>"
             f"<h1>{_esc(title)}: {_esc(state)}</h1><p>{head}</p>"
-            "<h2>Compute per step of every host against the median host's (step time minus wait at the collectives)</h2>"
+            "<h2>Where the wall time went (goodput)</h2>" + goodput_bar(view)
+            + "<h2>Compute per step of every host against the median host's (step time minus wait at the collectives)</h2>"
             + step_plot(view, windows)
             + "<h2>Health check: busbw per message size</h2>" + busbw_plot(health)
             + "<h2>Pair bandwidth (busbw against the median)</h2>" + pair_heatmap(pairs)

@@ -28,6 +28,7 @@ from ddplaunch.record.live import LiveSteps, read_live
 from ddplaunch.record.results import NodeState
 from ddplaunch.record.snapshot import load
 from ddplaunch.record.view import RunView
+from ddplaunch.report.goodput import worth_saying
 
 #: Seconds between two refreshes of the table.
 REFRESH_S = 1.0
@@ -70,7 +71,9 @@ def table(view: RunView, live: Optional[LiveSteps], now: float) -> Table:
             return (0 if trouble else 1, -score.get(host, 0.0))
         shown = sorted(hosts, key=urgency)[:MAX_ROWS]
         title += f"; {len(hosts)} hosts, the {MAX_ROWS} to look at first"
-    out = Table(title=title, title_justify="left")
+    spent = worth_saying(view)  # an ended run's goodput ledger, under the table
+    out = Table(title=title, title_justify="left", caption=spent.line() if spent is not None else None,
+                caption_justify="left")
     for name in ("host", "state", "ranks", "step", "step time", "wait", "straggler score", "slowest rank",
                  "last report"):
         out.add_column(name, justify="left" if name in ("host", "state") else "right")
