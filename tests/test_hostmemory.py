@@ -70,11 +70,14 @@ def test_a_run_records_the_hosts_its_events_name_bad(tmp_path):
     memory.note(Localized(Localization(bad_hosts=["h2"], reasons={"h2": "slow"})))
     memory.note(HostsExcluded(["h9"], HOST_HEALTH))  # left out because recorded: not recorded again
     lost = StageResult(stage="job", outcomes=[NodeOutcome(0, "h3", NodeState.LOST, detail="no heartbeat for 4s"),
-                                              NodeOutcome(1, "h5", NodeState.FAILED, exit_code=1)])
+                                              NodeOutcome(1, "h5", NodeState.FAILED, exit_code=1),
+                                              NodeOutcome(2, "h6", NodeState.FAILED, exit_code=1,
+                                                          oom_killed=["rank 2 (pid 77)"])])
     memory.note(StageEnded(lost))
     got = recorded(tmp_path / "health.json", ttl=DAY)
     assert {h: e.cause for h, e in got.items()} == {"h1": "no heartbeat for 3s", "h2": "failed the health check: slow",
-                                                    "h3": "no heartbeat for 4s"}
+                                                    "h3": "no heartbeat for 4s",
+                                                    "h6": "its kernel's OOM killer ended rank 2 (pid 77)"}
 
 
 def test_a_recorded_host_gets_a_spare_in_its_place_and_a_recorded_spare_is_dropped(tmp_path):

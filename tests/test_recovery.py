@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from ddplaunch.record.events import RecoveryStarted, Shown, read_events
+from ddplaunch.record.hosthealth import recorded
 from ddplaunch.record.incidents import Recovery
 from ddplaunch.report.goodput import ledger
 from ddplaunch.record.view import RunView
@@ -275,11 +276,11 @@ def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp
 
 
 def test_a_healthy_job_that_pauses_between_steps_is_not_called_hung(sim_cluster, tmp_path):
-    """Every rank silent for 12 s every 12 steps (an evaluation), recovery on: the pauses are
+    """Every rank silent for 12 s after step 12 of 20 (an evaluation), recovery on: the pause is
     suspect at the job's pace, the link test finds every link fine, nothing is stopped and the
     run ends ok with no host lost."""
     spec = _spec(sim_cluster, tmp_path, "pause", [0, 1, 2], [3], "--step-sleep", "0.1", "--pause-every", "12",
-                 "--pause-s", "12")
+                 "--pause-s", "12", "--samples", "480")
     out = ddplaunch(["up", str(spec), "--run-id", "rec-pause"], tmp_path, timeout=300).stdout
     assert out.rstrip().endswith("ok (exit 0)"), out[-3000:]
     assert "hang" not in out and " lost (" not in out and "recover" not in out, out[-3000:]
@@ -446,6 +447,9 @@ def test_a_rank_the_oom_killer_ended_is_named_in_the_kernels_words(sim_cluster, 
     assert re.search(rf"{victim}: rank 1 \(pid (\d+)\) was killed by the kernel's OOM killer: Memory cgroup out of "
                      r"memory: Killed process \1 \(python", out), out[-3000:]
     assert run_processes("rec-oom") == {}
+    # the host is remembered, the next `up` warned (recovery.remember_bad_hosts)
+    (entry,) = recorded(tmp_path / "state" / "host-health.json", ttl=3600).values()
+    assert entry.host == victim and re.fullmatch(r"its kernel's OOM killer ended rank 1 \(pid \d+\)", entry.cause)
 
 
 def test_a_second_loss_beyond_the_budget_names_both_hosts(sim_cluster, tmp_path):

@@ -80,4 +80,5 @@ def name_oom_kills(backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, 
             who = f"rank {rank} (pid {pid})" if rank is not None else f"torchrun (pid {pid})"
             lines.append(f"{answer.host.label}: {who} was killed by the kernel's OOM killer: {said}")
             outcome.detail = "; ".join(x for x in (outcome.detail, f"{who} killed by the OOM killer") if x)
+            outcome.oom_killed.append(who)
     return lines

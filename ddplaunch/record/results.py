@@ -86,6 +86,8 @@ class NodeOutcome:
     #: The node's command ended without an exit status on a host that answers: a signal ended it
     #: there (a SIGKILLed or OOM-killed torchrun, srun's "Killed").
     signalled: bool = False
+    #: Its host's kernel log says the OOM killer ended these of the node's processes (diagnose/oom.py).
+    oom_killed: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: host, node, state, exit code or signal, failing rank."""

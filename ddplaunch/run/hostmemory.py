@@ -3,7 +3,8 @@ what the next `up` does with a recorded host.
 
 Recorded (`HostMemory.note`, from the run's own events): a host lost in a launch (crashed, frozen,
 cut off: `StageEnded`'s lost nodes, a recovery's lost hosts with their causes, a straggler it
-evicted) and a host the health check named bad (`Localized`, whether the gate stops or drops it). Never the launcher's own
+evicted), a host whose kernel's OOM killer ended the run's processes (`StageEnded`'s nodes that
+say so), and a host the health check named bad (`Localized`, whether the gate stops or drops it). Never the launcher's own
 machine, never a host only the pre-flight found wanting (that is the spec's or the host's set-up,
 which the pre-flight says).
 
@@ -56,7 +57,9 @@ class HostMemory:
             bad = {h: f"failed the health check{': ' + loc.reasons[h] if loc.reasons.get(h) else ''}"
                    for h in loc.bad_hosts}
         elif isinstance(event, StageEnded):
-            bad = {o.host: o.detail or "lost" for o in event.result.outcomes if o.state == NodeState.LOST}
+            bad = {o.host: f"its kernel's OOM killer ended {', '.join(o.oom_killed)}"
+                   for o in event.result.outcomes if o.oom_killed}
+            bad |= {o.host: o.detail or "lost" for o in event.result.outcomes if o.state == NodeState.LOST}
         if bad and self.on:
             try:
                 remember(self.path, bad, self.run_id, self.backend)
