@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
+from ddplaunch.hostside import reaper
 from ddplaunch.plan.hostprogram import host_program
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -37,3 +39,34 @@ def test_a_stopped_torchrun_and_its_stopped_workers_are_killed_not_waited_for(tm
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+HOLDS_TERM = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, lambda *a: None); "
+              "print('ready', flush=True); time.sleep(120)"]
+
+
+def _holds(run_id: str) -> subprocess.Popen:
+    proc = subprocess.Popen(HOLDS_TERM, env=dict(os.environ, DDPLAUNCH_RUN_ID=run_id), stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"  # its handler is in place
+    return proc
+
+
+def test_kill_now_kills_a_process_that_holds_sigterm_without_the_grace(tmp_path):
+    """`--kill --now` (the survivors of a lost host: they had their SIGTERM) kills at once what
+    holds SIGTERM; plain `--kill` sends SIGTERM first and kills only after its grace."""
+    run_id = f"reap-{uuid.uuid4().hex[:8]}"
+    for words, grace in ((["--kill", "--now"], 0.0), (["--kill"], reaper.GRACE)):
+        holder = _holds(run_id)
+        try:
+            command, nonce = host_program("reaper", sys.executable, run_id, *words)
+            t0 = time.monotonic()
+            subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+            took = time.monotonic() - t0
+            assert holder.wait(timeout=10) == -signal.SIGKILL
+            # plain --kill waited out its grace for the holder; --now did not (a hang guard)
+            assert took >= grace if grace else took < reaper.GRACE, (words, took)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(timeout=10)

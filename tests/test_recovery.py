@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddplaunch.backends.failfast import LOST_STOP_GRACE
 from ddplaunch.record.events import RecoveryStarted, Shown, read_events
 from ddplaunch.record.hosthealth import recorded
 from ddplaunch.record.incidents import Recovery
@@ -249,6 +250,25 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     cleared = ddplaunch(["hosts", "clear", hosts[1]], tmp_path, timeout=60)
     assert cleared.stdout.strip() == f"{hosts[1]}: readmitted"
     assert "# skipped" not in ddplaunch(["up", str(spec), "--dry-run"], tmp_path, timeout=60).stdout
+
+
+def test_survivors_that_hold_sigterm_are_not_waited_for_after_a_crash(sim_cluster, tmp_path, reference):
+    """A job that handles SIGTERM as Lightning does (stop once the step in progress ends): after a
+    crash its survivors are blocked in a collective with the dead peer and never get there. They
+    are killed LOST_STOP_GRACE after their SIGTERM, not given the job's stop_grace (30 s) nor a
+    second grace by the reaper; the spare takes over and the job ends bitwise equal."""
+    spec = _spec(sim_cluster, tmp_path, "holds", [0, 1, 2], [3], "--step-sleep", "0.3", "--sigterm-after-step")
+    hosts = [h.name for h in sim_cluster.hosts]
+    out, record, t_crash = _crash_during(spec, tmp_path, "rec-holds", sim_cluster, hosts[1])
+    assert record.state == "ok", out[-4000:]
+    recovery = _timely(record, t_crash)
+    assert recovery.stopped_at is not None
+    # killed LOST_STOP_GRACE after their SIGTERM, and the reaper's round: ~3 s (before: 10 s of
+    # waiting on their sessions, then the reaper's SIGTERM and 5 s more)
+    no_hang(recovery.stopped_at - recovery.detected_at, 3 * (LOST_STOP_GRACE + 1),
+            "survivors that hold SIGTERM are killed once LOST_STOP_GRACE passed")
+    assert "stopping after step" not in out  # none of them got back to its loop: killed, as meant
+    assert SHA_RE.findall(out) == [reference]
 
 
 def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):

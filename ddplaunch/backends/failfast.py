@@ -42,9 +42,10 @@ SHUTDOWN_GRACE = 30.0
 #: Seconds beyond the grace for the stopped nodes' sessions or steps to end.
 SETTLE_SLACK = 5.0
 #: The stop grace once a host is lost (instead of `job.stop_grace`): the survivors are blocked in a
-#: collective with a dead peer, where a SIGTERM handler never runs, and the relaunch resumes from
-#: the checkpoint anyway; what has not ended by then is killed. No report grace either.
-LOST_STOP_GRACE = 5.0
+#: collective with a dead peer, where a SIGTERM handler (Lightning's) never runs, and the relaunch
+#: resumes from the checkpoint anyway; what has not ended by then is killed at once (no second
+#: grace: backends' `close`). No report grace either.
+LOST_STOP_GRACE = 2.0
 POLL_S = 0.1
 #: Seconds a node may say nothing (a heartbeat every second) before its host is probed.
 DETECT_S = 2.0
@@ -339,7 +340,7 @@ class _Watch:
             o.state, o.detail = INTERRUPTED, f"stopped by ddplaunch: {cause}"
         stage.stop(rest)
         lost = self.first_bad is not None and self.first_bad.lost
-        self.take(stage.settle(set(rest), (LOST_STOP_GRACE if lost else self.stop_grace) + SETTLE_SLACK))
+        self.take(stage.settle(set(rest), LOST_STOP_GRACE if lost else self.stop_grace + SETTLE_SLACK))
         ran = time.time() - self.result.started_at
         for n in sorted(stage.never_started(rest)):
             o = self.result.outcomes[n]

@@ -1,12 +1,12 @@
 """End every process of one run on this host (see procs.py for which processes those are).
 
-Usage: `python - RUN_ID [--term PIDFILE...] [--kill] [--clean] [--containers RUNTIME]` with
+Usage: `python - RUN_ID [--term PIDFILE...] [--kill [--now]] [--clean] [--containers RUNTIME]` with
 procs.py + this source on stdin or `-c`. `--term`: SIGTERM the pids recorded in these files
 (torchrun stops its workers) — each pid only after checking it is the run's; a stopped one (a frozen
 host's: it cannot act on SIGTERM) is killed, with every stopped process of the run here. `--containers`
 (docker, podman): with `--kill`, first remove the run's containers of this user (by their labels:
 the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grace SIGKILL,
-whatever of the run is left. `--clean`: then remove what of the run's directory may hold what the
+whatever of the run is left (`--now`: SIGKILL at once, for processes that had their SIGTERM). `--clean`: then remove what of the run's directory may hold what the
 job printed or its environment (torchrun's per-rank logs, environment files): the launcher's log
 has every line, masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
@@ -110,19 +110,19 @@ def wait_gone(run_id: str, pids: list[int], timeout: float) -> None:
 
 def main(argv: list[str]) -> None:
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
-    kill, tidy = "--kill" in rest, "--clean" in rest
+    kill, tidy, now = "--kill" in rest, "--clean" in rest, "--now" in rest
     runtime = rest[rest.index("--containers") + 1] if "--containers" in rest[:-1] else None
     if runtime is not None:
         rest = [a for a in rest if a not in ("--containers", runtime)]
     files = rest[rest.index("--term") + 1:] if "--term" in rest else []
-    files = [f for f in files if f not in ("--kill", "--clean")]
+    files = [f for f in files if f not in ("--kill", "--clean", "--now")]
     before = sorted(run_processes(run_id))
     sent = term_pidfiles(run_id, files)
-    if sent:
+    if sent and not now:
         wait_gone(run_id, sent, GRACE * 2)
     containers = remove_containers(run_id, runtime) if kill else []
     if kill:
-        reap(run_id)
+        reap(run_id, 0.0 if now else GRACE)
     left = sorted(run_processes(run_id))
     if tidy and not left:
         clean(run_id)

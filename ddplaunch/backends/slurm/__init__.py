@@ -149,10 +149,11 @@ class SlurmBackend:
         self._reap([h for i, h in enumerate(plan.hosts) if i not in lost], plan.run_id)
 
     def _reap(self, nodes: list[str], run_id: str) -> None:
-        """End what is left of the run on `nodes` (by its tag), as a probe step."""
+        """End what is left of the run on `nodes` (by its tag), as a probe step: after a loss, at
+        once (the step's tasks had their SIGTERM, LOST_SRUN_S ago)."""
         hosts = [HostSpec(addr=n, name=n) for n in nodes]
         self.probe(lambda h: reaper_command(tool_python(self.spec, None), run_id, kill=True, term_pid_files=True,
-                                            clean=True, containers=runtime_of(self.spec))[0],
+                                            clean=True, containers=runtime_of(self.spec), now=True)[0],
                    timeout=45, hosts=hosts)
 
     def _never_started(self, plan: LaunchPlan, nodes: list[int]) -> set[int]:

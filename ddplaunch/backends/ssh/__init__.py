@@ -222,8 +222,8 @@ class SshBackend(ShellLauncher):
             channel.sendall(go_line(admitted.socket_ifname))
             channels.append(channel)
         stage = SshStage(plan, channels, lines, self._term,
-                         lambda lost: self._reap_all([h for i, h in enumerate(hosts) if i not in lost], plan.run_id,
-                                                     [hosts[i] for i in lost]),
+                         lambda lost, now: self._reap_all([h for i, h in enumerate(hosts) if i not in lost],
+                                                          plan.run_id, [hosts[i] for i in lost], now),
                          lambda node: self._unanswered(hosts, node))
         with Renewals(self.spec.supervisor.lease, lambda value: self._renew(hosts, plan.run_id, value)):
             return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
@@ -381,17 +381,17 @@ class SshBackend(ShellLauncher):
         with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(nodes)))) as pool:
             return {rank for rank in pool.map(term, nodes) if rank is not None}
 
-    def _reap_all(self, hosts: list[HostSpec], run_id: str, lost: list[HostSpec]) -> None:
-        """End what is left of the run on `hosts`; drop the connections to the `lost` ones (a later
-        stage connects afresh if one comes back)."""
+    def _reap_all(self, hosts: list[HostSpec], run_id: str, lost: list[HostSpec], now: bool = False) -> None:
+        """End what is left of the run on `hosts` (`now`: SIGKILL at once: they had their SIGTERM);
+        drop the connections to the `lost` ones (a later stage connects afresh if one comes back)."""
         self.connector.drop([h.label for h in lost])
         for host in lost:
             self.fence.add(host.label, functools.partial(self._reap, host, run_id))
-        self._each(lambda h: self._reap(h, run_id), hosts)
+        self._each(lambda h: self._reap(h, run_id, now=now), hosts)
 
-    def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False) -> str:
-        command, nonce = reaper_command(tool_python(self.spec, host), run_id, kill=True,
-                                        term_pid_files=term_pid_files, clean=True, containers=runtime_of(self.spec))
+    def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False, now: bool = False) -> str:
+        command, nonce = reaper_command(tool_python(self.spec, host), run_id, kill=True, term_pid_files=term_pid_files,
+                                        clean=True, containers=runtime_of(self.spec), now=now)
         _, out = self._exec(host, command, timeout=45)
         return describe_reap(parse_answer(out, nonce))
 

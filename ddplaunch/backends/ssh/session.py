@@ -147,12 +147,13 @@ class SshStage(LossAware):
     """Every node's session of a started stage, for backends/failfast.py.
 
     `term(nodes)` SIGTERMs the nodes' torchruns and returns those without a pid file (their
-    shell never got to `exec torchrun`); `reap(lost)` ends what is left of the run on every host
-    but the lost ones; `unanswered(node)` says why a node's host does not answer (None: it does).
+    shell never got to `exec torchrun`); `reap(lost, now)` ends what is left of the run on every
+    host but the lost ones (`now`, after a loss: at once, the survivors had their SIGTERM);
+    `unanswered(node)` says why a node's host does not answer (None: it does).
     """
 
     def __init__(self, plan: LaunchPlan, channels: list[paramiko.Channel], lines: StageLines,
-                 term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[set[int]], None],
+                 term: Callable[[list[NodeCommand]], set[int]], reap: Callable[[set[int], bool], None],
                  unanswered: Callable[[int], Optional[str]]):
         super().__init__(unanswered)
         self.plan, self.channels, self._term, self._reap = plan, channels, term, reap
@@ -200,9 +201,11 @@ class SshStage(LossAware):
         return self._never & set(nodes)
 
     def close(self) -> None:
+        # what is left of the run ends first (after a loss at once: the survivors, blocked in a
+        # collective with a dead peer, had their SIGTERM), so no reader waits on a node still alive
+        self._reap(self._lost, bool(self._lost or self._at_fault))
         for node, (reader, ch) in enumerate(zip(self.readers, self.channels)):
             if node not in self._lost:  # a lost host's channel ends with its connection
-                if node not in self._at_fault:  # a frozen node's never ends by itself: the reaper ends it
+                if node not in self._at_fault:  # a frozen node's never ends by itself: the reaper ended it
                     reader.join(timeout=5)
                 ch.close()
-        self._reap(self._lost)
