@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import recovery as rec  # noqa: E402  (bench/recovery.py: Lines, freeze, kill_tagged, STEP_RE)
+import recovery as rec  # noqa: E402  (bench/recovery.py: Lines, freeze, kill_tagged, worktree)
 
 from ddplaunch.record.events import read_events  # noqa: E402
 from ddplaunch.record.view import RunView  # noqa: E402
@@ -166,20 +166,15 @@ def main() -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     baseline = work / "baseline"
     rows: list[dict] = []
-    if args.baseline:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
-                       check=True, capture_output=True)
     try:
-        for n in range(args.trials):
-            for kind in (kinds if n % 2 == 0 else kinds[::-1]):
-                row = trial(kind, cluster, work, n, env, args.every, baseline)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        with rec.worktree(args.baseline, baseline):
+            for n in range(args.trials):
+                for kind in (kinds if n % 2 == 0 else kinds[::-1]):
+                    row = trial(kind, cluster, work, n, env, args.every, baseline)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     finally:
         sim_down(cluster.state_dir)
-        if args.baseline:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
-                           capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     print(table(rows))
     if args.json:

@@ -29,6 +29,7 @@ Usage: .venv/bin/python bench/recovery.py [--trials 5] [--give-up 600] [--fault 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -43,7 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -138,6 +139,19 @@ def elastic_argv(cluster, work: Path, name: str, port: int, tag: str) -> list[st
               f"--nnodes 3:4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {addrs[0]}:{port} "
               f"--rdzv-id {tag} --max-restarts 3 jobs/train.py {' '.join(TRAIN)}")
     return ["pdsh", "-R", "ssh", "-f", "4", "-w", ",".join(addrs), remote]
+
+
+@contextlib.contextmanager
+def worktree(rev: Optional[str], path: Path) -> Iterator[None]:
+    """A git worktree of commit `rev` at `path` while the block runs (nothing without a `rev`)."""
+    if rev:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev],
+                       check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        if rev:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], capture_output=True)
 
 
 def freeze(tag: str, host: str) -> None:
@@ -294,21 +308,16 @@ def main() -> None:
     runs = [(k, v) for v in victims for k in kinds if not (k == "elastic" and v == "master")]
     rows: list[dict] = []
     baseline = work / "baseline"
-    if args.baseline:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
-                       check=True, capture_output=True)
     try:
-        ref = reference(cluster, work, env)
-        for n in range(args.trials):
-            for kind, victim in (runs if n % 2 == 0 else runs[::-1]):
-                row = trial(kind, cluster, work, n, args.give_up, env, victim, args.fault, baseline)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        with worktree(args.baseline, baseline):
+            ref = reference(cluster, work, env)
+            for n in range(args.trials):
+                for kind, victim in (runs if n % 2 == 0 else runs[::-1]):
+                    row = trial(kind, cluster, work, n, args.give_up, env, victim, args.fault, baseline)
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     finally:
         sim_down(cluster.state_dir)
-        if args.baseline:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)],
-                           capture_output=True)
         if args.keep:
             print(f"records and logs kept in {work}/state/runs")
         else:
