@@ -72,8 +72,6 @@ def test_a_cut_witness_is_never_named_and_a_silent_one_is_left_out():
 def test_the_judge_names_the_one_cut_host_among_a_thousand():
     """At 1,000 hosts each answer lists ~1,000 peers: the judge looks each pair up once (a set, not
     a list scan: 10^6 lookups, not 10^9), and names the one host no peer reached."""
-    from ddplaunch.diagnose.links import judge
-
     addrs = {f"h{i}": f"10.1.{i // 250}.{i % 250}" for i in range(1000)}
     answers = {h: {"reached": [a for g, a in addrs.items() if g not in (h, "h7") and h != "h7"]} for h in addrs}
     assert list(judge(addrs, answers, 29400)) == ["h7"]
