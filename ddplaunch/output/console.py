@@ -143,18 +143,24 @@ class Console:
         """A rank's progress bar redrawn (`screen`: its newest state; "" to log it only): to the
         log as it came; shown every BAR_EVERY_S seconds at most per rank, and when it is full."""
         with self._lock:
-            self._logged(text)
-            who = who_of(screen) if screen else None
-            if who is None:
+            found = self._bar_of(text, screen)
+            if found is None:
                 return
-            key, now = (who.host, who.rank), time.monotonic()
-            at, (shown_at, was) = bar_at(screen), self._bars.get(key, (-BAR_EVERY_S, None))
+            key, at = found
+            now, (shown_at, was) = time.monotonic(), self._bars.get(key, (-BAR_EVERY_S, None))
             if at is not None and at == was:
                 return  # the same count again (a bar redrawn as it closes)
             if now - shown_at >= BAR_EVERY_S or full(screen):
                 self._bars[key] = (now, at)
                 self.flush()
                 self._show(screen)
+
+    def _bar_of(self, text: str, screen: str) -> Optional[tuple[tuple[str, Optional[int]], Optional[str]]]:
+        """A bar's line logged as it came; whose it is ((host, rank)) and how far it is, when it is
+        to be shown (None: to the log only)."""
+        self._logged(text)
+        who = who_of(screen) if screen else None
+        return None if who is None else ((who.host, who.rank), bar_at(screen))
 
     def progress(self, progress: Progress) -> None:
         """The job's optimizer steps as rank 0 counts them (a terminal shows them live, whatever
@@ -263,11 +269,10 @@ class LiveConsole(Console):
     def bar(self, text: str, screen: str) -> None:
         """A rank's progress bar: one live line, redrawn in place; printed once when full."""
         with self._lock:
-            self._logged(text)
-            who = who_of(screen) if screen else None
-            if who is None:
+            found = self._bar_of(text, screen)
+            if found is None:
                 return
-            key, at = (who.host, who.rank), bar_at(screen)
+            key, at = found
             self.live_bars.pop(key, None)
             if full(screen):
                 if self._bars.get(key, (0.0, None))[1] != at:  # once: not again as it closes
