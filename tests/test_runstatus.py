@@ -76,3 +76,20 @@ def test_a_run_whose_supervisor_has_not_started_is_submitted_and_says_where_it_w
     view = RunView(run_id="r2", hosts=["a", "b"])
     assert status_lines(view, "slurm", supervisor_alive=True, where="submitted Slurm job 7") == \
         ["r2: submitted (slurm; hosts a, b; submitted Slurm job 7)"]
+
+
+def test_a_running_run_says_its_frozen_and_silent_ranks_and_stops_saying_them_once_they_run():
+    from ddplaunch.record.events import RanksFrozen, RanksSilent
+
+    events = [STARTED, _job(["a", "b", "c"], 101.0), RanksFrozen("b", {"3": "T", "4": "D"}), RanksSilent("c", [7])]
+    lines = status_lines(RunView.of(events), "ssh", supervisor_alive=True, now=115.0)
+    assert "  frozen now (process state): b ranks 3 T, 4 D" in lines
+    assert "  ranks silent while the others step: c ranks 7" in lines
+    lines = status_lines(RunView.of([*events, RanksFrozen("b", {})]), "ssh", supervisor_alive=True, now=115.0)
+    assert not any(line.startswith("  frozen now") for line in lines)
+    # at 1,000 hosts: a line, not a page (`top` shows them all)
+    many = [STARTED, _job(["a"], 101.0), *[RanksFrozen(f"h{i}", {str(r): "T" for r in range(8 * i, 8 * i + 8)})
+                                           for i in range(1000)]]
+    (line,) = [x for x in status_lines(RunView.of(many), "ssh", supervisor_alive=True, now=115.0)
+               if x.startswith("  frozen now")]
+    assert line.endswith("; h4 ranks 32 T, 33 T, 34 T, 35 T, 36 T, 37 T, 38 T, 39 T; +995 more hosts"), line

@@ -25,6 +25,20 @@ def shown_state(view: RunView, supervisor_alive: Optional[bool]) -> str:
     return str(view.state)
 
 
+#: Hosts (and ranks of each) a line of `status` names at most: 1,000 hosts' worth is for `top`.
+SHOWN_HOSTS, SHOWN_RANKS = 5, 8
+
+
+def _by_host(what: str, ranks: dict[str, list[str]]) -> list[str]:
+    """`  frozen now (process state): dlt2 ranks 1 T, 3 T; dlt4 ranks 0 D; +3 more hosts`."""
+    if not ranks:
+        return []
+    parts = [f"{host} ranks {', '.join(rs[:SHOWN_RANKS])}" + (f" +{len(rs) - SHOWN_RANKS}" if len(rs) > SHOWN_RANKS
+                                                              else "") for host, rs in list(ranks.items())[:SHOWN_HOSTS]]
+    more = f"; +{len(ranks) - SHOWN_HOSTS} more hosts" if len(ranks) > SHOWN_HOSTS else ""
+    return [f"  {what}: {'; '.join(parts)}{more}"]
+
+
 def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], where: str = "",
                  now: Optional[float] = None, live: Optional[LiveSteps] = None) -> list[str]:
     """What `status` prints: the first line starts with the run id and its state; `where` says
@@ -53,6 +67,11 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
     for st in view.stragglers:
         lines.append(f"  straggler: {st.host} (ranks {', '.join(map(str, st.ranks))}) computes "
                      f"{st.slowdown:+.0%} against its peers since step {st.since_step}")
+    if view.ended is None:  # what the node agents and the judge say now
+        lines += _by_host("frozen now (process state)", {h: [f"{r} {st}" for r, st in ranks.items()]
+                                                         for h, ranks in view.frozen.items()})
+        lines += _by_host("ranks silent while the others step", {h: [str(r) for r in rs]
+                                                                  for h, rs in view.silent.items()})
     for launch in view.launches:
         lines += _stage_lines(launch, view)
     spent = worth_saying(view)
