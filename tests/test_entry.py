@@ -242,8 +242,11 @@ def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_pri
         a, b = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
         torch.save(m.state_dict(), {str(tmp_path / 'ck.pt')!r})
         m.load_state_dict(torch.load({str(tmp_path / 'ck.pt')!r}))
+        with open({str(tmp_path / 'ck.pt')!r}, "rb") as f:  # a file object (Lightning passes fsspec's)
+            torch.load(f)
         dcp.save({{"m": m.state_dict()}}, checkpoint_id={str(tmp_path / 'dcp')!r})
         dcp.load({{"m": m.state_dict()}}, checkpoint_id={str(tmp_path / 'dcp')!r})
+        dcp.load({{"m": m.state_dict()}}, storage_reader=dcp.FileSystemReader({str(tmp_path / 'dcp')!r}))
         for _ in range(3):
             a.zero_grad(); m(torch.ones(1, 2)).sum().backward(); a.step(); b.step()
         """)
@@ -251,8 +254,11 @@ def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_pri
     assert out.returncode == 0, out.stderr
     said = [(m[0], json.loads(m[1])) for m in re.findall(r"^DDPLAUNCH_(PROGRESS|LOADED)_JSON (\{.*\})$", out.stdout, re.M)]
     loads = [d for kind, d in said if kind == "LOADED"]
+    # each named by its path, whether given as a path, an open file or a storage reader
     assert [(d["path"], d["via"]) for d in loads] == [
-        (str(tmp_path / "ck.pt"), "torch.load"), (str(tmp_path / "dcp"), "torch.distributed.checkpoint.load")]
+        (str(tmp_path / "ck.pt"), "torch.load"), (str(tmp_path / "ck.pt"), "torch.load"),
+        (str(tmp_path / "dcp"), "torch.distributed.checkpoint.load"),
+        (str(tmp_path / "dcp"), "torch.distributed.checkpoint.load")]
     steps = [d["steps"] for kind, d in said if kind == "PROGRESS"]
     assert steps[0] == 1 and steps[-1] == 3, said  # the first step at once, the last at exit
     other = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "1"}, timeout=120)

@@ -132,6 +132,16 @@ def _failed(exc: BaseException, tb: Any) -> Any:
     return P.RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
 
 
+def loaded_name(target: Any) -> str:
+    """What a load read, as a path: the path given, else the path of the file object or reader
+    (`name` of an open file; `path` of fsspec's LocalFileOpener, which Lightning passes, and of
+    DCP's FileSystemReader), else the object's type."""
+    for value in (target, getattr(target, "name", None), getattr(target, "path", None)):
+        if isinstance(value, (str, os.PathLike)):
+            return os.fspath(value)
+    return type(target).__name__
+
+
 def shut_down_like_python() -> None:
     """What Py_FinalizeEx does first: join non-daemon threads, then run atexit handlers."""
     shutdown = getattr(threading, "_shutdown", None)
@@ -261,8 +271,7 @@ class Progress:
                 target = args[0] if args else kwargs.get("f")
             else:
                 target = kwargs.get("checkpoint_id", kwargs.get("storage_reader"))
-            self.say(P.Loaded(self.rank, str(target if isinstance(target, (str, os.PathLike)) else
-                                           type(target).__name__)[:300], via))
+            self.say(P.Loaded(self.rank, loaded_name(target)[:300], via))
             self._inside.depth = 1
             try:
                 return fn(*args, **kwargs)
