@@ -6,9 +6,10 @@ procs.py + this source on stdin or `-c`. `--term`: SIGTERM the pids recorded in 
 host's: it cannot act on SIGTERM) is killed, with every stopped process of the run here. `--containers`
 (docker, podman): with `--kill`, first remove the run's containers of this user (by their labels:
 the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grace SIGKILL,
-whatever of the run is left (`--now`: SIGKILL at once, for processes that had their SIGTERM). `--clean`: then remove what of the run's directory may hold what the
-job printed or its environment (torchrun's per-rank logs, environment files): the launcher's log
-has every line, masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
+whatever of the run is left (`--now`: SIGKILL at once, for processes that had their SIGTERM).
+`--clean`: then remove what of the run's directory may hold what the job printed or its
+environment (torchrun's per-rank logs, environment files): the launcher's log has every line,
+masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
 
 import json

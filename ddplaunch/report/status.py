@@ -33,8 +33,9 @@ def _by_host(what: str, ranks: dict[str, list[str]]) -> list[str]:
     """`  frozen now (process state): dlt2 ranks 1 T, 3 T; dlt4 ranks 0 D; +3 more hosts`."""
     if not ranks:
         return []
-    parts = [f"{host} ranks {', '.join(rs[:SHOWN_RANKS])}" + (f" +{len(rs) - SHOWN_RANKS}" if len(rs) > SHOWN_RANKS
-                                                              else "") for host, rs in list(ranks.items())[:SHOWN_HOSTS]]
+    parts = [f"{host} ranks {', '.join(rs[:SHOWN_RANKS])}"
+             + (f" +{len(rs) - SHOWN_RANKS}" if len(rs) > SHOWN_RANKS else "")
+             for host, rs in list(ranks.items())[:SHOWN_HOSTS]]
     more = f"; +{len(ranks) - SHOWN_HOSTS} more hosts" if len(ranks) > SHOWN_HOSTS else ""
     return [f"  {what}: {'; '.join(parts)}{more}"]
 

@@ -52,7 +52,8 @@ def stage_verdict(stage: StageResult) -> str:
     if stage.ok:
         return "ok"
     if stage.recovered:
-        return f"recovered (recovery {stage.recovered})" if stage.lost_hosts else f"restarted (relaunch {stage.recovered})"
+        word = "recovered (recovery" if stage.lost_hosts else "restarted (relaunch"  # a restart lost no host
+        return f"{word} {stage.recovered})"
     return "INTERRUPTED" if stage.interrupted else "FAILED"
 
 

@@ -4,9 +4,9 @@ what the next `up` does with a recorded host.
 Recorded (`HostMemory.note`, from the run's own events): a host lost in a launch (crashed, frozen,
 cut off: `StageEnded`'s lost nodes, a recovery's lost hosts with their causes, a straggler it
 evicted), a host whose kernel's OOM killer ended the run's processes (`StageEnded`'s nodes that
-say so), and a host the health check named bad (`Localized`, whether the gate stops or drops it). Never the launcher's own
-machine, never a host only the pre-flight found wanting (that is the spec's or the host's set-up,
-which the pre-flight says).
+say so), and a host the health check named bad (`Localized`, whether the gate stops or drops
+it). Never the launcher's own machine, never a host only the pre-flight found wanting (that is
+the spec's or the host's set-up, which the pre-flight says).
 
 Used (`skip_recorded`, before anything runs): a recorded host of the spec gets a spare in its
 place (a listed spare, itself not recorded), or is left out where `recovery.min_hosts` allows; a
