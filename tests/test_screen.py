@@ -141,3 +141,17 @@ def test_a_terminal_shows_the_jobs_steps_live_whatever_it_prints():
     finally:
         console.close()
     assert "job: step 50" in capture.get()
+
+
+def test_ranks_at_the_same_count_of_the_same_bar_are_one_live_line():
+    """Every rank of a DDP job draws the same bar at the same count: one live line says them all
+    (the newest, and how many more); a rank ahead or behind, or another bar, has its own line; at
+    most LIVE_BARS lines, the newest."""
+    from ddplaunch.output.console import LIVE_BARS, fold_bars
+
+    bars = [f"[h{r // 8}:{r}] 45%|████ | 45/100 [00:09<00:11, {5 + r % 3}it/s]" for r in range(64)]
+    assert fold_bars(bars) == [f"{bars[-1]} (+63 ranks at 45/100)"]
+    ahead, other = "[h9:72] 46%|████ | 46/100 [00:09<00:11, 5it/s]", "[h0:0] eval 3/9 [00:01<00:02, 1it/s]"
+    assert fold_bars([*bars, ahead, other]) == [f"{bars[-1]} (+63 ranks at 45/100)", ahead, other]
+    many = [f"[h{r}:{r}] {r}%|█ | {r}/100 [00:01<00:02, 1it/s]" for r in range(20)]
+    assert fold_bars(many) == many[-LIVE_BARS:]

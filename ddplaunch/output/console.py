@@ -20,7 +20,7 @@ import re
 import sys
 import threading
 import time
-from typing import IO, Optional, Sequence
+from typing import IO, Iterable, Optional, Sequence
 
 from rich.console import Console as RichConsole
 from rich.console import Group, RenderableType
@@ -28,7 +28,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ddplaunch.output.who import who_of
+from ddplaunch.output.who import who_of, without_rank
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import EventLog, HostState, Shown
 from ddplaunch.record.results import NodeState, Progress
@@ -42,8 +42,9 @@ FOLD_S = 0.5
 BAR_EVERY_S = 10.0
 #: Where a bar says how far it is (`45/100`), and a full one.
 BAR_AT_RE = re.compile(r"\|\s*(\S+)/(\S+) \[")
-#: Progress bars a terminal shows live at once (the ranks that redrew theirs last).
-LIVE_BARS = 8
+#: Progress bar lines a terminal shows live at once (the ranks that redrew theirs last; ranks at
+#: the same count of the same bar are one line), and the ranks' bars kept for them.
+LIVE_BARS, KEPT_BARS = 8, 1024
 #: A line that names hosts names this many at most, then gives their count (one line at 1,000
 #: hosts; the run's files and `status --json` hold them all).
 HOSTS_NAMED = 8
@@ -281,7 +282,7 @@ class LiveConsole(Console):
                     self._show(screen)
             else:
                 self.live_bars[key] = screen
-                while len(self.live_bars) > LIVE_BARS:
+                while len(self.live_bars) > KEPT_BARS:
                     del self.live_bars[next(iter(self.live_bars))]
             self.live.update(self._live())
 
@@ -292,7 +293,7 @@ class LiveConsole(Console):
 
     def _live(self) -> RenderableType:
         lines = [Text(steps_line(self.steps), no_wrap=True)] if self.steps is not None else []
-        lines += [Text(bar, no_wrap=True, overflow="ellipsis") for bar in self.live_bars.values()]
+        lines += [Text(bar, no_wrap=True, overflow="ellipsis") for bar in fold_bars(self.live_bars.values())]
         return Group(self._table(), *lines) if lines else self._table()
 
     def close(self) -> None:
@@ -323,6 +324,26 @@ def steps_line(progress: Progress) -> str:
     done = progress.last_step - progress.first_step
     rate = f" ({done / progress.training_s:.3g} steps/s)" if done > 0 and progress.training_s > 0 else ""
     return f"job: step {progress.last_step:,}{rate}"
+
+
+def fold_bars(bars: Iterable[str]) -> list[str]:
+    """The newest LIVE_BARS lines of `bars` (each a rank's, oldest first), the ranks at the same
+    count of the same bar (its description, its count) as one: the newest of them, and how many
+    more are there — `[h2:5] 45%|████ | 45/100 [00:09<00:11, 5it/s] (+7 ranks at 45/100)`."""
+    groups: dict[str, list[str]] = {}
+    newest: dict[str, int] = {}
+    for i, bar in enumerate(bars):
+        text = without_rank(bar)
+        m = BAR_AT_RE.search(text)
+        key = text[:m.end()] if m else bar
+        groups.setdefault(key, []).append(bar)
+        newest[key] = i
+    lines = []
+    for key in sorted(groups, key=newest.__getitem__)[-LIVE_BARS:]:
+        same = groups[key]
+        more = len(same) - 1
+        lines.append(same[-1] + (f" (+{more} rank{'s' if more > 1 else ''} at {bar_at(same[-1])})" if more else ""))
+    return lines
 
 
 def bar_at(bar: str) -> Optional[str]:
