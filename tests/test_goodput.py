@@ -35,7 +35,7 @@ def run_of(*events, end: float) -> RunView:
 def test_a_healthy_run_is_startup_training_and_its_end():
     view = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81), T0 + 92), end=T0 + 100)
     spent = ledger(view)
-    assert spent is not None and spent.parts == {"startup": 10, "training": 80, "redone": 0, "detection": 0,
+    assert spent is not None and spent.parts == {"startup": 10, "training": 80, "redone": 0, "slow": 0, "detection": 0,
                                                  "recovery": 0, "other": 10}
     assert spent.goodput == 0.8 and spent.faults == 0
     assert "goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in summarize(view)
@@ -52,7 +52,7 @@ def test_a_crash_is_detection_recovery_and_the_steps_trained_again():
                   *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64), end=T0 + 135)
     spent = ledger(view)
     assert spent is not None and spent.faults == 1
-    assert spent.parts == pytest.approx({"startup": 10, "training": 39 + 69 - 10, "redone": 10, "detection": 3,
+    assert spent.parts == pytest.approx({"startup": 10, "training": 39 + 69 - 10, "redone": 10, "slow": 0, "detection": 3,
                                          "recovery": 12, "other": 2})
     assert math.isclose(sum(spent.parts.values()), spent.wall_s) and spent.wall_s == 135
     assert spent.line() == ("goodput 73% of 2m15s wall: training 1m38s; lost to startup 10s, redone 10s, detection 3s, "
@@ -152,3 +152,23 @@ def test_the_run_page_draws_the_ledger_as_one_bar_whose_parts_are_the_causes():
     assert "goodput 80% of 1m40s wall" in render(view)
     running = RunView.of([RunStarted("r", "ssh", ["a", "b"], 1, "here", t=T0), *launch(T0 + 2, None, T0 + 30)])
     assert "no ledger yet: the run has not ended" in render(running)
+
+
+def test_a_straggler_costs_its_excess_compute_on_every_step_it_held_the_run():
+    """Steps 1-81 at 1 s a step; a host named at step 41's time computing 0.25 s a step more than
+    its peers since step 31: steps 31-81 (51) each cost 0.25 s -> 12.75 s of slow steps, taken
+    from training; the parts still add up to the wall time. A straggler named in no launch of
+    this run's costs nothing."""
+    from ddplaunch.record.events import StragglerNamed
+    from ddplaunch.record.incidents import Straggler
+
+    def slow(named_at: float) -> StragglerNamed:
+        return StragglerNamed(Straggler("b", [1], 0.5, 31, named_at, 0.75, 0.5, 0.25), t=named_at)
+    progress = Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81)
+    spent = ledger(run_of(*launch(T0 + 2, progress, T0 + 92), slow(T0 + 50), end=T0 + 100))
+    assert spent is not None and spent.parts["slow"] == pytest.approx(12.75)
+    assert spent.parts["training"] == pytest.approx(80 - 12.75)
+    assert math.isclose(sum(spent.parts.values()), spent.wall_s)
+    assert "slow 13s" in spent.line()
+    elsewhere = ledger(run_of(*launch(T0 + 2, progress, T0 + 92), slow(T0 + 95), end=T0 + 100))
+    assert elsewhere is not None and elsewhere.parts["slow"] == 0 and "slow" not in elsewhere.line()

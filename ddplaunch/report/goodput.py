@@ -8,6 +8,8 @@ up to the wall time exactly:
 - `training`: from each launch's first completed step to its last, less what was redone;
 - `redone`: steps trained again after a resume (the steps between the checkpoint the relaunched
   job loaded and the step the lost launch had reached), at that launch's pace;
+- `slow`: what a straggler cost while it held the run: from the first step it was slow in to the
+  end of its launch, each step the excess of its compute over its peers' (the judge's evidence);
 - `detection`: from a failed launch's last step to the host failure being named;
 - `recovery`: from the failure named to the relaunched job's first completed step (the survivors
   stopped, the relaunch, the job's start and its checkpoint load);
@@ -23,12 +25,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ddplaunch.plan.launch import Stage
-from ddplaunch.record.incidents import Recovery
+from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import Progress
 from ddplaunch.record.view import RunView
 
 #: The causes, in the order of a run's life.
-CAUSES = ("startup", "training", "redone", "detection", "recovery", "other")
+CAUSES = ("startup", "training", "redone", "slow", "detection", "recovery", "other")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Ledger:
         (a healthy run's: those it had)."""
         said = []
         for cause in (c for c in CAUSES if c != "training"):
-            if self.faults or self.parts[cause] > 0:
+            if self.parts[cause] > 0 or self.faults and cause != "slow":  # no straggler: nothing to say
                 faults = f" ({self.faults} fault{'s' if self.faults > 1 else ''})" if cause == "recovery" else ""
                 said.append(f"{cause} {duration(self.parts[cause])}{faults}")
         return (f"goodput {100 * self.goodput:.0f}% of {duration(self.wall_s)} wall: training "
@@ -76,6 +78,7 @@ def ledger(view: RunView) -> Optional[Ledger]:
     for i, progress in enumerate(stepped):
         timeline.upto(progress.first_at, "startup" if i == 0 else "other")
         timeline.upto(progress.last_at, "training")
+        timeline.move("training", "slow", sum(_slow_s(progress, s) for s in view.stragglers))
         if i + 1 < len(stepped):
             after = stepped[i + 1]
             recovery = _recovery_before(view.recoveries, after)
@@ -118,6 +121,15 @@ def _recovery_before(recoveries: list[Recovery], after: Progress) -> Optional[Re
     """The recovery whose relaunch made `after` (its first step is the one the recovery says)."""
     return next((r for r in recoveries if r.first_step_at is not None and abs(r.first_step_at - after.first_at) < 1e-6),
                 None)
+
+
+def _slow_s(launch: Progress, straggler: Straggler) -> float:
+    """Seconds `straggler` cost `launch` (0 when it was named in another): the excess of its
+    compute over its peers' on every step from the first it was slow in to the launch's last."""
+    if not launch.first_at <= straggler.named_at <= launch.last_at:
+        return 0.0
+    steps = launch.last_step - max(straggler.since_step, launch.first_step) + 1
+    return max(0, steps) * max(0.0, straggler.compute_s - straggler.peers_compute_s)
 
 
 def _redone_s(lost: Progress, recovery: Recovery) -> float:
