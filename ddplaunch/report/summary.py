@@ -59,7 +59,8 @@ def stage_verdict(stage: StageResult) -> str:
 
 def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
     """One stage's part of the summary: one line when it went well (or was recovered)."""
-    took = f" in {stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
+    seconds = f"{stage.ended_at - stage.started_at:.1f}s" if stage.ended_at else ""
+    took = f" in {seconds}" if seconds else ""
     restarts = ", ".join(f"{o.host} {o.restarts}x" for o in stage.outcomes if o.restarts)
     restarts = f"; workers restarted: {restarts}" if restarts else ""
     if stage.ok:
@@ -70,7 +71,7 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
             return [f"stage {stage.stage}: lost {lost}{took}: {stage_verdict(stage)}"]
         first = stage.first_failure  # a restart: what failed
         what = job_failure(first)[0] if first is not None else "failed"
-        return [f"stage {stage.stage}: {what}{took.replace(' in ', ' after ')}: {stage_verdict(stage)}"]
+        return [f"stage {stage.stage}: {what}{f' after {seconds}' if seconds else ''}: {stage_verdict(stage)}"]
     bad = [o for o in stage.outcomes if o.state != "ok"]
     out = [f"stage {stage.stage}: {stage_verdict(stage)} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
     out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
