@@ -25,8 +25,8 @@ from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster,
                            check_state_dir, cli as sim_cli, load_cluster, render_spec, secure_state_dir, sim_down,
                            sim_fault, sim_status, sim_up)
 from ddplaunch.sim.cluster import noisy_rc_text
-from ddplaunch.sim.netns import nsswitch_text
-from ddplaunch.sim.proc import pid_alive
+from ddplaunch.sim.netns import nsswitch_text, pids_by_netns
+from ddplaunch.sim.proc import pid_alive, wait_until
 from ddplaunch.sim.sshd import sshd_config_text
 from ddplaunch.sim.statedir import prefix_lock
 from ddplaunch.sim.testing import is_listening, shared_cluster, ssh_client, ssh_run, wait_listening
@@ -680,6 +680,13 @@ def test_128_hosts_up_take_128_concurrent_logins_and_go_down(tmp_path):
             with ThreadPoolExecutor(SCALE_HOSTS) as pool:  # one client, every host at once
                 results = list(pool.map(login, c.hosts))
             assert results == [(0, h.name + "\n") for h in c.hosts]
+            # a closed client's session process on the host ends a moment after the close:
+            # wait for every host to hold only its sshd, so `killed` names real leftovers
+            namespaces, listeners = [h.ns for h in c.hosts], {h.sshd_pid for h in c.hosts}
+
+            def sessions() -> list[int]:
+                return [p for ps in pids_by_netns(namespaces).values() for p in ps if p not in listeners]
+            assert wait_until(lambda: not sessions(), 60), f"sessions still running after their logins: {sessions()}"
             t0 = time.monotonic()
             down = sim_down(cfg.state_dir)
             down_s = time.monotonic() - t0
