@@ -47,6 +47,43 @@ def test_a_rank_prefix_inside_a_line_starts_a_line_of_its_own():
     assert "".join(p.raw for p in got).count("206/600") == 1
 
 
+def test_a_loggers_line_written_after_a_bar_is_a_line_of_its_own_folded_with_the_other_ranks():
+    """Hugging Face's Trainer draws its bar (no newline), then transformers' logger warns on every
+    rank: rank 0's warning lands after its bar, in the same line."""
+    lines, screen, log = _lines()
+    warning = "[transformers] `loss_type=None` was set in the config but it is unrecognized."
+    lines.emit(0, HOST, f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]{warning}")
+    lines.emit(1, "h2", f"[h2:1] {warning}")
+    lines.emit(2, "h3", f"[h3:2] {warning}")
+    lines.console.flush()
+    assert screen.getvalue().splitlines() == [f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]",
+                                              f"[x3 ranks: {HOST}:0, h2:1, h3:2] {warning}"]
+    assert log.getvalue().splitlines()[0] == f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]{warning}"
+    assert lines.rank_tail(0) == [f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]", f"[{HOST}:0] {warning}"]
+
+
+def test_a_bars_own_text_after_its_times_is_not_a_line_of_every_redraw():
+    """A `bar_format` that ends with text after the times: the same shape after every redraw is
+    the bar's, shown once at most, not a line per redraw."""
+    lines, screen, _ = _lines()
+    for i in range(1, 11):
+        lines.emit(0, HOST, f"[{HOST}:0] {i * 10}%|{'#' * i}{' ' * (10 - i)}| {i}/10 [00:0{i}] loss={1 / i:.3f}")
+    lines.console.flush()
+    assert len([line for line in screen.getvalue().splitlines() if "loss=" in line and "%|" not in line]) <= 1
+
+
+def test_pytorchs_cpp_warning_from_every_rank_is_one_line_without_its_time():
+    lines, screen, log = _lines()
+    for rank, host in enumerate([HOST, "h2", "h3"]):
+        lines.emit(rank, host, f"[{host}:{rank}] [rank{rank}]:[W1205 20:57:37.17{rank}484652 reducer.cpp:1529] "
+                               "Warning: find_unused_parameters=True was specified in DDP constructor")
+    lines.console.flush()
+    assert screen.getvalue().splitlines() == [
+        f"[x3 ranks: {HOST}:0, h2:1, h3:2] [W reducer.cpp:1529] Warning: find_unused_parameters=True was "
+        "specified in DDP constructor"]
+    assert "[rank2]:[W1205 20:57:37.172484652 reducer.cpp:1529]" in log.getvalue()  # the log as it came
+
+
 def test_a_payload_after_a_partial_line_is_read_and_the_text_before_it_kept():
     lines, screen, log = _lines()
     lines.emit(0, HOST, f'[{HOST}:0] epoch 3 done DDPLAUNCH_PROGRESS_JSON {{"rank": 0, "steps": 7}}')

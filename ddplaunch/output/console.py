@@ -115,14 +115,17 @@ class Console:
         self._bars: dict[tuple[str, Optional[int]], tuple[float, Optional[str]]] = {}
 
     def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
-        """One line of a host: to the log as it came, and to the stream when `shown` as a screen
-        shows it (`screen`, default `text`: after `FOLD_S`, once for everyone who printed the same
-        text meanwhile; at once with `verbose`)."""
+        """One line of a host: to the log as it came, and, when `shown`, to the screen as a screen
+        shows it (`screen`, default `text`; see `show`)."""
         with self._lock:
             self._logged(text)
-            if not shown:
-                return
-            text = screen or text
+            if shown:
+                self.show(screen or text)
+
+    def show(self, text: str) -> None:
+        """A line as a screen shows it, not logged (the line it came in was): after `FOLD_S`,
+        once for everyone who printed the same text meanwhile; at once with `verbose`."""
+        with self._lock:
             who = who_of(text)
             if self.verbose or who is None:
                 self._show(text)
@@ -241,6 +244,9 @@ class QuietConsole(Console):
     """Shows and logs nothing: for launches whose lines only matter as data (localization probes)."""
 
     def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
+        pass
+
+    def show(self, text: str) -> None:
         pass
 
     def bar(self, text: str, screen: str) -> None:

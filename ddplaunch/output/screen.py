@@ -8,8 +8,11 @@ rank's prefix begins inside it, and gives each piece the text a terminal would s
 `\\r`-segment that holds anything, without ANSI sequences (cursor moves, colours, titles) or other
 control characters; a piece of nothing but padding shows nothing. A piece that was rewritten with
 `\\r`, or has a progress bar's shape (torchrun passes each redraw on as a line of its own), is a
-progress bar: its redraws are one live line, not a stream of lines. The log keeps each piece as it
-came.
+progress bar: its redraws are one live line, not a stream of lines. Text written after a whole bar
+before its next redraw (a logger's warning: the bar never ended its line) is a line of its own.
+PyTorch's C++ log prefix (`[rank1]:[W1205 20:57:37.174484652 reducer.cpp:1529] `) is shown as
+`[W reducer.cpp:1529] `: the rank is the line's own prefix, and without the time the same warning
+from every rank is one folded line. The log keeps each piece as it came.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from dataclasses import dataclass
 #: Trainer, Lightning's) `45%|████▌     | 45/100 [00:01<00:01, 40.1it/s]`, or `123it [00:01, 95.2it/s]`
 #: without a total.
 BAR_RE = re.compile(r"\d{1,3}%\|[^|]*\|\s*\S+/\S+ \[|\b\d+(?:\.\d+)?[kMGT]?(?:it|B) \[\d+:\d{2}")
+#: A whole tqdm bar at the start of a redraw, its description included, to the `]` that closes its
+#: times and rate: what follows was written after it (with no newline between).
+WHOLE_BAR_RE = re.compile(r"^[^|\[]*\d{1,3}%\|[^|]*\|\s*\S+/\S+ \[[^\]]*\]")
+#: PyTorch's C++ log prefix: rank, severity, date and time (and a thread id), file:line.
+TORCH_LOG_RE = re.compile(r"^(?:\[rank\d+\]:)?\[([DIWEF])\d{4} \d{2}:\d{2}:\d{2}\.\d+ (?:\d+ )?([^\]\s]+)\] ")
 #: ANSI escape sequences: CSI (cursor moves, erase, colours), OSC (window titles), and the two-byte ones.
 ANSI_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]?")
 #: Control characters a screen line never carries (tabs stay; `\r` is handled before), C1 and
@@ -32,11 +40,13 @@ CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 @dataclass(frozen=True)
 class Piece:
     """One rank's part of a node's line: as it came (for the log), what a screen shows of it
-    ("" when nothing), and whether it was a redraw (`\\r`: a progress bar)."""
+    ("" when nothing), whether it was a redraw (`\\r`: a progress bar), and the line a screen shows
+    of what was written after a whole bar ("" when nothing)."""
 
     raw: str
     shown: str
     bar: bool
+    after: str = ""
 
 
 def pieces(line: str, host: str) -> list[Piece]:
@@ -66,7 +76,14 @@ def _piece(raw: str, host: str) -> Piece:
     body = raw[len(head):]
     segments = [screen_text(s) for s in body.split("\r")]
     last = next((s for s in reversed(segments) if s.strip()), "")
-    return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None)
+    bar = WHOLE_BAR_RE.match(last)
+    after = last[bar.end():].strip() if bar else ""
+    if after:
+        last = last[:bar.end()] if bar else last
+    last = TORCH_LOG_RE.sub(r"[\1 \2] ", last)
+    after = TORCH_LOG_RE.sub(r"[\1 \2] ", after)
+    return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None,
+                 head + after if after else "")
 
 
 def screen_text(text: str) -> str:

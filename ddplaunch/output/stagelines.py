@@ -14,6 +14,7 @@ hands it all to the `StageResult`.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ Report = Union[Timing, Held, HostWindow, HostSteps, HostFrozen]
 REPORTS = (Timing.KIND, Held.KIND, HostWindow.KIND, HostSteps.KIND, HostFrozen.KIND)
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
+DIGITS_RE = re.compile(r"\d+")
 
 
 class StageLines:
@@ -56,6 +58,9 @@ class StageLines:
         self._tails: dict[int, deque[str]] = {}
         self._rank_tails: dict[int, deque[str]] = {}
         self._muted: set[int] = set()
+        #: Per (node, rank): the shape (digits as #) of the text last seen after a whole bar. The
+        #: same shape again is the bar's own (a `bar_format` with text after its times): not apart.
+        self._after_bar: dict[tuple[int, int], str] = {}
         #: Nodes whose torchrun agent began its own error report (the summary has the cause).
         self._agent_failing: set[int] = set()
         #: the ranks' payloads the result keeps, each with the node that printed it
@@ -120,30 +125,42 @@ class StageLines:
 
     def _text(self, node_rank: int, host: str, piece: Piece, mono: float) -> None:
         """A piece of what a node printed: logged as it came, shown as a screen shows it (nothing
-        of padding or an empty line; a progress bar's newest redraw)."""
-        raw, screen = piece.raw, piece.shown
+        of padding or an empty line; a progress bar's newest redraw, and apart from it what was
+        written after it)."""
+        raw, screen, after = piece.raw, piece.shown, piece.after
         if not raw.startswith(f"[{host}:"):
             raw, screen = f"[{host}] {raw}", f"[{host}] {screen}" if screen else ""
+            after = f"[{host}] {after}" if after else ""
         started = False
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
             if FINDING_RE.search(raw) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(screen or raw)
-            if screen:
-                self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).append(screen)
+            seen = [text for text in (screen, after) if text]
+            self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).extend(seen)
             ranked = rank_of(raw)
             if ranked is not None:
                 self.last_rank_line_at = mono
-                if screen:
-                    self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).append(screen)
+                self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).extend(seen)
                 self._progress(screen or raw, time.time())
             shown = bool(screen) and self._shown(node_rank, screen)
+            after_shown = bool(after) and self._apart((node_rank, ranked[1] if ranked else -1), after) \
+                and self._shown(node_rank, after)
             started = self._start_known()
         if piece.bar:
             self.console.bar(raw, screen if shown else "")
         else:
             self.console.line(raw, shown, screen)
+        if after_shown:
+            self.console.show(after)
         self._started(started)
+
+    def _apart(self, who: tuple[int, int], after: str) -> bool:
+        """Whether text after a whole bar is a line of its own (a logger wrote it after the bar),
+        not the bar's own ending (then every redraw ends with text of the same shape)."""
+        shape = DIGITS_RE.sub("#", after)
+        last, self._after_bar[who] = self._after_bar.get(who), shape
+        return shape != last
 
     def _started(self, started: bool) -> None:
         if started and self._on_first_step is not None and self.progress is not None:
