@@ -1,7 +1,8 @@
-"""A real progress bar through `ddplaunch up` on real (simulated) hosts: rank 0 of a DDP job on 3
-hosts draws a tqdm bar and writes a metrics dict every 20 steps through it, as Hugging Face's
-Trainer does (jobs/tqdm_train.py). The screen holds the job's own lines and a few states of the
-bar — no ddplaunch marker, no empty or padding-only line, no line with two rank prefixes, no
+"""Real progress bars through `ddplaunch up` on real (simulated) hosts: rank 0 of a DDP job on 3
+hosts draws a tqdm bar and writes a metrics dict every N steps through it — jobs/tqdm_train.py, a
+plain loop that prints as Hugging Face's Trainer does, and jobs/hf_trainer.py, the Trainer itself
+(a tiny GPT-2 from a config, 600 steps). The screen holds the job's own lines and a few states of
+the bar — no ddplaunch marker, no empty or padding-only line, no line with two rank prefixes, no
 ANSI or control character — and `ddplaunch logs` every line the job printed; over SSH and on Slurm."""
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from tests.ssh_util import ROOT, ddplaunch, sim_spec
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 STEPS, LOG_EVERY = 200, 20
 JOB = {"script": "jobs/tqdm_train.py", "args": ["--steps", str(STEPS), "--log-every", str(LOG_EVERY)]}
+HF_STEPS, HF_LOG_EVERY = 600, 50
+HF_JOB = {"script": "jobs/hf_trainer.py",
+          "args": ["--max-steps", str(HF_STEPS), "--logging-steps", str(HF_LOG_EVERY)]}
 
 
 def test_a_tqdm_bar_and_its_logged_lines_read_as_they_would_on_one_host(sim_cluster, tmp_path):
@@ -27,26 +31,65 @@ def test_a_tqdm_bar_and_its_logged_lines_read_as_they_would_on_one_host(sim_clus
     _readable(tmp_path, spec, hosts, "screen-tqdm")
 
 
+def test_hugging_faces_trainer_reads_as_it_would_on_one_host_on_slurm(slurm_cluster, tmp_path):
+    """The real Trainer (transformers, a test extra) on 3 Slurm sim nodes, 600 steps: its bar a few
+    states among its logged metrics, at most ~2 screen lines a logged step, every line in `logs`,
+    the same screen through `attach`."""
+    # one thread a rank: each sim host sees all of this machine's cores (ddplaunch gives a rank
+    # cores / processes threads: 2) while 3 hosts share them; 3 ranks x 2 threads train 10x slower
+    spec = _slurm_spec(slurm_cluster, tmp_path, HF_JOB, env={"OMP_NUM_THREADS": "1"})
+    out = ddplaunch(["up", str(spec), "--run-id", "screen-trainer"], tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    hosts = [h.name for h in slurm_cluster.hosts][:3]
+    jobs = _job_lines(out.stdout, hosts)
+    logged = [line for line in jobs if "'loss':" in line]
+    assert [float(re.search(r"'epoch': '([\d.]+)'", line).group(1)) for line in logged] == \
+        sorted(float(re.search(r"'epoch': '([\d.]+)'", line).group(1)) for line in logged)
+    assert len(logged) == HF_STEPS // HF_LOG_EVERY, out.stdout[-3000:]
+    bars = [line for line in jobs if re.search(r"\d+%\|", line)]
+    assert bars and f"{HF_STEPS}/{HF_STEPS}" in bars[-1], bars
+    # the job's other lines: the end's metrics, "done", a warning per rank from transformers
+    assert len(jobs) <= 2 * len(logged) + 2 + 3 * 3, "\n".join(jobs)
+    assert any(f"done: {HF_STEPS} steps" in line for line in jobs), "\n".join(jobs)
+    logs = ddplaunch(["logs", "screen-trainer"], tmp_path, timeout=60).stdout
+    assert logs.count("'loss':") == len(logged) and "'train_runtime':" in logs
+    assert logs.count("%|") > len(bars)  # every redraw of the bar
+    attached = ddplaunch(["attach", "screen-trainer"], tmp_path, timeout=60)
+    assert attached.returncode == 0 and _job_lines(attached.stdout, hosts) == jobs, attached.stdout[-3000:]
+
+
 def test_the_same_on_slurm(slurm_cluster, tmp_path):
+    _readable(tmp_path, _slurm_spec(slurm_cluster, tmp_path, JOB), [h.name for h in slurm_cluster.hosts][:3],
+              "screen-tqdm-slurm")
+
+
+def _slurm_spec(slurm_cluster, tmp_path: Path, job: dict, **keys) -> Path:
     data = yaml.safe_load(slurm_cluster.slurm.spec_path.read_text())
     data.pop("hosts", None)
-    data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"enabled": False}, job=JOB)
+    data.update(workdir=str(ROOT), nproc_per_node=1, healthcheck={"enabled": False}, job=job, **keys)
     data["slurm"].update(nodes=3, output_dir=str(tmp_path / "slurm-out"))
     spec = tmp_path / "slurm.yaml"
     spec.write_text(yaml.safe_dump(data))
-    _readable(tmp_path, spec, [h.name for h in slurm_cluster.hosts][:3], "screen-tqdm-slurm")
+    return spec
+
+
+def _job_lines(stdout: str, hosts: list[str]) -> list[str]:
+    """The job's lines on the screen, each checked: no marker, nothing empty, one prefix, no
+    control character."""
+    screen = stdout.splitlines()
+    jobs = [line for line in screen if re.match(rf"\[(x\d+ ranks: )?({'|'.join(hosts)})", line)]
+    assert not [line for line in screen if "DDPLAUNCH" in line], stdout[-3000:]
+    assert not [line for line in jobs if not re.sub(r"^\[[^\]]*\] ?", "", line).strip()]  # nothing empty
+    assert not [line for line in jobs if len(re.findall(rf"\[({'|'.join(hosts)}):\d+\]", line)) > 1]
+    assert all(screen_text(line) == line for line in screen)  # no ANSI or control character
+    return jobs
 
 
 def _readable(tmp_path: Path, spec: Path, hosts: list[str], run_id: str) -> None:
     """`up` the tqdm job and check its screen and its log (the module's text)."""
     out = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    screen = out.stdout.splitlines()
-    jobs = [line for line in screen if re.match(rf"\[(x\d+ ranks: )?({'|'.join(hosts)})", line)]
-    assert not [line for line in screen if "DDPLAUNCH" in line], out.stdout[-3000:]
-    assert not [line for line in jobs if not re.sub(r"^\[[^\]]*\] ?", "", line).strip()]  # nothing empty
-    assert not [line for line in jobs if len(re.findall(rf"\[({'|'.join(hosts)}):\d+\]", line)) > 1]
-    assert all(screen_text(line) == line for line in screen)  # no ANSI or control character
+    jobs = _job_lines(out.stdout, hosts)
     logged = [line for line in jobs if "'loss'" in line]
     assert [int(re.search(r"'step': (\d+)", line).group(1)) for line in logged] == \
         list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)), out.stdout[-3000:]
