@@ -20,6 +20,7 @@ import re
 import sys
 import threading
 import time
+from collections import deque
 from typing import IO, Iterable, Optional, Sequence
 
 from rich.console import Console as RichConsole
@@ -45,6 +46,8 @@ BAR_AT_RE = re.compile(r"\|\s*(\S+)/(\S+) \[")
 #: Progress bar lines a terminal shows live at once (the ranks that redrew theirs last; ranks at
 #: the same count of the same bar are one line), and the ranks' bars kept for them.
 LIVE_BARS, KEPT_BARS = 8, 1024
+#: A rank's full bars remembered, so that one redrawn as it closes is not printed again.
+FULL_KEPT = 4
 #: A line that names hosts names this many at most, then gives their count (one line at 1,000
 #: hosts; the run's files and `status --json` hold them all).
 HOSTS_NAMED = 8
@@ -113,6 +116,8 @@ class Console:
         self._flusher: Optional[threading.Thread] = None
         #: When each rank's progress bar was last shown, and how far it was: (host, rank) -> (monotonic time, count).
         self._bars: dict[tuple[str, Optional[int]], tuple[float, Optional[str]]] = {}
+        #: Each rank's full bars shown last, as they read.
+        self._full: dict[tuple[str, Optional[int]], deque[str]] = {}
 
     def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
         """One line of a host: to the log as it came, and, when `shown`, to the screen as a screen
@@ -164,7 +169,14 @@ class Console:
         to be shown (None: to the log only)."""
         self._logged(text)
         who = who_of(screen) if screen else None
-        return None if who is None else ((who.host, who.rank), bar_at(screen))
+        if who is None:
+            return None
+        if full(screen):  # a full bar is shown once, though redrawn as it closes after other bars
+            shown = self._full.setdefault((who.host, who.rank), deque(maxlen=FULL_KEPT))
+            if who.text in shown:
+                return None
+            shown.append(who.text)
+        return (who.host, who.rank), bar_at(screen)
 
     def progress(self, progress: Progress) -> None:
         """The job's optimizer steps as rank 0 counts them (a terminal shows them live, whatever
