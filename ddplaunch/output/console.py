@@ -116,7 +116,7 @@ class Console:
         self._flusher: Optional[threading.Thread] = None
         #: When each rank's progress bar was last shown, and how far it was: (host, rank) -> (monotonic time, count).
         self._bars: dict[tuple[str, Optional[int]], tuple[float, Optional[str]]] = {}
-        #: Each rank's full bars shown last, as they read.
+        #: Each rank's full bars shown last (their description and count).
         self._full: dict[tuple[str, Optional[int]], deque[str]] = {}
 
     def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
@@ -171,11 +171,12 @@ class Console:
         who = who_of(screen) if screen else None
         if who is None:
             return None
-        if full(screen):  # a full bar is shown once, though redrawn as it closes after other bars
-            shown = self._full.setdefault((who.host, who.rank), deque(maxlen=FULL_KEPT))
-            if who.text in shown:
+        m = BAR_AT_RE.search(who.text)
+        if m is not None and full(screen):  # shown once, though redrawn as it closes after other bars
+            shown, bar = self._full.setdefault((who.host, who.rank), deque(maxlen=FULL_KEPT)), who.text[:m.end()]
+            if bar in shown:
                 return None
-            shown.append(who.text)
+            shown.append(bar)
         return (who.host, who.rank), bar_at(screen)
 
     def progress(self, progress: Progress) -> None:
