@@ -110,3 +110,12 @@ def test_the_step_plot_has_time_ticks(tmp_path):
     page = render(_run_dir(tmp_path))
     ticks = re.findall(r'class="tick" x1="[\d.]+" y1="\d+" x2="[\d.]+" y2="\d+" stroke="#333"/><text [^>]*>([^<]+)<', page)
     assert ticks == ["0s", "2s", "3s", "4s", "6s"], ticks  # the x axis (y1 an integer): the windows span 6 s
+
+
+def test_the_step_plots_ratio_axis_has_round_ticks_past_its_highest_value():
+    from ddplaunch.report.page import _ratio_ticks
+
+    top, ticks = _ratio_ticks(2.3)
+    assert top == 2.5 and [label for _, label in ticks] == ["0x", "0.5x", "1x", "1.5x", "2x", "2.5x"]
+    top, ticks = _ratio_ticks(13)
+    assert top == 15 and [label for _, label in ticks] == ["0x", "5x", "10x", "15x"] and ticks[-1][0] == 1.0

@@ -63,6 +63,15 @@ def _time_ticks(span: float) -> list[tuple[float, str]]:
     return [(i / 4, duration(span * i / 4)) for i in range(5)]
 
 
+def _ratio_ticks(highest: float) -> tuple[float, list[tuple[float, str]]]:
+    """An axis of ratios from 0 past `highest`, in round steps (0.25x, 0.5x, 1x, 2x, ...), at most
+    six ticks: (its top, its ticks as fractions of it with labels)."""
+    step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, math.inf) if highest / s <= 5)
+    step = step if step != math.inf else highest / 5
+    n = max(1, math.ceil(highest / step))
+    return n * step, [(i / n, f"{i * step:g}x") for i in range(n + 1)]
+
+
 def _slowest(part: list[float]) -> float:
     """A host's slowest rank's compute in a window (its ranks' median in a log that lacks it)."""
     return part[3] if len(part) > 3 else part[0]
@@ -80,9 +89,9 @@ def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
     t_max = max(t for t, _ in rows) - t0 or 1.0
     ratios = [{h: _slowest(v) / med for h, v in hosts.items()} for _, hosts in rows
               if (med := statistics.median(_slowest(v) for v in hosts.values())) > 0]
-    y_max = max(max(r.values()) for r in ratios) * 1.1 if ratios else 2.0
-    out = _axes("time since the run started", "slowest rank's compute per step / the median host's", y_max, "x",
-                x_ticks=_time_ticks(t_max))
+    y_max, y_ticks = _ratio_ticks(max(max(r.values()) for r in ratios) * 1.05 if ratios else 2.0)
+    out = _axes("time since the run started", "compute / the median host's", y_max, "x",
+                y_ticks=y_ticks, x_ticks=_time_ticks(t_max))
 
     def xy(t: float, ratio: float) -> str:
         return f"{PAD + (t - t0) / t_max * (W - PAD - 10):.1f},{H - PAD - ratio / y_max * (H - PAD - 10):.1f}"
@@ -102,8 +111,11 @@ def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
         [(s.named_at, f"straggler {s.host}") for s in view.stragglers]
     for at, label in marks:
         x = PAD + (at - t0) / t_max * (W - PAD - 10)
+        right = x > W * 0.7  # a label near the right edge ends at its line, inside the plot
+        anchor = ' text-anchor="end"' if right else ""
         out.append(f'<line x1="{x:.1f}" y1="10" x2="{x:.1f}" y2="{H - PAD}" stroke="#c00" stroke-dasharray="4"/>'
-                   f'<text x="{x + 3:.1f}" y="22" font-size="11" fill="#c00">{_esc(label)}</text>')
+                   f'<text x="{x - 3 if right else x + 3:.1f}" y="22" font-size="11" fill="#c00"{anchor}>'
+                   f'{_esc(label)}</text>')
     return _svg(out) + f"<p>{len(rows)} windows of steps; the band spans every host</p>"
 
 
