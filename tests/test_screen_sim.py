@@ -19,7 +19,7 @@ from tests.ssh_util import ROOT, ddplaunch, sim_spec
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 STEPS, LOG_EVERY = 200, 20
 JOB = {"script": "jobs/tqdm_train.py", "args": ["--steps", str(STEPS), "--log-every", str(LOG_EVERY)]}
-HF_STEPS, HF_LOG_EVERY = 600, 50
+HF_STEPS, HF_LOG_EVERY = 600, 1
 HF_JOB = {"script": "jobs/hf_trainer.py",
           "args": ["--max-steps", str(HF_STEPS), "--logging-steps", str(HF_LOG_EVERY)]}
 
@@ -32,9 +32,9 @@ def test_a_tqdm_bar_and_its_logged_lines_read_as_they_would_on_one_host(sim_clus
 
 
 def test_hugging_faces_trainer_reads_as_it_would_on_one_host_on_slurm(slurm_cluster, tmp_path):
-    """The real Trainer (transformers, a test extra) on 3 Slurm sim nodes, 600 steps: its bar a few
-    states among its logged metrics, at most ~2 screen lines a logged step, every line in `logs`,
-    the same screen through `attach`."""
+    """The real Trainer (transformers, a test extra) on 3 Slurm sim nodes, 600 steps, a dict of
+    metrics every step: its bar a few states among them, at most ~2 screen lines a logged step,
+    every line in `logs`, the same screen through `attach`."""
     # one thread a rank: each sim host sees all of this machine's cores (ddplaunch gives a rank
     # cores / processes threads: 2) while 3 hosts share them; 3 ranks x 2 threads train 10x slower
     spec = _slurm_spec(slurm_cluster, tmp_path, HF_JOB, env={"OMP_NUM_THREADS": "1"})
@@ -54,8 +54,11 @@ def test_hugging_faces_trainer_reads_as_it_would_on_one_host_on_slurm(slurm_clus
     logs = ddplaunch(["logs", "screen-trainer"], tmp_path, timeout=60).stdout
     assert logs.count("'loss':") == len(logged) and "'train_runtime':" in logs
     assert logs.count("%|") > len(bars)  # every redraw of the bar
+    # attach: the same screen (of a long one its first and newest lines, and how many it left out)
     attached = ddplaunch(["attach", "screen-trainer"], tmp_path, timeout=60)
-    assert attached.returncode == 0 and _job_lines(attached.stdout, hosts) == jobs, attached.stdout[-3000:]
+    again = _job_lines(attached.stdout, hosts)
+    assert attached.returncode == 0 and again[:5] == jobs[:5] and again[-20:] == jobs[-20:], attached.stdout[-3000:]
+    assert again == jobs or "lines not shown here" in attached.stdout
 
 
 def test_the_same_on_slurm(slurm_cluster, tmp_path):
