@@ -16,7 +16,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -26,17 +25,15 @@ sys.path.insert(0, str(ROOT))
 
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
 from ddplaunch.sim.faults import sim_fault  # noqa: E402
+from ddplaunch.sim.proc import wait_until  # noqa: E402
 
 RUN_ID = "trainer-crash-demo"
 SESSION = "ddpl-trainer"
 
 
 def wait(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.5)
+    if not wait_until(pred, timeout, interval=0.5):
+        raise SystemExit(f"timed out waiting for {what}")
 
 
 def main() -> None:
