@@ -78,8 +78,8 @@ def _piece(raw: str, host: str) -> Piece:
     last = next((s for s in reversed(segments) if s.strip()), "")
     bar = WHOLE_BAR_RE.match(last)
     after = last[bar.end():].strip() if bar else ""
-    if after:
-        last = last[:bar.end()] if bar else last
+    if bar and after:
+        last = last[:bar.end()]
     last = TORCH_LOG_RE.sub(r"[\1 \2] ", last)
     after = TORCH_LOG_RE.sub(r"[\1 \2] ", after)
     return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None,

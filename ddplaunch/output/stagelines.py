@@ -39,6 +39,7 @@ Report = Union[Timing, Held, HostWindow, HostSteps, HostFrozen]
 REPORTS = (Timing.KIND, Held.KIND, HostWindow.KIND, HostSteps.KIND, HostFrozen.KIND)
 #: Shorter secret values are not masked in output: "1" or "on" would mask half of every line.
 MASKED_MIN = 4
+#: Numbers in a line: what changes between two redraws of one bar's own text.
 DIGITS_RE = re.compile(r"\d+")
 
 
@@ -144,8 +145,8 @@ class StageLines:
                 self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).extend(seen)
                 self._progress(screen or raw, time.time())
             shown = bool(screen) and self._shown(node_rank, screen)
-            after_shown = bool(after) and self._apart((node_rank, ranked[1] if ranked else -1), after) \
-                and self._shown(node_rank, after)
+            apart = bool(after) and self._apart((node_rank, ranked[1] if ranked else -1), after)
+            after_shown = apart and self._shown(node_rank, after)
             started = self._start_known()
         if piece.bar:
             self.console.bar(raw, screen if shown else "")

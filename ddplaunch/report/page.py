@@ -64,10 +64,11 @@ def _time_ticks(span: float) -> list[tuple[float, str]]:
 
 
 def _ratio_ticks(highest: float) -> tuple[float, list[tuple[float, str]]]:
-    """An axis of ratios from 0 past `highest`, in round steps (0.25x, 0.5x, 1x, 2x, ...), at most
-    six ticks: (its top, its ticks as fractions of it with labels)."""
-    step = next(s for s in (0.1, 0.2, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, math.inf) if highest / s <= 5)
-    step = step if step != math.inf else highest / 5
+    """An axis of ratios from 0 past `highest`, in round steps (1, 2, 2.5 or 5 times a power of
+    ten), at most six ticks: (its top, its ticks as fractions of it with labels)."""
+    least = max(highest, 1e-9) / 5
+    decade = 10.0 ** math.floor(math.log10(least))
+    step = next(m * decade for m in (1, 2, 2.5, 5, 10) if m * decade >= least)
     n = max(1, math.ceil(highest / step))
     return n * step, [(i / n, f"{i * step:g}x") for i in range(n + 1)]
 
