@@ -265,6 +265,40 @@ def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_pri
     assert other.returncode == 0 and "DDPLAUNCH_PROGRESS" not in other.stdout  # rank 0 speaks for the job
 
 
+def test_rank_0_says_the_time_inside_its_checkpoint_saves_between_its_steps(tmp_path):
+    """The goodput ledger's `checkpoint`: rank 0's time inside torch.save up to its newest step; a
+    save after the last step (the run's end) is not a stall of its training."""
+    job = script(tmp_path, f"""\
+        import time, torch
+
+        class Slow:  # pickling it takes `s` seconds: a save to a slow disk
+            def __init__(self, s):
+                self.s = s
+
+            def __reduce__(self):
+                time.sleep(self.s)
+                return (int, (0,))
+
+        m = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+        def step():
+            opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()
+        step()
+        t = time.monotonic()
+        torch.save(Slow(0.5), {str(tmp_path / 'a.pt')!r})
+        print("FIRST", time.monotonic() - t)
+        step()
+        torch.save(Slow(1.0), {str(tmp_path / 'b.pt')!r})
+        """)
+    out = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [json.loads(m) for m in re.findall(r"^DDPLAUNCH_PROGRESS_JSON (\{.*\})$", out.stdout, re.M)]
+    first = float(re.search(r"^FIRST (\S+)$", out.stdout, re.M).group(1))
+    assert said[0] == {"rank": 0, "steps": 1, "saving_s": 0.0}, said
+    assert said[-1]["steps"] == 2 and 0.5 <= said[-1]["saving_s"] <= first + 0.25, (said, first)
+
+
 def test_a_script_that_ends_with_os_exit_still_says_its_last_steps_and_timing(tmp_path):
     """jobs/train.py ends with os._exit (to skip the interpreter's teardown): rank 0's last
     progress line and every step's timing are said before it exits."""

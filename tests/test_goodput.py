@@ -35,8 +35,8 @@ def run_of(*events, end: float) -> RunView:
 def test_a_healthy_run_is_startup_training_and_its_end():
     view = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81), T0 + 92), end=T0 + 100)
     spent = ledger(view)
-    assert spent is not None and spent.parts == {"startup": 10, "training": 80, "redone": 0, "slow": 0, "detection": 0,
-                                                 "recovery": 0, "other": 10}
+    assert spent is not None and spent.parts == {"startup": 10, "training": 80, "checkpoint": 0, "redone": 0, "slow": 0,
+                                                 "detection": 0, "recovery": 0, "other": 10}
     assert spent.goodput == 0.8 and spent.faults == 0
     assert "goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in summarize(view)
 
@@ -52,11 +52,20 @@ def test_a_crash_is_detection_recovery_and_the_steps_trained_again():
                   *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64), end=T0 + 135)
     spent = ledger(view)
     assert spent is not None and spent.faults == 1
-    assert spent.parts == pytest.approx({"startup": 10, "training": 39 + 69 - 10, "redone": 10, "slow": 0, "detection": 3,
-                                         "recovery": 12, "other": 2})
+    assert spent.parts == pytest.approx({"startup": 10, "training": 39 + 69 - 10, "checkpoint": 0, "redone": 10, "slow": 0,
+                                         "detection": 3, "recovery": 12, "other": 2})
     assert math.isclose(sum(spent.parts.values()), spent.wall_s) and spent.wall_s == 135
     assert spent.line() == ("goodput 73% of 2m15s wall: training 1m38s; lost to startup 10s, redone 10s, detection 3s, "
                             "recovery 12s (1 fault), other 2s")
+
+
+def test_the_time_inside_checkpoint_saves_is_the_checkpoints_not_trainings():
+    """Rank 0 spent 12 s inside its saves between its first and last step (the entry's hooks)."""
+    saved = Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81, saving_s=12.0)
+    spent = ledger(run_of(*launch(T0 + 2, saved, T0 + 92), end=T0 + 100))
+    assert spent is not None and spent.parts["checkpoint"] == 12 and spent.parts["training"] == 80 - 12
+    assert math.isclose(sum(spent.parts.values()), spent.wall_s)
+    assert spent.line() == "goodput 68% of 1m40s wall: training 1m08s; lost to startup 10s, checkpoint 12s, other 10s"
 
 
 def test_a_run_that_never_stepped_spent_its_wall_time_starting():

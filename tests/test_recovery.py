@@ -129,6 +129,7 @@ def test_crashed_host_is_replaced_by_the_spare_and_the_job_ends_bitwise_equal(si
     # where the time went: the crash's detection and recovery, the steps trained again, adding up
     spent = ledger(record)
     assert spent is not None and spent.faults == 1 and spent.parts["recovery"] > 0 and spent.parts["detection"] > 0
+    assert spent.parts["checkpoint"] > 0  # train.py's torch.save between its steps, seen inside rank 0
     assert math.isclose(sum(spent.parts.values()), record.wall_s, rel_tol=1e-9)
     assert re.search(r"goodput \d+% of \S+ wall: training \S+; lost to .*recovery \S+ \(1 fault\)", out), out[-2000:]
     new_hosts = [hosts[3] if i == victim else hosts[i] for i in range(3)]

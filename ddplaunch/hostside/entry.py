@@ -209,10 +209,13 @@ class Progress:
         #: every rank's step timing (steptiming.py), told of each step; None: not timed
         self.timing = timing
         self.steps, self.said, self.said_at = 0, -1, 0.0
+        #: seconds rank 0 spent inside checkpoint saves: all of them, and up to its newest step
+        #: (a save after the last step is the run's end, not a stall of its training)
+        self.saving_s = self.saved_by_step = 0.0
         self._optimizer: Optional[int] = None
         self._patched: set[str] = set()
         self._saved: Optional[str] = None  # what rank 0 saved since its last optimizer step
-        self._inside = threading.local()  # within a load said already
+        self._inside = threading.local()  # within a load said already, or a save timed already
 
     def say(self, payload: Any) -> None:
         if self.rank == 0:
@@ -224,6 +227,7 @@ class Progress:
         if id(optimizer) != self._optimizer:
             return
         self.steps += 1
+        self.saved_by_step = self.saving_s
         if self.timing is not None:
             self.timing.stepped(self.steps)
         now = time.monotonic()
@@ -248,9 +252,17 @@ class Progress:
             time.sleep(1)
 
     def saving(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """`fn` (a save function) noting on rank 0 what it saved."""
+        """`fn` (a save function) noting on rank 0 what it saved, and the time inside it (saves
+        inside it, dcp's torch.save, are its own)."""
         def save(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
+            if getattr(self._inside, "saving", False):
+                return fn(*args, **kwargs)
+            self._inside.saving, started = True, time.monotonic()
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                self._inside.saving = False
+                self.saving_s += time.monotonic() - started
             target = args[1] if via == "torch.save" and len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
             self._saved = str(target if isinstance(target, (str, os.PathLike)) else type(target).__name__)[:300]
             return result
@@ -259,7 +271,7 @@ class Progress:
     def flush(self, now: float = 0.0) -> None:
         if self.steps and self.steps != self.said:
             self.said, self.said_at = self.steps, now or time.monotonic()
-            self.say(P.StepsDone(self.rank, self.steps))
+            self.say(P.StepsDone(self.rank, self.steps, round(self.saved_by_step, 4)))
 
     def loaded(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a load function) saying what it loads; loads inside it (dcp reads with torch.load)

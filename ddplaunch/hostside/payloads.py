@@ -49,6 +49,7 @@ class StepsDone:  # rank 0's optimizer steps so far (at most once a second, and 
     KIND: ClassVar[str] = "PROGRESS"
     rank: int
     steps: int
+    saving_s: float = 0.0  # seconds inside its checkpoint saves, up to its newest step
 
 
 @dataclasses.dataclass

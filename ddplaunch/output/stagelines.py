@@ -78,6 +78,7 @@ class StageLines:
         self._loaded: list[str] = []
         self._start_said = False  # on_first_step called (see _start_known)
         self._loads_before_first = 0  # checkpoints loaded before the first step
+        self._saving_before = 0.0  # seconds rank 0 saved before its first step
 
     # ------------------------------------------------------------------ from the backends
 
@@ -204,10 +205,13 @@ class StageLines:
         if isinstance(payload, Loaded):  # before the first step, or after it: the progress shares the list
             self._loaded.append(payload.path[:300])
         elif isinstance(payload, StepsDone) and payload.steps >= 1:
+            if self.progress is None:  # saves before the first step are the job's start
+                self._saving_before = payload.saving_s
             self._step(now, payload.steps if self.progress is None or self.progress.optimizer_steps is not None
                        else self.progress.last_step)
             assert self.progress is not None
             self.progress.optimizer_steps = payload.steps
+            self.progress.saving_s = max(0.0, payload.saving_s - self._saving_before)
             self.console.progress(self.progress)
         else:
             self._payloads.setdefault(kind, []).append((node_rank, payload))

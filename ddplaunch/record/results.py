@@ -186,6 +186,9 @@ class Progress:
     optimizer_steps: Optional[int] = None
     #: What rank 0 loaded (torch.load, torch.distributed.checkpoint.load): paths.
     loaded: list[str] = field(default_factory=list)
+    #: Seconds rank 0 spent inside checkpoint saves between its first and last step (torch.save,
+    #: torch.distributed.checkpoint.save: the training stood still meanwhile).
+    saving_s: float = 0.0
 
     @property
     def training_s(self) -> float:

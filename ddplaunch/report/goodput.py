@@ -5,7 +5,10 @@ up to the wall time exactly:
 
 - `startup`: from `up` to the job's first completed step (pre-flight, health check, rendezvous,
   the job's imports and its first step);
-- `training`: from each launch's first completed step to its last, less what was redone;
+- `training`: from each launch's first completed step to its last, less what was redone, saved
+  and slowed;
+- `checkpoint`: the time rank 0 spent inside the job's checkpoint saves between its steps
+  (torch.save, torch.distributed.checkpoint.save, seen by the entry's hooks);
 - `redone`: steps trained again after a resume (the steps between the checkpoint the relaunched
   job loaded and the step the lost launch had reached), at that launch's pace;
 - `slow`: what a straggler cost while it held the run: from the first step it was slow in to the
@@ -30,7 +33,9 @@ from ddplaunch.record.results import Progress
 from ddplaunch.record.view import RunView
 
 #: The causes, in the order of a run's life.
-CAUSES = ("startup", "training", "redone", "slow", "detection", "recovery", "other")
+CAUSES = ("startup", "training", "checkpoint", "redone", "slow", "detection", "recovery", "other")
+#: Causes a run has only when it met them: said when they cost something, even with no fault.
+MET = ("checkpoint", "slow")
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Ledger:
         (a healthy run's: those it had)."""
         said = []
         for cause in (c for c in CAUSES if c != "training"):
-            if self.parts[cause] > 0 or self.faults and cause != "slow":  # no straggler: nothing to say
+            if self.parts[cause] > 0 or self.faults and cause not in MET:
                 faults = f" ({self.faults} fault{'s' if self.faults > 1 else ''})" if cause == "recovery" else ""
                 said.append(f"{cause} {duration(self.parts[cause])}{faults}")
         return (f"goodput {100 * self.goodput:.0f}% of {duration(self.wall_s)} wall: training "
@@ -78,6 +83,7 @@ def ledger(view: RunView) -> Optional[Ledger]:
     for i, progress in enumerate(stepped):
         timeline.upto(progress.first_at, "startup" if i == 0 else "other")
         timeline.upto(progress.last_at, "training")
+        timeline.move("training", "checkpoint", progress.saving_s)
         timeline.move("training", "slow", sum(_slow_s(progress, s) for s in view.stragglers))
         if i + 1 < len(stepped):
             after = stepped[i + 1]

@@ -29,8 +29,8 @@ W, H, PAD = 760, 260, 48
 #: Windows of steps plotted at most (a day of them is thousands: an even spread of them).
 MAX_WINDOWS = 600
 #: The ledger's causes, training green and the losses warm.
-CAUSE_COLORS = {"startup": "#9e9e9e", "training": "#2ca02c", "redone": "#ff7f0e", "slow": "#bcbd22",
-                "detection": "#d62728", "recovery": "#9467bd", "other": "#c7c7c7"}
+CAUSE_COLORS = {"startup": "#9e9e9e", "training": "#2ca02c", "checkpoint": "#8c564b", "redone": "#ff7f0e",
+                "slow": "#bcbd22", "detection": "#d62728", "recovery": "#9467bd", "other": "#c7c7c7"}
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf"]
 
