@@ -31,16 +31,29 @@ def test_a_tqdm_bar_and_its_logged_lines_read_as_they_would_on_one_host(sim_clus
     _readable(tmp_path, spec, hosts, "screen-tqdm")
 
 
-def test_hugging_faces_trainer_reads_as_it_would_on_one_host_on_slurm(slurm_cluster, tmp_path):
-    """The real Trainer (transformers, a test extra) on 3 Slurm sim nodes, 600 steps, a dict of
+#: One thread a rank: each sim host sees all of this machine's cores (ddplaunch gives a rank
+#: cores / processes threads: 2) while 3 hosts share them; 3 ranks x 2 threads train 10x slower.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+def test_hugging_faces_trainer_reads_as_it_would_on_one_host(sim_cluster, tmp_path):
+    """The real Trainer (transformers, a test extra) on 3 SSH sim hosts, 600 steps, a dict of
     metrics every step: its bar a few states among them, at most ~2 screen lines a logged step,
     every line in `logs`, the same screen through `attach`."""
-    # one thread a rank: each sim host sees all of this machine's cores (ddplaunch gives a rank
-    # cores / processes threads: 2) while 3 hosts share them; 3 ranks x 2 threads train 10x slower
-    spec = _slurm_spec(slurm_cluster, tmp_path, HF_JOB, env={"OMP_NUM_THREADS": "1"})
-    out = ddplaunch(["up", str(spec), "--run-id", "screen-trainer"], tmp_path, timeout=600)
+    spec = sim_spec(sim_cluster, tmp_path, n_hosts=3, workdir=str(ROOT), nproc_per_node=1,
+                    healthcheck={"enabled": False}, job=HF_JOB, env=ONE_THREAD)
+    _trainer_readable(tmp_path, spec, [h.name for h in sim_cluster.hosts][:3], "screen-trainer")
+
+
+def test_hugging_faces_trainer_on_slurm(slurm_cluster, tmp_path):
+    _trainer_readable(tmp_path, _slurm_spec(slurm_cluster, tmp_path, HF_JOB, env=ONE_THREAD),
+                      [h.name for h in slurm_cluster.hosts][:3], "screen-trainer-slurm")
+
+
+def _trainer_readable(tmp_path: Path, spec: Path, hosts: list[str], run_id: str) -> None:
+    """`up` the Trainer job and check its screen, its log and `attach` to it."""
+    out = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    hosts = [h.name for h in slurm_cluster.hosts][:3]
     jobs = _job_lines(out.stdout, hosts)
     logged = [line for line in jobs if "'loss':" in line]
     assert [float(re.search(r"'epoch': '([\d.]+)'", line).group(1)) for line in logged] == \
@@ -51,11 +64,11 @@ def test_hugging_faces_trainer_reads_as_it_would_on_one_host_on_slurm(slurm_clus
     # the job's other lines: the end's metrics, "done", a warning per rank from transformers
     assert len(jobs) <= 2 * len(logged) + 2 + 3 * 3, "\n".join(jobs)
     assert any(f"done: {HF_STEPS} steps" in line for line in jobs), "\n".join(jobs)
-    logs = ddplaunch(["logs", "screen-trainer"], tmp_path, timeout=60).stdout
+    logs = ddplaunch(["logs", run_id], tmp_path, timeout=60).stdout
     assert logs.count("'loss':") == len(logged) and "'train_runtime':" in logs
     assert logs.count("%|") > len(bars)  # every redraw of the bar
     # attach: the same screen (of a long one its first and newest lines, and how many it left out)
-    attached = ddplaunch(["attach", "screen-trainer"], tmp_path, timeout=60)
+    attached = ddplaunch(["attach", run_id], tmp_path, timeout=60)
     again = _job_lines(attached.stdout, hosts)
     assert attached.returncode == 0 and again[:5] == jobs[:5] and again[-20:] == jobs[-20:], attached.stdout[-3000:]
     assert again == jobs or "lines not shown here" in attached.stdout

@@ -34,7 +34,7 @@ from ddplaunch.record.view import RunView
 
 #: The causes, in the order of a run's life.
 CAUSES = ("startup", "training", "checkpoint", "redone", "slow", "detection", "recovery", "other")
-#: Causes a run has only when it met them: said when they cost something, even with no fault.
+#: Causes a run has only when it met them: said when they cost a second (rounded), fault or not.
 MET = ("checkpoint", "slow")
 
 
@@ -56,7 +56,7 @@ class Ledger:
         (a healthy run's: those it had)."""
         said = []
         for cause in (c for c in CAUSES if c != "training"):
-            if self.parts[cause] > 0 or self.faults and cause not in MET:
+            if (self.parts[cause] >= 0.5) if cause in MET else (self.parts[cause] > 0 or self.faults):
                 faults = f" ({self.faults} fault{'s' if self.faults > 1 else ''})" if cause == "recovery" else ""
                 said.append(f"{cause} {duration(self.parts[cause])}{faults}")
         return (f"goodput {100 * self.goodput:.0f}% of {duration(self.wall_s)} wall: training "
