@@ -8,6 +8,7 @@ ANSI or control character — and `ddplaunch logs` every line the job printed; o
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -52,9 +53,7 @@ def test_hugging_faces_trainer_on_slurm(slurm_cluster, tmp_path):
 
 def _trainer_readable(tmp_path: Path, spec: Path, hosts: list[str], run_id: str) -> None:
     """`up` the Trainer job and check its screen, its log and `attach` to it."""
-    out = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    jobs = _job_lines(out.stdout, hosts)
+    out, jobs = _up(tmp_path, spec, hosts, run_id)
     logged = [line for line in jobs if "'loss':" in line]
     assert [float(re.search(r"'epoch': '([\d.]+)'", line).group(1)) for line in logged] == \
         sorted(float(re.search(r"'epoch': '([\d.]+)'", line).group(1)) for line in logged)
@@ -89,6 +88,13 @@ def _slurm_spec(slurm_cluster, tmp_path: Path, job: dict, **keys) -> Path:
     return spec
 
 
+def _up(tmp_path: Path, spec: Path, hosts: list[str], run_id: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`up` a job that ends ok: its output, and the job's lines on its screen (checked)."""
+    out = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    return out, _job_lines(out.stdout, hosts)
+
+
 def _job_lines(stdout: str, hosts: list[str]) -> list[str]:
     """The job's lines on the screen, each checked: no marker, nothing empty, one prefix, no
     control character."""
@@ -103,9 +109,7 @@ def _job_lines(stdout: str, hosts: list[str]) -> list[str]:
 
 def _readable(tmp_path: Path, spec: Path, hosts: list[str], run_id: str) -> None:
     """`up` the tqdm job and check its screen and its log (the module's text)."""
-    out = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    jobs = _job_lines(out.stdout, hosts)
+    out, jobs = _up(tmp_path, spec, hosts, run_id)
     logged = [line for line in jobs if "'loss'" in line]
     assert [int(re.search(r"'step': (\d+)", line).group(1)) for line in logged] == \
         list(range(LOG_EVERY, STEPS + 1, LOG_EVERY)), out.stdout[-3000:]
