@@ -92,9 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pause-every", type=int, default=0,
                    help="steps; every rank pauses --pause-s there, silent (an evaluation between steps)")
     p.add_argument("--pause-s", type=float, default=0.0)
-    p.add_argument("--sigterm-after-step", action="store_true",
-                   help="handle SIGTERM as Lightning does: stop once the step in progress ends (a rank "
-                        "blocked in a collective with a dead peer never gets there)")
     p.add_argument("--dist-timeout", type=float, default=float(os.environ.get("DDPLAUNCH_DIST_TIMEOUT", "300")),
                    help="seconds a collective may wait for a peer (init_process_group's timeout)")
     p.add_argument("--burn-ms", type=float, default=0.0,
@@ -363,8 +360,6 @@ def main(argv=None) -> int:
     # --signals-to-handle): checkpoint at the next step every rank agrees on, then exit.
     signal.signal(signal.SIGUSR2, lambda signum, frame: _preempt.update(signalled=True))
     args = parse_args(argv)
-    if args.sigterm_after_step:
-        signal.signal(signal.SIGTERM, lambda signum, frame: _preempt.update(sigterm=True))
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
@@ -458,9 +453,6 @@ def main(argv=None) -> int:
                     say(f"step={step} epoch={epoch} loss={mean.item() / world:.6f}")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
-            if _preempt.get("sigterm"):
-                say(f"rank={rank} stopping after step {step} (SIGTERM)")
-                return 143
             if args.pause_every and step % args.pause_every == 0 and step < total_steps:
                 time.sleep(args.pause_s)  # silent, stepping nowhere: an evaluation's pause
             if (args.ckpt_every and step % args.ckpt_every == 0) or batch_no == steps_per_epoch - 1:

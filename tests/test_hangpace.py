@@ -1,5 +1,5 @@
 """The hang watch at the job's pace (run/hangwatch.py): a job silent for `Pace.STEPS` of its own
-steps (6 s at least) is suspect and a link test runs; a host it finds cut off is named then, not after
+steps (4 s at least) is suspect and a link test runs; a host it finds cut off is named then, not after
 job.hang_timeout; a suspicion that finds nothing ends nothing and the next waits twice as long.
 The rule alone, then the run loop through the scripted fake backend; on the SSH sim in
 tests/test_recovery.py (a cut training link, and a healthy run that pauses between steps)."""
@@ -26,7 +26,7 @@ def test_a_silence_is_suspect_after_ten_of_the_jobs_steps_at_least_the_floor():
     pace = Pace()
     assert not pace.suspect(None, 1e6, last_line_at=1.0)  # no pace known yet: never
     assert not pace.suspect(2.0, 19.9, last_line_at=1.0) and pace.suspect(2.0, 20.0, last_line_at=1.0)
-    assert not pace.suspect(0.1, 4.9, last_line_at=1.0) and pace.suspect(0.1, Pace.FLOOR_S, last_line_at=1.0)
+    assert not pace.suspect(0.1, 3.9, last_line_at=1.0) and pace.suspect(0.1, Pace.FLOOR_S, last_line_at=1.0)
 
 
 def test_a_suspicion_that_found_nothing_doubles_the_wait_until_the_job_speaks_again():
@@ -68,12 +68,12 @@ def test_a_host_cut_off_is_named_at_the_jobs_pace_and_replaced(tmp_path):
 def test_a_silence_with_every_link_fine_ends_nothing(tmp_path):
     """Rank 0 steps, then the job is silent while every link is fine (a long evaluation): the
     suspicion's link test finds nobody, nothing is stopped, and the job, done, ends ok."""
-    pausing = StageScript(nodes={"f1": NodeScript(code=0, after=9.0, step_every=0.1, steps_until=1.0),
-                                 "f2": NodeScript(code=0, after=9.0), "f3": NodeScript(code=0, after=9.0)})
+    pausing = StageScript(nodes={"f1": NodeScript(code=0, after=7.0, step_every=0.1, steps_until=1.0),
+                                 "f2": NodeScript(code=0, after=7.0), "f3": NodeScript(code=0, after=7.0)})
     script = FakeScript(stages=[pausing])
     report, out = _run(tmp_path, script, recovery={"max_host_failures": 1, "spares": ["f4"]})
     assert report.exit_code == 0 and report.recoveries == [] and len(script.launched) == 1, out
     assert "hang" not in out
-    # suspected after 6 s of silence, found nothing: the next suspicion would wait for 12 s of it
-    # (the job ended at 8 s of silence)
+    # suspected after 4 s of silence, found nothing: the next suspicion would wait for 8 s of it
+    # (the job ended at 6 s of silence)
     assert script.link_tests == 1

@@ -253,29 +253,65 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
     assert "# skipped" not in ddplaunch(["up", str(spec), "--dry-run"], tmp_path, timeout=60).stdout
 
 
-def test_survivors_that_hold_sigterm_are_not_waited_for_after_a_crash(sim_cluster, tmp_path, reference):
-    """A job that handles SIGTERM as Lightning does (stop once the step in progress ends): after a
-    crash its survivors are blocked in a collective with the dead peer and never get there. They
-    are killed LOST_STOP_GRACE after their SIGTERM, not given the job's stop_grace (30 s) nor a
-    second grace by the reaper; the spare takes over and the job ends bitwise equal."""
-    spec = _spec(sim_cluster, tmp_path, "holds", [0, 1, 2], [3], "--step-sleep", "0.3", "--sigterm-after-step")
+def _lightning(cluster, tmp_path: Path, hosts: list[int], spares: list[int], steps: int) -> Path:
+    """Lightning's Trainer (jobs/lightning_train.py) on these hosts: ModelCheckpoint's last.ckpt
+    every 100 steps (a step takes a few ms), given back to the relaunched job as Trainer.fit's ckpt_path (job.resume_args)."""
+    data = yaml.safe_load(cluster.spec_path.read_text())
+    ckpt = tmp_path / "lightning" / "ckpt"
+    ckpt.mkdir(parents=True)
+    data.update(hosts=[data["hosts"][i] for i in hosts], workdir=str(ROOT), nproc_per_node=1,
+                healthcheck={"sizes": ["64K"], "iterations": 1}, env={"OMP_NUM_THREADS": "1"},
+                job={"script": "jobs/lightning_train.py",
+                     "args": ["--max-steps", str(steps), "--ckpt-dir", str(ckpt), "--save-every", "100"],
+                     "resume_args": ["--ckpt-path", str(ckpt / "last.ckpt")]},
+                recovery={"max_host_failures": 1, "spares": [data["hosts"][i] for i in spares]})
+    path = tmp_path / "lightning" / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_lightning_survivors_are_stopped_at_once_and_it_resumes_from_its_last_ckpt(sim_cluster, tmp_path):
+    """Lightning's Trainer (DDP, ModelCheckpoint) on 3 hosts + a spare, host 2 crashed once the
+    step-400 checkpoint is written. Lightning holds SIGTERM until the step in progress ends, which
+    survivors blocked in a collective with the dead peer never reach: they are stopped
+    LOST_STOP_GRACE after the loss is confirmed, not after the job's stop_grace (30 s). The relaunch
+    resumes from last.ckpt, named by its path (Lightning hands torch.load an fsspec file object).
+    Rank 0 draws the bar, logs and writes the checkpoints, and steps of a few ms on shared cores
+    differ by a millisecond here and there: no straggler is named, before the crash nor in the
+    relaunch's 1,000 steps and more (the judge could name one after 20 + 3 x 20 steps and 3 s)."""
+    spec = _lightning(sim_cluster, tmp_path, [0, 1, 2], [3], steps=1600)
     hosts = [h.name for h in sim_cluster.hosts]
-    out, record, t_crash = _crash_during(spec, tmp_path, "rec-holds", sim_cluster, hosts[1])
-    assert record.state == "ok", out[-4000:]
-    recovery = _timely(record, t_crash)
+    crashed: list[float] = []
+    ckpt = tmp_path / "lightning" / "ckpt"
+
+    def saved() -> bool:
+        return any(int(m.group(1)) >= 400 for p in ckpt.glob("*.ckpt") if (m := re.search(r"-step=(\d+)", p.name)))
+
+    def crash() -> None:
+        assert wait_for(saved, timeout=180) is True, "no step-400 checkpoint"
+        crashed.append(time.time())
+        sim_fault(sim_cluster, hosts[1], crash=True)
+    try:
+        out, code = _disturbed(spec, tmp_path, "rec-lightning", "All distributed processes registered", crash)
+    finally:
+        sim_fault(sim_cluster, hosts[1], clear=True)
+    record = run_view(tmp_path, "rec-lightning")
+    assert code == 0 and record.state == "ok", out[-4000:]
+    recovery = _timely(record, crashed[0])
     assert recovery.stopped_at is not None
-    # killed LOST_STOP_GRACE after their SIGTERM, and the reaper's round: ~3 s (before: 10 s of
-    # waiting on their sessions, then the reaper's SIGTERM and 5 s more)
+    print(f"named -> survivors stopped {recovery.stopped_at - recovery.detected_at:.1f}s")
     no_hang(recovery.stopped_at - recovery.detected_at, 3 * (LOST_STOP_GRACE + 1),
             "survivors that hold SIGTERM are killed once LOST_STOP_GRACE passed")
-    assert "stopping after step" not in out  # none of them got back to its loop: killed, as meant
-    assert SHA_RE.findall(out) == [reference]
+    assert recovery.loaded and recovery.loaded[-1] == str(ckpt / "last.ckpt"), recovery
+    assert f"the relaunched job loaded {ckpt}/last.ckpt" in out, out[-3000:]
+    assert record.stragglers == [] and "straggler" not in out, out[-3000:]
+    assert "done: 1600 steps" in out, out[-3000:]
 
 
 def test_a_host_whose_training_link_broke_is_named_and_replaced(sim_cluster, tmp_path, reference):
     """One host's traffic to and from the other hosts dropped but for sshd's (`sim fault
     --cut-training`): it still answers and heartbeats, its ranks run, every rank waits in a
-    collective. Silent for 10 of its steps (6 s at least), the job is suspect: the link test finds
+    collective. Silent for 10 of its steps (4 s at least), the job is suspect: the link test finds
     that host cut off from the others, which reach each other, before the hang timeout (its
     default, 60 s); it counts as lost, the spare takes its node rank and the job ends bitwise equal."""
     spec = _spec(sim_cluster, tmp_path, "cut", [0, 1, 2], [3], "--step-sleep", "0.3")

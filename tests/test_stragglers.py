@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from ddplaunch.diagnose.stragglers import IN_A_ROW, THRESHOLD, WARMUP, WINDOW, StragglerJudge
+from ddplaunch.diagnose.stragglers import IN_A_ROW, MIN_SLOW_S, THRESHOLD, WARMUP, WINDOW, StragglerJudge
 from ddplaunch.hostside.fold import SILENT_S
 from ddplaunch.hostside.payloads import Timing, read_payload
 from tests.events_util import Agents
@@ -48,6 +48,18 @@ def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
     assert abs(found.peers_wait_s - 0.060) < 0.001 and abs(found.compute_s - 0.150) < 0.001
     assert step == WARMUP + IN_A_ROW * WINDOW  # slow in three windows in a row, then named: once
     assert "h2 (ranks 2, 3) computes 50% slower than its peers since step" in found.describe()
+
+
+def test_steps_of_milliseconds_are_slow_for_seconds_before_their_host_is_named():
+    """Three windows of 13 ms steps are a third of a second: a rank a shared core held back that
+    long is no straggler. Slow for MIN_SLOW_S of its steps, it is."""
+    compute = {r: 0.002 for r in HOSTS} | {2: 0.003, 3: 0.003}
+    step_s = 0.003 + 0.010
+    assert _feed(judged(), range(1, WARMUP + 4 * IN_A_ROW * WINDOW), compute) == []
+    named = _feed(judged(), range(1, WARMUP + 2 * int(MIN_SLOW_S / step_s)), compute)
+    assert [(found.host, found.ranks) for found, _ in named] == [("h2", [2, 3])]
+    (_, step), = named
+    assert step >= WARMUP + MIN_SLOW_S / step_s
 
 
 #: 16 hosts of 8 ranks.

@@ -14,7 +14,9 @@ rank's share compares with its peers' when nothing is wrong differs a little by 
 the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
 ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
 level, and a host slower than that by the bar is slow (one slow from the start is named too: no
-more than `threshold / 3` of its slowness can become its level). Pure: fed with the hosts' parts,
+more than `threshold / 3` of its slowness can become its level). Three windows must also hold
+MIN_SLOW_S (3 s) of steps: with steps of milliseconds a rank held back by a shared core for a
+fraction of a second is no straggler. Pure: fed with the hosts' parts,
 it returns verdicts (and the ranks gone silent, the hosts whose part never came); the run loop
 shows and records them.
 """
@@ -44,6 +46,10 @@ WARMUP = 20
 NOISE_FACTOR = 3.0
 #: How many of a host's recent windows (those it was not slow in) make its level (see above).
 LEVEL_WINDOWS = 50
+#: Seconds of its steps a host must also be slow for before it is named: with steps of a few
+#: milliseconds three windows are a fraction of a second, and a rank that a shared core held back
+#: that long (a Lightning job's 7 ms steps on the sim: 49 % "slower" for 0.4 s) is no straggler.
+MIN_SLOW_S = 3.0
 
 
 #: Seconds a window waits for every host's part before it is judged with the hosts that sent
@@ -105,6 +111,7 @@ class StragglerJudge:
         self.host_of: dict[int, str] = {}
         self.named: dict[str, Straggler] = {}
         self._slow_in: dict[str, int] = {}   # host -> the first step of the windows it is slow in
+        self._slow_s: dict[str, float] = {}  # host -> the seconds of steps of those windows
         self._level: dict[str, deque[float]] = {}  # host -> its ratios to its peers when not slow
         self._judged = 0
         self._silent: set[tuple[str, int]] = set()
@@ -176,17 +183,20 @@ class StragglerJudge:
 
     def _window(self, parts: dict[str, HostWindow]) -> Optional[Straggler]:
         per_rank: dict[int, tuple[float, float]] = {}
+        step_s: list[float] = []
         for host, part in parts.items():
             for rank, values in part.ranks.items():
                 if isinstance(values, list) and len(values) >= 2:
                     per_rank[int(rank)] = (float(values[0]), float(values[1]))
                     self.host_of[int(rank)] = host
+                    step_s += [float(values[2])] if len(values) >= 3 else []
         ranks_of: dict[str, list[int]] = {}
         for r in sorted(per_rank):
             ranks_of.setdefault(self.host_of[r], []).append(r)
         if len(ranks_of) < 2:
             return None
         first = min(p.first for p in parts.values())
+        lasted = (max(p.last for p in parts.values()) - first + 1) * (statistics.median(step_s) if step_s else 0.0)
         # each host as one number, the same kind for all: its slowest rank's compute
         slowest = {h: max(per_rank[r][0] for r in rs) for h, rs in ranks_of.items()}
         peers = _Peers(slowest, statistics.median(w for _, w in per_rank.values()))
@@ -196,14 +206,18 @@ class StragglerJudge:
             theirs, spread = peers.of(host)
             if theirs <= 0:
                 self._slow_in.pop(host, None)
+                self._slow_s.pop(host, None)
                 continue
             bar = (1 + max(self.threshold, NOISE_FACTOR * spread / theirs)) * theirs * self._own_level(host)
             if mine < bar:
                 self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine / theirs)
                 self._slow_in.pop(host, None)
+                self._slow_s.pop(host, None)
                 continue
             since = self._slow_in.setdefault(host, first)
-            if first - since < (IN_A_ROW - 1) * self.window or host in self.named or found:
+            self._slow_s[host] = self._slow_s.get(host, 0.0) + lasted
+            if first - since < (IN_A_ROW - 1) * self.window or self._slow_s[host] < MIN_SLOW_S or host in self.named \
+                    or found:
                 continue  # not slow long enough yet, or named already (one host named a window)
             found = Straggler(host=host, ranks=[r for r in ranks if per_rank[r][0] >= bar], slowdown=mine / theirs - 1,
                               since_step=since, named_at=time.time(), compute_s=mine, peers_compute_s=theirs,

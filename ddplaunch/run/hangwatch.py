@@ -41,7 +41,7 @@ class Pace:
     far), at least FLOOR_S; each suspicion that found nothing doubles the wait until the job
     speaks again. Pure: seconds in, a decision out."""
 
-    STEPS, FLOOR_S = 10, 6.0
+    STEPS, FLOOR_S = 10, 4.0
 
     def __init__(self) -> None:
         self._backoff = 1.0
