@@ -172,12 +172,14 @@ class Console:
         if who is None:
             return None
         m = BAR_AT_RE.search(who.text)
-        if m is not None and full(screen):  # shown once, though redrawn as it closes after other bars
+        if m is None:
+            return (who.host, who.rank), None
+        if m.group(1) == m.group(2):  # full: shown once, though redrawn as it closes after other bars
             shown, bar = self._full.setdefault((who.host, who.rank), deque(maxlen=FULL_KEPT)), who.text[:m.end()]
             if bar in shown:
                 return None
             shown.append(bar)
-        return (who.host, who.rank), bar_at(screen)
+        return (who.host, who.rank), f"{m.group(1)}/{m.group(2)}"
 
     def progress(self, progress: Progress) -> None:
         """The job's optimizer steps as rank 0 counts them (a terminal shows them live, whatever
@@ -352,9 +354,7 @@ def fold_bars(bars: Iterable[str]) -> list[str]:
     groups: dict[str, list[str]] = {}
     newest: dict[str, int] = {}
     for i, bar in enumerate(bars):
-        text = without_rank(bar)
-        m = BAR_AT_RE.search(text)
-        key = text[:m.end()] if m else bar
+        key = bar_identity(without_rank(bar)) or bar
         groups.setdefault(key, []).append(bar)
         newest[key] = i
     lines = []
@@ -363,6 +363,13 @@ def fold_bars(bars: Iterable[str]) -> list[str]:
         more = len(same) - 1
         lines.append(same[-1] + (f" (+{more} rank{'s' if more > 1 else ''} at {bar_at(same[-1])})" if more else ""))
     return lines
+
+
+def bar_identity(text: str) -> Optional[str]:
+    """A bar's text up to its count (`Epoch 1:  45%|████ | 45/100`): the same bar at the same
+    count, whatever its times say; None when `text` is no bar."""
+    m = BAR_AT_RE.search(text)
+    return text[:m.end()] if m else None
 
 
 def bar_at(bar: str) -> Optional[str]:
