@@ -6,7 +6,7 @@ link test runs in tests/test_recovery.py (a host whose training traffic is cut).
 
 from __future__ import annotations
 
-from ddplaunch.diagnose.links import judge, judge_run
+from ddplaunch.diagnose.links import FULL_MESH_UP_TO, judge, judge_run, peers_of
 
 ADDRS = {"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3", "d": "10.0.0.4"}
 
@@ -75,3 +75,31 @@ def test_the_judge_names_the_one_cut_host_among_a_thousand():
     addrs = {f"h{i}": f"10.1.{i // 250}.{i % 250}" for i in range(1000)}
     answers = {h: {"reached": [a for g, a in addrs.items() if g not in (h, "h7") and h != "h7"]} for h in addrs}
     assert list(judge(addrs, answers, 29400)) == ["h7"]
+
+
+def test_past_a_small_run_each_host_tests_about_log2_peers_and_every_host_is_tested_both_ways():
+    """A full mesh at 1,000 hosts is 10^6 connections and 999 threads a host: each host tests the
+    hosts at offsets 1, 2, 4, ... after it instead, 10 out and 10 in."""
+    small = [f"h{i}" for i in range(FULL_MESH_UP_TO)]
+    assert all(len(p) == FULL_MESH_UP_TO - 1 for p in peers_of(small).values())
+    labels = [f"h{i}" for i in range(1000)]
+    peers = peers_of(labels)
+    assert {len(p) for p in peers.values()} == {10}
+    into = {h: 0 for h in labels}
+    for mine in peers.values():
+        for p in mine:
+            into[p] += 1
+    assert set(into.values()) == {10}
+
+
+def test_a_cut_host_among_a_thousand_is_named_from_its_sampled_links_alone():
+    addrs = {f"h{i}": f"10.1.{i // 250}.{i % 250}" for i in range(1000)}
+    peers = peers_of(list(addrs))
+    answers = {h: {"reached": [addrs[p] for p in peers[h] if "h7" not in (h, p)]} for h in addrs}
+    verdict = judge(addrs, answers, 29400, peers)
+    assert list(verdict) == ["h7"]
+    # its 20 links (10 out, 10 in), the first 8 named
+    assert "no TCP connection to or from h3, h5, h6, h8, h9, h11, h15, h23 and 12 more on port 29400" in verdict["h7"]
+    # one more link between two healthy hosts down: inconclusive, nobody named
+    answers["h500"]["reached"].remove(addrs[peers["h500"][0]])
+    assert judge(addrs, answers, 29400, peers) == {}

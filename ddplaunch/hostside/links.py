@@ -1,8 +1,9 @@
 """Link test: does this host reach its peers over TCP on the training network, and do they reach it?
 
 Run on every host of a hung job at once (`python -c SOURCE NONCE ARGS_JSON`, standard library
-only): each host listens on one port and connects to every peer's listener on it, retrying until
-the window ends, so one round tests every link in both directions without torch. The answer line
+only): each host listens on one port and connects to its peers' listeners on it (every other
+host, or ~log2(hosts) of them on a large run: diagnose/links.py), retrying until the window ends,
+so one round tests those links in both directions without torch. The answer line
 `DDPLAUNCH_ANSWER_<nonce> {...}` lists the peers this host reached and the addresses that reached
 it. A host whose sshd answers but whose training traffic is dropped reaches nobody and is reached
 by nobody, while the others reach each other.
@@ -63,9 +64,10 @@ def main(argv: list[str]) -> None:
         t.start()
     for t in callers:
         t.join()
-    # stay reachable for the peers still trying, until every peer came or the window ends
+    # stay reachable for the hosts still trying, until every one that tests this host came or
+    # the window ends
     expected = set()
-    for peer in peers:
+    for peer in args.get("callers", peers):
         try:
             expected.add(socket.gethostbyname(peer))
         except OSError:
