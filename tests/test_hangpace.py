@@ -7,6 +7,7 @@ tests/test_recovery.py (a cut training link, and a healthy run that pauses betwe
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -49,7 +50,7 @@ def _run(tmp_path, script: FakeScript, **sections):
 
 
 def test_a_host_cut_off_is_named_at_the_jobs_pace_and_replaced(tmp_path):
-    """Rank 0 steps every 0.1 s, then every rank waits (a host's training link dropped): after 6 s
+    """Rank 0 steps every 0.1 s, then every rank waits (a host's training link dropped): after 4 s
     (the floor) the link test runs, finds f2 cut off, and the spare takes its place — the hang
     timeout (60 s) is not waited for."""
     stepping = StageScript(nodes={"f1": NodeScript(hangs=True, step_every=0.1, steps_until=1.0),
@@ -75,5 +76,9 @@ def test_a_silence_with_every_link_fine_ends_nothing(tmp_path):
     assert report.exit_code == 0 and report.recoveries == [] and len(script.launched) == 1, out
     assert "hang" not in out
     # suspected after 4 s of silence, found nothing: the next suspicion would wait for 8 s of it
-    # (the job ended at 6 s of silence)
+    # (the job ended at 6 s of silence); said in the run's log, not on the screen
     assert script.link_tests == 1
+    logged = (tmp_path / "state" / "runs" / "fake-pace" / "output.log").read_text()
+    assert re.search(r"^\[ddplaunch\] the job silent \d+s \(\d+ of its steps\): a link test found no host cut off; "
+                     r"the next suspicion after 8s$", logged, re.M), logged[-2000:]
+    assert "link test" not in out

@@ -246,6 +246,10 @@ class StageLines:
     def note(self, text: str) -> None:
         self.console.note(text)
 
+    def log_note(self, text: str) -> None:
+        """A line from ddplaunch to the run's log only (`ddplaunch logs`), not the screen."""
+        self.console.line(f"[ddplaunch] {text}", shown=False)
+
     def state(self, host: str, state: NodeState, exit_code: Optional[int] = None) -> None:
         """A host's state in this launch, for the live table and the event log."""
         self.console.state(host, self.stage, state, exit_code)

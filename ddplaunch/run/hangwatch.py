@@ -117,6 +117,8 @@ class HangWatchdog:
                                           f"({step_s:.2g}s each) and a link test found "
                                           f"{', '.join(cut)} cut off: job.hang_timeout={self.timeout:g} not waited for")
                     return
+                self.lines.log_note(f"the job silent {idle:.0f}s ({idle / step_s:.0f} of its steps): a link test found "
+                                    f"no host cut off; the next suspicion after {2 * self.pace.wait_s(step_s):.0f}s")
                 self.pace.cleared()
 
     def _step_s(self) -> Optional[float]:
