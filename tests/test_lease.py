@@ -10,7 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from ddplaunch.backends.shell import LEASE_FILE, lease_loop
+from ddplaunch.backends.shell import HEARTBEAT_LOOP, LEASE_FILE, lease_loop
+from ddplaunch.output.torchrun import HEARTBEAT
 from tests.timing import no_hang
 
 RUN = "lease-t"
@@ -115,3 +116,38 @@ def test_fencing_gives_up_after_the_hosts_own_lease_and_on_close(monkeypatch):
     after = len(calls)
     time.sleep(0.2)
     assert len(calls) == after  # closed: asked no more
+
+
+def _children(pids: set[int]) -> set[int]:
+    """The live (not zombie) processes whose parent is one of `pids`."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) in pids and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_the_nodes_loops_fork_nothing_while_they_wait(tmp_path):
+    """The heartbeat and lease loops wait their second with bash's own `read -t` on a pipe nobody
+    writes to: no process of theirs runs but themselves, where `sleep 1` forked and exec'd every
+    second in each loop (two a second a host: 2,000 a second on 1,000 hosts)."""
+    (tmp_path / ".ddplaunch" / "runs" / RUN).mkdir(parents=True)
+    line = f"{HEARTBEAT_LOOP} && {lease_loop(RUN, 60, 30)} && exec sleep 300"
+    node = subprocess.Popen(["bash", "-c", line], env=dict(os.environ, HOME=str(tmp_path)), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        t0 = time.monotonic()
+        assert [node.stdout.readline().strip() for _ in range(3)] == [HEARTBEAT] * 3  # beating, a second apart
+        no_hang(time.monotonic() - t0, 15, "three heartbeats")
+        loops = _children({node.pid})
+        assert len(loops) == 2, loops  # the two loops' subshells
+        for _ in range(20):
+            assert _children(loops) == set()
+            time.sleep(0.1)
+    finally:
+        node.kill()
+        node.wait(timeout=30)
