@@ -14,21 +14,32 @@ every 10 steps. Each time rank 0 prints a step a multiple of --every past the fi
 
 Measured per run, from its own record (report/goodput.py's ledger): wall time, goodput, the
 seconds per cause, and per fault the seconds from the fault to the first resumed step. Kinds run
-interleaved: `ddplaunch` (this tree) and, with `--baseline REV`, `ddplaunch-REV` (a git worktree
-of that commit). torchrun's elastic mode is not run here: a frozen host or a cut link leaves its
-survivors in a collective until the job's own timeout (jobs/train.py: 300 s) — its crash figures
-are bench/recovery.py's.
+interleaved: `ddplaunch` (this tree), with `--baseline REV` `ddplaunch-REV` (a git worktree of
+that commit), and with `--kinds ...,elastic` torchrun's elastic mode on the same 7 hosts,
+started by pdsh: every host runs an agent (`--nnodes 3:3 --rdzv-backend c10d --max-restarts 8`,
+the rendezvous's join_timeout an hour: waiting nodes stay), 3 of them train and the other 4 wait
+in the rendezvous (elastic's nearest to spares: a waiting node joins the next round once a member
+fails); the fault's target is the host of rank 1 (rank 2's when rank 1 runs on the rendezvous
+host: elastic cannot outlive its store's host). Its survivors wait in their collective for the
+job's timeout, set to ddplaunch's default `job.hang_timeout` (60 s). Elastic has no ledger: for
+every kind the table also has `steps x step / wall`, the steps the job needed times its median
+step interval (rank 0's lines), over the wall time from the launch to the final weights' line:
+the same estimate of goodput for both.
 
 Needs root; tears its sim down at the end.
-Usage: .venv/bin/python bench/goodput.py [--trials 1] [--every 150] [--baseline REV] [--json out.json]
+Needs pdsh for elastic (`apt-get install -y pdsh`).
+Usage: .venv/bin/python bench/goodput.py [--trials 1] [--every 150] [--baseline REV] [--kinds ddplaunch,elastic]
+       [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -54,13 +65,24 @@ FAULTS = ("crash", "freeze", "cut", "straggler")
 RELAUNCH_RE = re.compile(r"relaunching on (\S+), (\S+), (\S+)$")
 
 
+#: Elastic's survivors wait this long in a collective with a lost peer: ddplaunch's default hang_timeout.
+ELASTIC_TIMEOUT_S = 60
+#: Seconds elastic gets to train from one fault to the next (~60 s of steps, its 60 s timeout, a
+#: rendezvous round and a restart take ~3 minutes) before its run is called stuck.
+ELASTIC_GIVE_UP_S = 420
+
+
+def train_args(steps: int) -> list[str]:
+    return ["--epochs", "1", "--samples", str(steps * 8 * 3), "--batch-size", "8", "--ckpt-every", "10",
+            "--log-every", "1", "--seed", "3", "--step-sleep", "0.3", "--burn-ms", "40"]
+
+
 def spec_for(cluster, work: Path, tag: str, steps: int) -> Path:
     import yaml
 
     data = yaml.safe_load(cluster.spec_path.read_text())
     hosts = data["hosts"]
-    train = ["--epochs", "1", "--samples", str(steps * 8 * 3), "--batch-size", "8", "--ckpt-every", "10",
-             "--log-every", "1", "--seed", "3", "--step-sleep", "0.3", "--burn-ms", "40"]
+    train = train_args(steps)
     data.update(hosts=hosts[:3], nproc_per_node=1, workdir=str(ROOT), healthcheck={"sizes": ["64K"], "iterations": 1},
                 env={"DDPLAUNCH_CKPT_DIR": str(work / tag / "ckpt")}, job={"script": "jobs/train.py", "args": train},
                 recovery={"max_host_failures": len(FAULTS), "spares": hosts[3:], "evict_stragglers": True})
@@ -81,6 +103,113 @@ def inject(fault: str, cluster, tag: str, host: str) -> None:
         sim_fault(cluster, host, slow=25)
 
 
+def estimate(lines: "rec.Lines", started: float, steps: int) -> dict:
+    """`steps x step / wall`: the steps the job needed times rank 0's median step interval, over the
+    wall time from the launch to the final weights' line (the same for every kind)."""
+    stamps = [t for t, line in list(lines.lines) if rec.STEP_RE.search(line)]
+    end = next((t for t, line in list(lines.lines) if rec.SHA_RE.search(line)), None)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    if end is None or not gaps:
+        return {}
+    return {"end_wall_s": round(end - started, 1), "step_s": round(statistics.median(gaps), 4),
+            "estimate": round(steps * statistics.median(gaps) / (end - started), 4)}
+
+
+def resumed_after(lines: "rec.Lines", at: float) -> Optional[float]:
+    """Seconds from `at` to the first step line after the first "resumed from" line after it."""
+    resumed = next((t for t, line in list(lines.lines) if t > at and rec.RESUMED_RE.search(line)), None)
+    first = next((t for t, line in list(lines.lines) if resumed is not None and t > resumed
+                  and rec.STEP_RE.search(line)), None)
+    return round(first - at, 1) if first is not None else None
+
+
+def host_of(pid: int, cluster) -> Optional[str]:
+    """The sim host whose network namespace `pid` runs in."""
+    try:
+        net = os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+    for host in cluster.hosts:
+        with contextlib.suppress(OSError):
+            if net == f"net:[{os.stat(f'/run/netns/{host.ns}').st_ino}]":
+                return host.name
+    return None
+
+
+def elastic_target(cluster, tag: str) -> Optional[str]:
+    """The host of elastic's rank 1 now, or of rank 2 when rank 1 runs on the rendezvous host."""
+    from ddplaunch.hostside import procs
+
+    by_rank = {environ.get(b"RANK"): host_of(pid, cluster)
+               for pid, environ in procs.run_processes(tag, any_netns=True).items() if b"RANK" in environ}
+    store = cluster.hosts[0].name
+    return next((by_rank[r] for r in (b"1", b"2") if by_rank.get(r) not in (None, store)), None)
+
+
+def elastic_freeze(cluster, tag: str, host: str) -> None:
+    """SIGSTOP elastic's agent and worker on `host` (rec.freeze finds ddplaunch's by its host variable)."""
+    from ddplaunch.hostside import procs
+
+    for pid in procs.run_processes(tag, any_netns=True):
+        if host_of(pid, cluster) == host and b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            os.kill(pid, signal.SIGSTOP)
+            for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+                os.kill(int(child), signal.SIGSTOP)
+
+
+def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
+    tag = f"gp-elastic-{n}"
+    steps = every * (len(FAULTS) + 1)
+    ckpt = work / tag / "ckpt"
+    ckpt.mkdir(parents=True)
+    remote = (f"cd {shlex.quote(str(ROOT))} && exec env DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
+              f"DDPLAUNCH_CKPT_DIR={ckpt} PYTHONUNBUFFERED=1 {sys.executable} -m torch.distributed.run "
+              f"--nnodes 3:3 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {cluster.hosts[0].addr}:29611 "
+              f"--rdzv-id {tag} --rdzv-conf join_timeout=3600 --max-restarts 8 jobs/train.py {' '.join(train_args(steps))} "
+              f"--dist-timeout {ELASTIC_TIMEOUT_S}")
+    started = time.time()
+    proc = subprocess.Popen(["pdsh", "-R", "ssh", "-f", str(len(cluster.hosts)), "-w",
+                             ",".join(h.addr for h in cluster.hosts), remote],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines = rec.Lines(proc)
+    hit: list[str] = []
+    row: dict = {"kind": "elastic", "trial": n, "faults": {}}
+    try:
+        for i, fault in enumerate(FAULTS):
+            target = every * (i + 1)
+            got = lines.wait(lambda line, at=target: (m := rec.STEP_RE.search(line)) is not None
+                             and int(m.group(1)) >= at, ELASTIC_GIVE_UP_S)
+            host = elastic_target(cluster, tag) if got is not None else None
+            if host is None:
+                row["error"] = (f"no step {target} within {ELASTIC_GIVE_UP_S}s (fault {fault}), or no rank 1 or 2 off "
+                                "the store's host")
+                break
+            if fault == "freeze":
+                elastic_freeze(cluster, tag, host)
+            else:
+                inject(fault, cluster, tag, host)
+            hit.append(host)
+            row["faults"][fault] = {"host": host, "at": time.time()}
+        if "error" not in row:
+            lines.wait(lambda line: rec.SHA_RE.search(line) is not None, ELASTIC_GIVE_UP_S)
+        row.update(estimate(lines, started, steps))
+        row["last_step"] = max((int(m.group(1)) for _, line in list(lines.lines) if (m := rec.STEP_RE.search(line))),
+                               default=0)
+        row["steps"] = steps
+        for fault, said in row["faults"].items():
+            said["resumed_s"] = resumed_after(lines, said["at"]) if fault != "straggler" else None
+        row["sha"] = (rec.SHA_RE.findall(lines.text()) or [None])[-1]
+        if row["sha"] is None:
+            row["tail"] = lines.text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        rec.kill_tagged(tag)
+        for host in hit:
+            sim_fault(cluster, host, clear=True)
+    return row
+
+
 def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baseline: Optional[Path]) -> dict:
     tag = f"gp-{kind}-{n}"
     env = dict(env, DDPLAUNCH_HOME=str(work / "state" / tag))
@@ -89,6 +218,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
     cwd = ROOT
     if kind != "ddplaunch":
         cwd, env = baseline, dict(env, PYTHONPATH=str(baseline))
+    started = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
                             start_new_session=True)
     lines = rec.Lines(proc)
@@ -120,6 +250,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
             mine = next((r for r in view.recoveries if said["host"] in r.lost and r.first_step_at), None)
             said["resumed_s"] = round(mine.first_step_at - said["at"], 1) if mine is not None else None
         row["sha"] = (rec.SHA_RE.findall(lines.text()) or [None])[-1]
+        row.update(estimate(lines, started, steps))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -129,24 +260,31 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
     return row
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| ddplaunch | runs | wall | goodput | " + " | ".join(CAUSES) + " | "
-           + " | ".join(f"{f} → resumed (s)" for f in FAULTS) + " | exit |",
-           "|---|---:|---:|---:|" + "---:|" * len(CAUSES) + "---:|" * len(FAULTS) + "---|"]
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        mine = [r for r in rows if r["kind"] == kind and "wall_s" in r]
-        if not mine:
-            out.append(f"| {kind} | 0 | - | - |" + " - |" * (len(CAUSES) + len(FAULTS)) + " - |")
-            continue
+def _med(values: list) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.1f}" if values else "-"
 
-        def med(values: list) -> str:
-            values = [v for v in values if v is not None]
-            return f"{statistics.median(values):.1f}" if values else "-"
-        parts = [duration(statistics.median(r["parts_s"][c] for r in mine)) for c in CAUSES]
-        resumed = [med([r["faults"].get(f, {}).get("resumed_s") for r in mine]) for f in FAULTS]
-        out.append(f"| {kind} | {len(mine)} | {duration(statistics.median(r['wall_s'] for r in mine))} | "
-                   f"**{100 * statistics.median(r['goodput'] for r in mine):.0f}%** | " + " | ".join(parts) + " | "
-                   + " | ".join(resumed) + f" | {', '.join(str(r['exit']) for r in mine)} |")
+
+def table(rows: list[dict]) -> str:
+    out = ["| kind | runs | wall | goodput (ledger) | " + " | ".join(CAUSES) + " | steps x step / wall | "
+           + " | ".join(f"{f} → resumed (s)" for f in FAULTS) + " | exit |",
+           "|---|---:|---:|---:|" + "---:|" * (len(CAUSES) + 1) + "---:|" * len(FAULTS) + "---|"]
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind and ("wall_s" in r or "estimate" in r)]
+        if not mine:
+            out.append(f"| {kind} | 0 | - | - |" + " - |" * (len(CAUSES) + 1 + len(FAULTS)) + " - |")
+            continue
+        ledgered = [r for r in mine if "wall_s" in r]
+        wall = statistics.median(r.get("wall_s", r.get("end_wall_s", 0.0)) for r in mine)
+        goodput = f"**{100 * statistics.median(r['goodput'] for r in ledgered):.0f}%**" if ledgered else "-"
+        parts = [duration(statistics.median(r["parts_s"][c] for r in ledgered)) if ledgered else "-" for c in CAUSES]
+        estimates = [r["estimate"] for r in mine if "estimate" in r]
+        estimate = f"{100 * statistics.median(estimates):.0f}%" if estimates else "-"
+        resumed = [_med([r["faults"].get(f, {}).get("resumed_s") for r in mine]) for f in FAULTS]
+        out.append(f"| {kind} | {len(mine)} | {duration(wall)} | {goodput} | " + " | ".join(parts) + f" | {estimate} | "
+                   + " | ".join(resumed) + f" | {', '.join(str(r.get('exit', '-')) for r in mine)} |")
+    out += [f"\n{r['kind']} (trial {r['trial']}): {r['error']}; its last step {r.get('last_step', '?')} of "
+            f"{r.get('steps', '?')}" for r in rows if r.get("error")]
     return "\n".join(out)
 
 
@@ -155,22 +293,28 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--every", type=int, default=150, help="steps of training between two faults")
     ap.add_argument("--baseline", metavar="REV", default=None)
+    ap.add_argument("--kinds", default="ddplaunch", help="ddplaunch and/or elastic, interleaved")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     global sim_fault
     from ddplaunch.sim import SimConfig, sim_down, sim_up
     from ddplaunch.sim.faults import sim_fault
-    kinds = ["ddplaunch"] + ([f"ddplaunch-{args.baseline}"] if args.baseline else [])
+    kinds = args.kinds.split(",") + ([f"ddplaunch-{args.baseline}"] if args.baseline else [])
+    if "elastic" in kinds and shutil.which("pdsh") is None:
+        sys.exit("goodput.py: elastic is started by pdsh: apt-get install -y pdsh")
     cluster = sim_up(SimConfig(n_hosts=7, prefix=PREFIX, subnet=SUBNET, nproc_per_node=1, workdir=ROOT))
     work = Path(tempfile.mkdtemp(prefix="ddplaunch-bench-goodput-"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PDSH_RCMD_TYPE="ssh",
+               PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} -o StrictHostKeyChecking=yes "
+                              "-o BatchMode=yes -o LogLevel=ERROR -l root %h"))
     baseline = work / "baseline"
     rows: list[dict] = []
     try:
         with rec.worktree(args.baseline, baseline):
             for n in range(args.trials):
                 for kind in (kinds if n % 2 == 0 else kinds[::-1]):
-                    row = trial(kind, cluster, work, n, env, args.every, baseline)
+                    row = (elastic_trial(cluster, work, n, env, args.every) if kind == "elastic"
+                           else trial(kind, cluster, work, n, env, args.every, baseline))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
