@@ -157,6 +157,15 @@ def elastic_freeze(cluster, tag: str, host: str) -> None:
                 os.kill(int(child), signal.SIGSTOP)
 
 
+def clean_up(proc: subprocess.Popen, tag: str, cluster, hit: list[str]) -> None:
+    """A trial's end: its launcher and what it started killed, its faults cleared."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    rec.kill_tagged(tag)
+    for host in hit:
+        sim_fault(cluster, host, clear=True)
+
+
 def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
     tag = f"gp-elastic-{n}"
     steps = every * (len(FAULTS) + 1)
@@ -202,11 +211,7 @@ def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
         if row["sha"] is None:
             row["tail"] = lines.text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        rec.kill_tagged(tag)
-        for host in hit:
-            sim_fault(cluster, host, clear=True)
+        clean_up(proc, tag, cluster, hit)
     return row
 
 
@@ -252,11 +257,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
         row["sha"] = (rec.SHA_RE.findall(lines.text()) or [None])[-1]
         row.update(estimate(lines, started, steps))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        rec.kill_tagged(tag)
-        for host in hit:
-            sim_fault(cluster, host, clear=True)
+        clean_up(proc, tag, cluster, hit)
     return row
 
 
