@@ -174,12 +174,14 @@ def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
     remote = (f"cd {shlex.quote(str(ROOT))} && exec env DDPLAUNCH_RUN_ID={tag} GLOO_SOCKET_IFNAME={cluster.ifname} "
               f"DDPLAUNCH_CKPT_DIR={ckpt} PYTHONUNBUFFERED=1 {sys.executable} -m torch.distributed.run "
               f"--nnodes 3:3 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint {cluster.hosts[0].addr}:29611 "
-              f"--rdzv-id {tag} --rdzv-conf join_timeout=3600 --max-restarts 8 jobs/train.py {' '.join(train_args(steps))} "
+              f"--rdzv-id {tag} --rdzv-conf join_timeout=3600 --max-restarts 8 "
+              f"jobs/train.py {' '.join(train_args(steps))} "
               f"--dist-timeout {ELASTIC_TIMEOUT_S}")
     started = time.time()
     proc = subprocess.Popen(["pdsh", "-R", "ssh", "-f", str(len(cluster.hosts)), "-w",
                              ",".join(h.addr for h in cluster.hosts), remote],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
     lines = rec.Lines(proc)
     hit: list[str] = []
     row: dict = {"kind": "elastic", "trial": n, "faults": {}}
@@ -306,8 +308,8 @@ def main() -> None:
     cluster = sim_up(SimConfig(n_hosts=7, prefix=PREFIX, subnet=SUBNET, nproc_per_node=1, workdir=ROOT))
     work = Path(tempfile.mkdtemp(prefix="ddplaunch-bench-goodput-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSH_RCMD_TYPE="ssh",
-               PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} -o StrictHostKeyChecking=yes "
-                              "-o BatchMode=yes -o LogLevel=ERROR -l root %h"))
+               PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
+                              "-o StrictHostKeyChecking=yes -o BatchMode=yes -o LogLevel=ERROR -l root %h"))
     baseline = work / "baseline"
     rows: list[dict] = []
     try:

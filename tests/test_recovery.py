@@ -255,7 +255,8 @@ def test_a_host_whose_ranks_froze_is_named_and_replaced(sim_cluster, tmp_path, r
 
 def _lightning(cluster, tmp_path: Path, hosts: list[int], spares: list[int], steps: int) -> Path:
     """Lightning's Trainer (jobs/lightning_train.py) on these hosts: ModelCheckpoint's last.ckpt
-    every 100 steps (a step takes a few ms), given back to the relaunched job as Trainer.fit's ckpt_path (job.resume_args)."""
+    every 100 steps (a step takes a few ms), given back to the relaunched job as Trainer.fit's
+    ckpt_path (job.resume_args)."""
     data = yaml.safe_load(cluster.spec_path.read_text())
     ckpt = tmp_path / "lightning" / "ckpt"
     ckpt.mkdir(parents=True)
