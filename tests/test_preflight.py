@@ -237,3 +237,20 @@ def test_container_checks_name_a_missing_image_and_a_small_dev_shm(tmp_path):
     nccl = load_spec(path).model_copy(update={"dist_backend": "nccl"})
     assert evaluate(nccl, {"b": raw["b"]} | {k: facts(shm_bytes=64 << 30) for k in "ac"}, launcher_time=1000.0,
                     port=25000).hosts[1].checks["shm"].ok is False
+
+
+@pytest.mark.parametrize("cuda, nccl", [("12.4", "2.21.5"), (None, None)])
+def test_the_probe_reads_torchs_versions_and_nccls_only_beside_a_cuda_build(tmp_path, monkeypatch, cuda, nccl):
+    """torch's version and CUDA from its version.py (torch not imported); NCCL's pip package is
+    looked up for a CUDA build only (a CPU build's NCCL is no fact: none is used)."""
+    from ddplaunch.hostside.probe import torch_facts
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('the probe must not import torch')\n")
+    (tmp_path / "torch" / "version.py").write_text(f"__version__ = '2.13.0'\ncuda = {cuda!r}\n")
+    meta = tmp_path / "nvidia_nccl_cu12-2.21.5.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-nccl-cu12\nVersion: 2.21.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # imported by an earlier test: found first
+    assert torch_facts() == {"torch": "2.13.0", "cuda": cuda, "nccl": nccl}
