@@ -1,6 +1,7 @@
 """The nodes' lease loop (backends/shell.py `lease_loop`) in a real bash on this machine: a node
-whose lease file stops changing ends its command (SIGTERM) after the lease; one renewed keeps
-running; a command that ignores SIGTERM is killed after the grace."""
+that reads no line on its session's input for the lease ends its command (SIGTERM); one renewed
+keeps running; a command that ignores SIGTERM is killed after the grace; a session that ended
+(its input at an end) still ends the node after the lease, without the loop spinning."""
 
 from __future__ import annotations
 
@@ -10,31 +11,23 @@ import threading
 import time
 from pathlib import Path
 
-from ddplaunch.backends.shell import HEARTBEAT_LOOP, LEASE_FILE, lease_loop
+from ddplaunch.backends.shell import HEARTBEAT_LOOP, RENEWAL, lease_loop
 from ddplaunch.output.torchrun import HEARTBEAT
 from tests.timing import no_hang
 
-RUN = "lease-t"
-
 
 def _node(tmp_path: Path, lease: int, grace: int, command: str) -> subprocess.Popen:
-    """`bash -c` as a node runs it: the lease loop, then exec of the command (its pid is $$)."""
-    (tmp_path / ".ddplaunch" / "runs" / RUN).mkdir(parents=True)
-    line = f"{lease_loop(RUN, lease, grace)} && exec {command}"
-    return subprocess.Popen(["bash", "-c", line], env=dict(os.environ, HOME=str(tmp_path)))
+    """`bash -c` as a node runs it: the lease loop, then exec of the command (its pid is $$), its
+    input a pipe as the session's pty is (the supervisor's end: the Popen's stdin)."""
+    line = f"{lease_loop(lease, grace)} && exec {command} < /dev/null"
+    return subprocess.Popen(["bash", "-c", line], env=dict(os.environ, HOME=str(tmp_path)), stdin=subprocess.PIPE)
 
 
-def _lease(tmp_path: Path) -> Path:
-    return tmp_path / ".ddplaunch" / "runs" / RUN / LEASE_FILE
-
-
-def _renew(tmp_path: Path, value: str) -> None:
-    """As the supervisor renews (backends/ssh `_renew`): a whole new file renamed into place. A
-    file rewritten in place can be read empty between its truncation and its write; a reader that
-    keeps the writer's rhythm then sees the same empty value every time."""
-    tmp = _lease(tmp_path).with_suffix(".tmp")
-    tmp.write_text(value)
-    os.replace(tmp, _lease(tmp_path))
+def _renew(node: subprocess.Popen) -> None:
+    """As the supervisor renews (backends/ssh/lease.py `renew`): one line into the session."""
+    assert node.stdin is not None
+    node.stdin.write(RENEWAL)
+    node.stdin.flush()
 
 
 def test_a_lease_not_renewed_ends_the_node(tmp_path):
@@ -51,7 +44,7 @@ def test_a_renewed_lease_keeps_the_node_running_until_renewals_stop(tmp_path):
     node = _node(tmp_path, lease=3, grace=30, command="sleep 300")
     try:
         for i in range(18):  # 9 s of renewals, three leases long; one missed renewal is not an end
-            _renew(tmp_path, str(i))
+            _renew(node)
             time.sleep(0.5)  # the renewal interval of this test
             assert node.poll() is None, f"ended at renewal {i}"
         stopped = time.monotonic()
@@ -60,6 +53,29 @@ def test_a_renewed_lease_keeps_the_node_running_until_renewals_stop(tmp_path):
     finally:
         if node.poll() is None:
             node.kill()
+
+
+def test_a_session_that_ended_ends_the_node_after_the_lease_without_spinning(tmp_path):
+    """The supervisor's end closed (a killed supervisor's connection): the loop's input is at its
+    end and every read returns at once; it waits its second on its nap and stops the node after
+    the lease, having used next to no CPU (a loop that spun on the end would use the lease's
+    seconds)."""
+    node = _node(tmp_path, lease=3, grace=30, command="sleep 300")
+    _renew(node)
+    assert node.stdin is not None
+    node.stdin.close()
+    loops = set()
+    t0 = time.monotonic()
+    while not loops and time.monotonic() - t0 < 10:
+        loops = _children({node.pid})
+    assert loops, "no lease loop found"
+    (loop,) = loops
+    code = node.wait(timeout=60)
+    took = time.monotonic() - t0
+    assert code == -15
+    assert took >= 3, took
+    no_hang(took, 15, "a node whose session ended ends after the lease (3 s)")
+    assert _cpu_s(loop) < 0.5, "the lease loop spun on its input's end"
 
 
 def test_a_node_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
@@ -131,14 +147,19 @@ def _children(pids: set[int]) -> set[int]:
     return found
 
 
+def _cpu_s(pid: int) -> float:
+    """The CPU seconds (user and system) process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_the_nodes_loops_fork_nothing_while_they_wait(tmp_path):
     """The heartbeat and lease loops wait their second with bash's own `read -t` on a pipe nobody
     writes to: no process of theirs runs but themselves, where `sleep 1` forked and exec'd every
     second in each loop (two a second a host: 2,000 a second on 1,000 hosts)."""
-    (tmp_path / ".ddplaunch" / "runs" / RUN).mkdir(parents=True)
-    line = f"{HEARTBEAT_LOOP} && {lease_loop(RUN, 60, 30)} && exec sleep 300"
+    line = f"{HEARTBEAT_LOOP} && {lease_loop(60, 30)} && exec sleep 300 < /dev/null"
     node = subprocess.Popen(["bash", "-c", line], env=dict(os.environ, HOME=str(tmp_path)), stdout=subprocess.PIPE,
-                            text=True)
+                            stdin=subprocess.PIPE, text=True)
     try:
         t0 = time.monotonic()
         assert [node.stdout.readline().strip() for _ in range(3)] == [HEARTBEAT] * 3  # beating, a second apart

@@ -142,9 +142,10 @@ def test_down_ends_leftovers_by_tag(sim_cluster, tmp_path):
 
 
 def test_a_frozen_supervisors_ranks_stop_when_their_lease_runs_out(sim_cluster, tmp_path):
-    """The run's supervisor frozen (SIGSTOP: its sessions stay open, nothing hangs up, nothing
-    renews the nodes' leases): every process of the run on every host ends by itself within
-    supervisor.lease + 10 s, no sooner than the lease less one renewal interval."""
+    """While the supervisor renews the nodes' leases the run lives past them; the supervisor then
+    frozen (SIGSTOP: its sessions stay open, nothing hangs up, nothing renews): every process of
+    the run on every host ends by itself within supervisor.lease + 10 s, no sooner than the lease
+    less one renewal interval."""
     lease = 8
     spec = sim_spec(sim_cluster, tmp_path, n_hosts=2, supervisor={"lease": lease},
                     **train_job(tmp_path, "--epochs", "500", "--step-sleep", "0.2"))
@@ -152,7 +153,11 @@ def test_a_frozen_supervisors_ranks_stop_when_their_lease_runs_out(sim_cluster, 
     read_until(proc, "step=", timeout=180)
     frozen = supervisor_pid(tmp_path, "ssh-lease")
     try:
-        assert len(run_pythons("ssh-lease")) == 6
+        # renewed with a line into each node's own session, the run lives on past two leases
+        since = time.monotonic()
+        while time.monotonic() - since < 2 * lease:
+            assert len(run_pythons("ssh-lease")) == 6, "the ranks stopped while their lease was renewed"
+            time.sleep(0.5)
         os.kill(frozen, signal.SIGSTOP)
         t0 = time.monotonic()
         assert wait_for(lambda: not run_processes("ssh-lease"), timeout=3 * (lease + 10)) is True

@@ -37,10 +37,10 @@ OPEN_NAP = "exec {nap}<> <(:)"
 NAP = "read -rt 1 -u $nap"
 HEARTBEAT_LOOP = f"{{ ({OPEN_NAP}; while {ALIVE}; do echo {HEARTBEAT}; {NAP}; done) & }}"
 
-#: The file a node's lease loop reads (backends/ssh renews it): its content changes on every renewal.
-LEASE_FILE = "lease"
 #: The longest time between two renewals of a lease, whatever its length.
 MAX_RENEWAL_S = 30.0
+#: What the supervisor sends into a node's session to renew its lease: a line, any line.
+RENEWAL = b"\n"
 
 
 def lease_every(lease: float) -> float:
@@ -48,18 +48,20 @@ def lease_every(lease: float) -> float:
     return min(MAX_RENEWAL_S, max(1.0, lease / 4))
 
 
-def lease_loop(run_id: str, lease: int, grace: int) -> str:
+def lease_loop(lease: int, grace: int) -> str:
     """While the node's shell (then torchrun) lives, a silent loop (it never writes: a pty the
-    supervisor no longer reads cannot block it) reads the node's lease file every second; when the
-    file has not changed for `lease` seconds (bash's own $SECONDS and NAP: no clock, no fork; whole seconds,
-    so the test is "more than `lease`": at least `lease` real seconds, never one less), it SIGTERMs
-    torchrun (which stops its workers within its shutdown timeout, job.stop_grace) and SIGKILLs it
-    `grace` seconds later if it still runs. It lives as long as the heartbeat does (`ALIVE`)."""
-    file = word(in_run_dir(run_id, LEASE_FILE))
-    return (f"{{ ({OPEN_NAP}; last=; t=$SECONDS; while {ALIVE}; do l=; read -r l 2>/dev/null < {file}; "
-            f"if [ \"$l\" != \"$last\" ]; then last=$l; t=$SECONDS; "
-            f"elif [ $((SECONDS - t)) -gt {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
-            f"{NAP}; done) >/dev/null 2>&1 & }}")
+    supervisor no longer reads cannot block it) reads the lines the supervisor sends into the
+    node's session (its stdin; torchrun's own is /dev/null). When none came for `lease` seconds
+    (bash's own $SECONDS: no clock, no fork; whole seconds, so the test is "more than `lease`": at
+    least `lease` real seconds, never one less), it SIGTERMs torchrun (which stops its workers
+    within its shutdown timeout, job.stop_grace) and SIGKILLs it `grace` seconds later if it still
+    runs. Its input at an end (the session closed) it waits its second on NAP. It lives as long as
+    the heartbeat does (`ALIVE`). A renewal costs the host nothing but that read: no session, no
+    login shell, no file."""
+    return (f"{{ ({OPEN_NAP}; t=$SECONDS; while {ALIVE}; do if read -rt 1 l; then t=$SECONDS; "
+            f"elif [ $? -le 128 ]; then {NAP}; fi; "
+            f"if [ $((SECONDS - t)) -gt {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "
+            f"done) <&0 >/dev/null 2>&1 & }}")
 
 
 def pid_file(run_id: str, node: Union[int, str]) -> str:
@@ -123,12 +125,13 @@ def shell_line(node: NodeCommand, env_source: bool = True, node_id: Union[int, s
         env = env_file(node.run_id, node.stage, node_id)
         parts.append(f". {env} && rm -f {env}")
     parts += [HEARTBEAT_LOOP] if heartbeat else []
-    parts += [lease_loop(node.run_id, *lease)] if lease else []
+    parts += [lease_loop(*lease)] if lease else []
     parts += list(node.setup)
     if node.agent:  # the node's agent, beside torchrun until it ends ($$: torchrun once exec'd)
         parts.append("{ " + " ".join(word(a) for a in node.agent) + ' "$DDPLAUNCH_AGENT" $$ & }')
     parts.append(f"(umask 077 && echo $$ > {pid_file(node.run_id, node_id)})")
-    parts.append("exec " + " ".join(word(a) for a in node.argv()))
+    # with a lease its loop alone reads the session's input: torchrun and the ranks read nothing
+    parts.append("exec " + " ".join(word(a) for a in node.argv()) + (" < /dev/null" if lease else ""))
     return " && ".join(parts)
 
 
@@ -143,9 +146,8 @@ def render_plan(plans: list[LaunchPlan], heartbeat: bool = True, lease: Optional
         for src, dst in plan.uploads:
             out.append(f"# upload {src} -> <host run dir>/{dst}")
         if lease is not None:
-            out.append(f"# lease: while the stage runs the supervisor rewrites {word(in_run_dir(plan.run_id, LEASE_FILE))} "
-                       f"on every host each {lease_every(lease[0]):g}s (umask 077, printf %s <monotonic ns> to a new file renamed to FILE); a node whose "
-                       f"lease is unchanged for {lease[0]}s stops its ranks")
+            out.append(f"# lease: while the stage runs the supervisor sends an empty line into every node's session "
+                       f"each {lease_every(lease[0]):g}s; a node that read none for {lease[0]}s stops its ranks")
         for node in plan.nodes:
             out.append(f"# node {node.node_rank} on {node.host_label}: "
                        f"{env_file(plan.run_id, plan.stage, node.node_rank)} (mode 0600) holds")

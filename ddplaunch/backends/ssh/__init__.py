@@ -22,10 +22,10 @@ from fabric import Connection
 
 from ddplaunch.backends.contract import Admitted, CommandFor, HostResult, RunContext, StartGate, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, follow, unstarted
-from ddplaunch.backends.shell import (LEASE_FILE, ShellLauncher, ShellRequest, describe_reap, lease_every, pid_file,
+from ddplaunch.backends.shell import (ShellLauncher, ShellRequest, describe_reap, pid_file,
                                       reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
-from ddplaunch.backends.ssh.lease import Fence, Renewals
+from ddplaunch.backends.ssh.lease import Fence, Renewals, renew
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
 from ddplaunch.backends.ssh.session import (NoMarker, SshStage, await_marker, go_line, run_to_end, session_command,
                                            split_check)
@@ -33,7 +33,7 @@ from ddplaunch.backends.ssh.sync import sync
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.hostprogram import marked, parse_answer, port_probe
-from ddplaunch.plan.launch import NodeCommand, in_run_dir, master_addr, tool_python
+from ddplaunch.plan.launch import NodeCommand, master_addr, tool_python
 from ddplaunch.plan.shellword import word
 from ddplaunch.record.results import UNREACHABLE, NodeState, StageResult
 from ddplaunch.record.runs import RunRecord
@@ -225,7 +225,7 @@ class SshBackend(ShellLauncher):
                          lambda lost, now: self._reap_all([h for i, h in enumerate(hosts) if i not in lost],
                                                           plan.run_id, [hosts[i] for i in lost], now),
                          lambda node: self._unanswered(hosts, node))
-        with Renewals(self.spec.supervisor.lease, lambda value: self._renew(hosts, plan.run_id, value)):
+        with Renewals(self.spec.supervisor.lease, lambda: renew(channels)):
             return follow(stage, plan, lines, stop, detect=self.spec.recovery.detect_timeout,
                           stop_grace=self.spec.job.stop_grace)
 
@@ -281,13 +281,6 @@ class SshBackend(ShellLauncher):
 
     def lease(self) -> Optional[tuple[int, int]]:
         return int(self.spec.supervisor.lease), int(self.spec.job.stop_grace) + 5
-
-    def _renew(self, hosts: list[HostSpec], run_id: str, value: str) -> None:
-        """Every node's lease file gets `value` (a host that does not answer within the interval is
-        skipped: a lost host's lease runs out, which fences it)."""
-        lease = word(in_run_dir(run_id, LEASE_FILE))  # a fresh 0600 file renamed into place, whatever was there
-        command = f'umask 077 && printf %s {word(value)} > {lease}."$$" && mv -f {lease}."$$" {lease}'
-        self._each(lambda h: self._exec(h, command, timeout=lease_every(self.spec.supervisor.lease)), hosts)
 
     def down(self, record: RunRecord) -> list[str]:
         """Every host the run could have used, its spares too (one may have replaced a lost host)."""

@@ -1,9 +1,10 @@
 """The supervisor's side of the nodes' leases (backends/shell.py `lease_loop`): while a stage runs,
-every node's lease file is rewritten every lease/4 seconds (at most 30), a fresh value each time.
-A node whose lease has not changed for `supervisor.lease` seconds stops its ranks itself, so a
-supervisor that died, froze or lost its network leaves no rank running longer than that. A host
-counted lost is fenced: no longer renewed, and asked again and again to end the run's processes
-until it answers (`Fence`), so a host that was only cut off does not run on beside its spare.
+every node's lease is renewed every lease/4 seconds (at most 30) with a line sent into the node's
+own session, which its lease loop reads: no session, login shell or file a renewal. A node that
+has read none for `supervisor.lease` seconds stops its ranks itself, so a supervisor that died,
+froze or lost its network leaves no rank running longer than that. A host counted lost is fenced:
+no longer renewed, and asked again and again to end the run's processes until it answers
+(`Fence`), so a host that was only cut off does not run on beside its spare.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import time
 from types import TracebackType
 from typing import Callable, Optional
 
-from ddplaunch.backends.shell import lease_every
+import paramiko
+
+from ddplaunch.backends.shell import RENEWAL, lease_every
 
 class Renewals:
-    """A thread that calls `renew(value)` every `interval(lease)` seconds until the block ends,
-    the first time one interval after it began: a node's lease loop counts from its own start, so
-    a renewal at the start would only cost every host one more SSH session (a login shell each)
-    while torch is importing there. `renew` renews every node (errors are its own: a lost host's
-    renewal fails, which is the point)."""
+    """A thread that calls `renew()` every `interval(lease)` seconds until the block ends, the
+    first time one interval after it began: a node's lease loop counts from its own start. `renew`
+    renews every node (errors are its own: a lost host's renewal fails, which is the point)."""
 
-    def __init__(self, lease: float, renew: Callable[[str], None]):
+    def __init__(self, lease: float, renew: Callable[[], None]):
         self.every, self.renew = lease_every(lease), renew
         self._done = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -38,7 +39,20 @@ class Renewals:
 
     def _run(self) -> None:
         while not self._done.wait(self.every):
-            self.renew(str(time.monotonic_ns()))
+            self.renew()
+
+
+def renew(channels: list[paramiko.Channel]) -> None:
+    """Every node's lease, renewed through its own session: one line. A closed channel (its node
+    ended, or its host was counted lost and its connection dropped) is left out, so a lost host is
+    renewed no more; one whose window is full (its host stopped reading) is not waited for."""
+    for channel in channels:
+        if channel.closed or not channel.send_ready():
+            continue
+        try:
+            channel.send(RENEWAL)
+        except (OSError, EOFError, paramiko.SSHException):
+            continue
 
 
 class Fence:

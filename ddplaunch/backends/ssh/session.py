@@ -36,7 +36,9 @@ def session_command(request: ShellRequest, node: NodeCommand, check: Optional[st
     `check` (a start gate's command, e.g. the pre-flight's probe) runs once the files are in
     place, its exit status on the line `<nonce> checked N`. "go" may name the network interface
     the ranks use ("go IFNAME": Gloo's and NCCL's, found by the check); the node's environment
-    file, sourced after, keeps the user's own value.
+    file, sourced after, keeps the user's own value. After "go" the pty is made sane again but
+    for its echo: the lines that renew the node's lease (backends/shell.py `lease_loop`) come in
+    on it and must not come back out with the node's output.
     """
     plan = request.plan
     nonce = secrets.token_hex(6)
@@ -45,7 +47,7 @@ def session_command(request: ShellRequest, node: NodeCommand, check: Optional[st
     staged = stage_files(plan.run_id, names, then=[f"rm -f {pid_file(plan.run_id, node.node_rank)}"])
     checked = f'{{ ( {check} ); echo "{nonce} checked $?"; }} && ' if check is not None else ""
     script = (f"stty -echo -icanon && echo {nonce} listening && {staged} && {checked}cd {word(node.workdir)} && "
-              f'echo {nonce} ready && IFS=" " read -r go ifname && [ "$go" = go ] && stty sane && '
+              f'echo {nonce} ready && IFS=" " read -r go ifname && [ "$go" = go ] && stty sane -echo && '
               f'if [ -n "$ifname" ]; then export GLOO_SOCKET_IFNAME="$ifname" NCCL_SOCKET_IFNAME="$ifname"; fi && '
               f'{request.line(node)}')
     return "bash -c " + shlex.quote(script), stage_bundle(contents), nonce
