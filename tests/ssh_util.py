@@ -188,7 +188,7 @@ def run_pythons(run_id: str) -> set[int]:
         except OSError:
             continue
         if b"python" in Path(argv[0].decode(errors="replace")).name.encode() and \
-                not any(a.endswith(b"/agent.py") for a in argv[1:2]):
+                not any(a.endswith(b"/agent.py") for a in argv[1:3]):  # python [-S] agent.py
             out.add(pid)
     return out
 

@@ -111,7 +111,7 @@ def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
     assert words == want
     env = '"$HOME"/.ddplaunch/runs/r1/job-node1.env'
     assert head.startswith(f"cd '/srv/work dir' && . {env} && rm -f {env} && "
-                           f"{HEARTBEAT_LOOP} && source /opt/venv/bin/activate && {{ /opt/venv/bin/python "
+                           f"{HEARTBEAT_LOOP} && source /opt/venv/bin/activate && {{ /opt/venv/bin/python -S "
                            '"$HOME"/.ddplaunch/runs/r1/agent.py --window 20 "$DDPLAUNCH_AGENT" $$ & } && '
                            "(umask 077 && echo $$ >")
 

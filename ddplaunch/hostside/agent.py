@@ -42,7 +42,6 @@ def open_socket(name: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     sock.bind(P.agent_address(name))
-    sock.settimeout(0.2)
     return sock
 
 
@@ -90,6 +89,8 @@ def run(name: str, parent: int, window: int, warmup: int) -> None:
     windows, status, frozen = fold.StepWindows(window, warmup), fold.Status(), Frozen()
     next_alive = next_status = time.monotonic()
     while True:
+        # asleep until a rank's message or the next look: not a wake-up every few hundred ms
+        sock.settimeout(max(0.01, min(next_alive, next_status) - time.monotonic()))
         message, pid = receive(sock)
         now = time.monotonic()
         if message is not None and isinstance(message.get("rank"), int):

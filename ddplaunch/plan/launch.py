@@ -360,7 +360,8 @@ def _node(spec: ClusterSpec, where: _Where, program: _Program, rank: int, host: 
     torchrun, agent = None, None
     if not direct:  # the node's agent: its ranks report to it (hostside/agent.py)
         env["DDPLAUNCH_AGENT"] = agent_name(run_id, stage, host.label)
-        agent = (tool_python(spec, host), in_run_dir(run_id, AGENT_SOURCE.name),
+        # -S: standard library only, so no site-packages to scan nor .pth files to run at its start
+        agent = (tool_python(spec, host), "-S", in_run_dir(run_id, AGENT_SOURCE.name),
                  "--window", str(spec.stragglers.window))
     if emulate is not None:  # the emulator starts the node's ranks itself, as torchrun would
         env.update(GROUP_RANK=str(rank), MASTER_ADDR=where.addr, MASTER_PORT=str(where.port))
