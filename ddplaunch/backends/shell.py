@@ -55,9 +55,9 @@ def lease_loop(lease: int, grace: int) -> str:
     (bash's own $SECONDS: no clock, no fork; whole seconds, so the test is "more than `lease`": at
     least `lease` real seconds, never one less), it SIGTERMs torchrun (which stops its workers
     within its shutdown timeout, job.stop_grace) and SIGKILLs it `grace` seconds later if it still
-    runs. Its input at an end (the session closed) it waits its second on NAP. It lives as long as
-    the heartbeat does (`ALIVE`). A renewal costs the host nothing but that read: no session, no
-    login shell, no file."""
+    runs. Once its input is at an end (the session closed) it waits each second on NAP. It lives
+    as long as the heartbeat does (`ALIVE`). A renewal costs the host nothing but that read: no
+    session, no login shell, no file."""
     return (f"{{ ({OPEN_NAP}; t=$SECONDS; while {ALIVE}; do if read -rt 1 l; then t=$SECONDS; "
             f"elif [ $? -le 128 ]; then {NAP}; fi; "
             f"if [ $((SECONDS - t)) -gt {lease} ]; then kill -TERM $$; sleep {grace}; kill -KILL $$; break; fi; "

@@ -21,7 +21,7 @@ from ddplaunch.backends.shell import RENEWAL, lease_every
 class Renewals:
     """A thread that calls `renew()` every `interval(lease)` seconds until the block ends, the
     first time one interval after it began: a node's lease loop counts from its own start. `renew`
-    renews every node (errors are its own: a lost host's renewal fails, which is the point)."""
+    renews every node still followed (a lost host is not: its lease runs out, which fences it)."""
 
     def __init__(self, lease: float, renew: Callable[[], None]):
         self.every, self.renew = lease_every(lease), renew
