@@ -30,10 +30,12 @@ TEXT = st.one_of(HOSTILE.map(lambda s: s.format(c=CANARY)),
 
 def stub_python(tmp: Path) -> Path:
     """An 'interpreter' that writes its argv and the spec's env values as JSON, then exits: to
-    STUB_OUT when it runs torchrun (`-m`), to STUB_OUT.agent when it runs the node's agent."""
+    STUB_OUT when it runs torchrun (`-m`), to STUB_OUT.agent when it runs the node's agent (`-S
+    agent.py`)."""
     stub = tmp / "py stub"
     stub.write_text("#!/bin/bash\n/usr/bin/env python3 -c 'import json,os,sys; "
-                    "out = os.environ[\"STUB_OUT\"] + (\".agent\" if sys.argv[1].endswith(\"agent.py\") else \"\"); "
+                    "agent = sys.argv[1] == \"-S\" and sys.argv[2].endswith(\"agent.py\"); "
+                    "out = os.environ[\"STUB_OUT\"] + (\".agent\" if agent else \"\"); "
                     "json.dump({\"argv\": sys.argv[1:], \"env\": dict(os.environ)}, open(out + \".tmp\", \"w\")); "
                     "os.replace(out + \".tmp\", out)' \"$@\"\n")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
@@ -100,5 +102,6 @@ def _agent_started(out: Path, name: str) -> None:
     while not agent.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     got = json.loads(agent.read_text())["argv"]
-    assert got[0].endswith("/r1/agent.py") and got[1:4] == ["--window", "20", name] and got[4].isdigit(), got
+    assert got[0] == "-S" and got[1].endswith("/r1/agent.py") and got[2:5] == ["--window", "20", name] \
+        and got[5].isdigit(), got
     agent.unlink()
