@@ -58,14 +58,14 @@ def test_a_renewed_lease_keeps_the_node_running_until_renewals_stop(tmp_path):
 def test_a_session_that_ended_ends_the_node_after_the_lease_without_spinning(tmp_path):
     """The supervisor's end closed (a killed supervisor's connection): the loop's input is at its
     end and every read returns at once; it waits its second on its nap and stops the node after
-    the lease, having used next to no CPU (a loop that spun on the end would use the lease's
-    seconds)."""
+    the lease, having used next to no CPU in that time (a loop that spun on the end would use most
+    of a core for all of it)."""
     node = _node(tmp_path, lease=3, grace=30, command="sleep 300")
-    _renew(node)
     assert node.stdin is not None
+    t0 = time.monotonic()  # before the last renewal: the lease counts from its reading, after this
+    _renew(node)
     node.stdin.close()
     loops = set()
-    t0 = time.monotonic()
     while not loops and time.monotonic() - t0 < 10:
         loops = _children({node.pid})
     assert loops, "no lease loop found"
@@ -73,9 +73,9 @@ def test_a_session_that_ended_ends_the_node_after_the_lease_without_spinning(tmp
     code = node.wait(timeout=60)
     took = time.monotonic() - t0
     assert code == -15
-    assert took >= 3, took
-    no_hang(took, 15, "a node whose session ended ends after the lease (3 s)")
-    assert _cpu_s(loop) < 0.5, "the lease loop spun on its input's end"
+    assert took >= 3, took  # never before the lease, however loaded the machine
+    no_hang(took, 15, "a node whose session ended ends after the lease (3 s; 5x)")
+    assert _cpu_s(loop) < 0.1 * took, "the lease loop spun on its input's end"
 
 
 def test_a_node_that_ignores_sigterm_is_killed_after_the_grace(tmp_path):
