@@ -6,7 +6,6 @@ supervisor host that cannot take a run is named with."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -35,9 +34,9 @@ job: {{script: jobs/toy_ddp.py}}
 def test_the_launchers_from_env_values_travel_with_the_run(tmp_path):
     (tmp_path / "c.yaml").write_text(SPEC.format(root=ROOT))
     spec = load_spec(tmp_path / "c.yaml")
-    encoded = encode_run(spec, "c.yaml", {"run_id": "r"}, {"DDPL_LAUNCHERS_SECRET": "s3"})
+    encoded = encode_run(spec, "c.yaml", UpOptions(run_id="r"), {"DDPL_LAUNCHERS_SECRET": "s3"})
     run = decode_run({SUPERVISE_ENV: encoded})
-    assert run.environ == {"DDPL_LAUNCHERS_SECRET": "s3"} and run.opts == {"run_id": "r"}
+    assert run.environ == {"DDPL_LAUNCHERS_SECRET": "s3"} and run.opts == UpOptions(run_id="r")
     assert "s3" not in json.dumps(spec.redacted())
 
 
@@ -45,7 +44,7 @@ def test_supervise_daemon_takes_the_run_from_stdin_and_attach_follows_it(tmp_pat
     spec_path = tmp_path / "c.yaml"
     spec_path.write_text(SPEC.format(root=ROOT))
     spec = load_spec(spec_path)
-    line = encode_run(spec, str(spec_path), dataclasses.asdict(UpOptions(run_id="hand-1")),
+    line = encode_run(spec, str(spec_path), UpOptions(run_id="hand-1"),
                       {"DDPL_LAUNCHERS_SECRET": "handed-s3cret"})
     env = {k: v for k, v in os.environ.items() if k not in ("DDPL_LAUNCHERS_SECRET", SUPERVISE_ENV)}
     env["DDPLAUNCH_HOME"] = str(tmp_path / "state")

@@ -105,7 +105,7 @@ def test_the_run_is_handed_over_whole_and_no_secret_is_in_the_script(tmp_path):
     assert got.model_fields_set == spec.model_fields_set  # "hosts" set or not: the same allocation
     assert got.env["WANDB_API_KEY"].value == "s3cret-value"  # inline secrets travel in the environment
     assert got.job.args == HOSTILE_ARGS and got.env["NOTE"].value == "it's $(touch /tmp/pwned)"
-    assert UpOptions(**opts) == UpOptions(job_args=["--lr", "$(id)"], verbose=True, run_id="det-1")
+    assert opts == UpOptions(job_args=["--lr", "$(id)"], verbose=True, run_id="det-1")
 
 
 def test_a_from_env_variable_not_set_is_named_before_anything_is_submitted(tmp_path, monkeypatch):
@@ -282,7 +282,7 @@ def test_supervise_runs_the_handed_over_run_in_the_foreground_and_takes_its_reco
         "started_at": 1.0, "placement": {"kind": "in-job", "job_id": "41", "where": "job 41"}}))
     (run / "events.jsonl").write_text(to_line(Requested("what up --detach showed")) + "\n")
     env = dict(os.environ, DDPLAUNCH_HOME=str(state),
-               **{SUPERVISE_ENV: encode_run(load_spec(spec), str(spec), dataclasses.asdict(UpOptions(run_id="sup-1")))})
+               **{SUPERVISE_ENV: encode_run(load_spec(spec), str(spec), UpOptions(run_id="sup-1"))})
     for attempt in (1, 2):
         proc = subprocess.run([sys.executable, "-m", "ddplaunch", "supervise"], capture_output=True, text=True,
                               env=env, cwd=ROOT, timeout=300)

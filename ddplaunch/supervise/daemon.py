@@ -221,16 +221,15 @@ def supervise_here(environ: MutableMapping[str, str]) -> int:
     (or a requeued job's first try wrote it), is taken over; the hand-over leaves the environment
     before any stage starts."""
     run = handed_over(environ)
-    opts = UpOptions(**run.opts)
-    begun = launch.begin(run.spec, run.spec_path, opts, take_over=True)
-    return launch.run_begun(begun, opts, stream=sys.stdout).exit_code
+    begun = launch.begin(run.spec, run.spec_path, run.opts, take_over=True)
+    return launch.run_begun(begun, run.opts, stream=sys.stdout).exit_code
 
 
 def supervise_daemon(environ: MutableMapping[str, str]) -> Supervised:
     """`ddplaunch supervise --daemon`: the run handed over in `environ` taken by a supervisor
     forked here (`start_daemon`), once it has taken it."""
     run = handed_over(environ)
-    return start_daemon(run.spec, run.spec_path, UpOptions(**run.opts))
+    return start_daemon(run.spec, run.spec_path, run.opts)
 
 
 def handed_over(environ: MutableMapping[str, str]) -> HandedOver:

@@ -12,7 +12,6 @@ reached as the run's hosts are (routes, keys, verified host keys), and nothing l
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -206,7 +205,7 @@ def start_there(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord
     spec, run_id = prepared(spec, opts, fresh=True)
     spec.env_values(os.environ)  # every from_env variable is set, or the error names it now
     environ = {v.from_env: os.environ[v.from_env] for v in spec.env.values() if v.from_env is not None}
-    handed = supervisor_opts(dataclasses.asdict(opts), run_id)
+    handed = supervisor_opts(opts, run_id)
     nonce = secrets.token_hex(6)
     host = SupervisorHost(spec)
     try:

@@ -16,6 +16,7 @@ who may read the job. Pure rendering here; `follow_output`/`final_state` read th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -28,6 +29,7 @@ from ddplaunch.backends.contract import JobEnd
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.plan.handoff import SUPERVISE_ENV, encode_run, supervisor_opts
 from ddplaunch.plan.shellword import Raw, word
+from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.results import RunState
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.spec.values import SECRET_SHOWN
@@ -87,14 +89,14 @@ def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: Mappin
     """
     spec.env_values(environ)  # every from_env variable is set, or the error names it now
     wanted = sorted({v.from_env for v in spec.env.values() if v.from_env is not None})
-    opts = supervisor_opts(opts, run_id)
-    encoded = encode_run(spec, spec_path, opts)
+    handed = supervisor_opts(UpOptions(**opts), run_id)
+    encoded = encode_run(spec, spec_path, handed)
     alloc = allocation_request(spec, run_id, output_path, nodelist, nodes, supervise=shlex.quote(python))
     opts_ = ["--export=ALL" if o == "--export=NONE" else o for o in alloc.argv]
     shown_spec = spec.model_dump(mode="json", exclude_unset=True)  # what is handed over, secrets shown as such
     if "env" in shown_spec:
         shown_spec["env"] = spec.redacted()["env"]
-    shown = {"spec": shown_spec, "spec_path": spec_path, "opts": opts}
+    shown = {"spec": shown_spec, "spec_path": spec_path, "opts": dataclasses.asdict(handed)}
     return DetachedRequest(run_id=run_id, argv=tuple(opts_), script=alloc.script,
                            env=tuple(sorted([(SUPERVISE_ENV, encoded), *((k, environ[k]) for k in wanted)])),
                            secret=frozenset(wanted), shown_run="\n".join(f"{k}: {json.dumps(v, sort_keys=True)}"
