@@ -1,9 +1,10 @@
-"""Run records: a run's identity and where its supervisor runs, one JSON file per run, written
-atomically under `$DDPLAUNCH_HOME/runs/<id>/` beside its event log (record/events.py: what the run did)
-and its output log — so `status`, `logs` and `down` work after ddplaunch has exited. Where the
-supervisor runs is a value (`Placement`: a process here or elsewhere, a scheduler's job, a process
-on `supervisor.host`). Data and file I/O only: no backend is imported here. Run directories are
-0700 and every file in them 0600.
+"""Run records: a run's identity and where its supervisor runs, one JSON file per run
+(`record.json`), written once, atomically, when the run is handed to its supervisor, under
+`$DDPLAUNCH_HOME/runs/<id>/` beside its event log (record/events.py: what the run did, the run's
+only memory of its state) and its output log — so `status`, `logs` and `down` work after ddplaunch
+has exited. Where the supervisor runs is a value (`Placement`: a process here or elsewhere, a
+scheduler's job, a process on `supervisor.host`). Data and file I/O only: no backend is imported
+here. Run directories are 0700 and every file in them 0600.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, Optional, Union
 
 from ddplaunch.errors import PlanError, RunNotFoundError
+from ddplaunch.plan.handoff import restored_spec
 from ddplaunch.record.codec import from_data, to_data
+from ddplaunch.spec.model import ClusterSpec
 
 #: Every run id, wherever it comes from (generated, --run-id, status/logs/down arguments).
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -106,18 +109,31 @@ PLACEMENTS: dict[str, type] = {cls.KIND: cls for cls in (Local, InJob, OnHost)}
 
 @dataclass
 class RunRecord:
-    """A run's identity — its id, the spec it runs (secrets redacted), the backend, the hosts it
-    was planned on, where relative paths of the spec are taken from — and where its supervisor
-    runs. What the run did is its event log's (record/events.py), never the record's."""
+    """A run's identity — its id, the spec it runs (secrets redacted: `<secret>`, `from_env`
+    names; its relative paths taken from the spec file's directory), where that spec came from,
+    the hosts it was planned on, when it was handed over — and where its supervisor runs. Written
+    once, never updated: what the run did, its state included, is its event log's
+    (record/events.py), never the record's; the backend is the spec's."""
 
     run_id: str
     spec_path: str
-    backend: str
     hosts: list[str]
-    spec: dict[str, Any]
+    spec: ClusterSpec
     placement: Placement
-    base_dir: str = "."
     started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def planned(cls, run_id: str, spec_path: str, spec: ClusterSpec, placement: Placement,
+                hosts: Optional[list[str]] = None) -> "RunRecord":
+        """The record of a run of `spec` (its secrets redacted here), planned on `hosts` (default:
+        the spec's)."""
+        return cls(run_id=run_id, spec_path=str(spec_path),
+                   hosts=[h.label for h in spec.hosts] if hosts is None else hosts,
+                   spec=restored_spec(spec.redacted(), spec.base_dir), placement=placement)
+
+    @property
+    def backend(self) -> str:
+        return self.spec.backend
 
     @property
     def dir(self) -> Path:
@@ -136,9 +152,12 @@ class RunRecord:
         return self.dir
 
     def save(self) -> None:
-        """Write the record atomically (0600 temp file + rename): a reader never sees half of it."""
+        """Write the record atomically (0600 temp file + rename): a reader never sees half of it.
+        The spec is written as `ClusterSpec.redacted` writes it, with the directory its relative
+        paths are taken from (`base_dir`)."""
         self.make_dir()
-        write_private(self.dir / "record.json", json.dumps(to_data(self), indent=2, sort_keys=True))
+        data = {**to_data(self), "spec": self.spec.redacted(), "base_dir": self.spec.base_dir}
+        write_private(self.dir / "record.json", json.dumps(data, indent=2, sort_keys=True))
 
 
 def write_private(path: Path, text: str) -> None:
@@ -183,7 +202,9 @@ def _record(data: Any) -> RunRecord:
     """
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
-    return from_data(RunRecord, data)
+    if not isinstance(data.get("spec"), dict):
+        raise ValueError("key 'spec' is missing or not an object")
+    return from_data(RunRecord, {**data, "spec": restored_spec(data["spec"], str(data.get("base_dir", ".")))})
 
 
 def list_runs() -> list[RunRecord]:

@@ -117,9 +117,7 @@ def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = 
     spec, run_id = prepared(spec, opts, fresh=not take_over)
     skipped = skip_recorded(spec, opts.healthcheck_only)
     spec = skipped.spec
-    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(), placement=Local.this_process(),
-                       base_dir=spec.base_dir)
+    record = RunRecord.planned(run_id, spec_path, spec, Local.this_process())
     if take_over:
         record = _take_over(record)
     record.save()

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, RunContext, StopEvent
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, DdplaunchError
-from ddplaunch.output.who import who_of
+from ddplaunch.output.who import read_line
 from ddplaunch.record.events import EventLog, RunEnded, RunStarted, first_event, last_event
 from ddplaunch.record.snapshot import read_view
 from ddplaunch.record.live import read_live
@@ -35,9 +35,7 @@ FOLLOW_POLL = 0.2
 
 def record_backend(record: RunRecord) -> Launcher[Any]:
     """The backend of a recorded run, configured from the record's (redacted) spec."""
-    spec = ClusterSpec.model_validate(record.spec)
-    spec = spec.model_copy(update={"base_dir": record.base_dir})
-    return make_backend(spec, RunContext(record.run_id, record.dir, StopEvent()))
+    return make_backend(record.spec, RunContext(record.run_id, record.dir, StopEvent()))
 
 
 def settle(record: RunRecord, backend: Optional[Launcher[Any]] = None) -> Optional[RunEnded]:
@@ -169,7 +167,7 @@ def logs(record: RunRecord, host: Optional[str] = None, follow: bool = False,
     def mine(line: str) -> bool:
         if host is None and rank is None:
             return True
-        who = who_of(line)
+        who = read_line(line)
         return who is not None and (host is None or who.host == host) and (rank is None or who.rank == rank)
 
     if isinstance(record.placement, OnHost):
@@ -230,7 +228,7 @@ def down(record: RunRecord) -> list[str]:
     supervised = daemon.of_record(record)
     frozen = supervised is not None and supervised.frozen()
     if supervised is not None and not frozen:
-        grace = float(record.spec.get("job", {}).get("stop_grace") or 30)
+        grace = float(record.spec.job.stop_grace or 30)
         gone = daemon.stop(supervised, grace)
         lines.append(f"supervisor (pid {supervised.pid}): " + ("stopped the run" if gone else
                      "still running after it was asked to stop; ending what is left on the hosts"))

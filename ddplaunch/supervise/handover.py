@@ -59,9 +59,8 @@ def to_scheduler(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Optional
         backend.close()
         return None
     request, text = detached_request(spec, scheduler, backend, run_id, spec_path, opts)
-    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in backend.hosts(allocate=False)], spec=spec.redacted(),
-                       placement=InJob("", "not submitted yet"), base_dir=spec.base_dir)
+    record = RunRecord.planned(run_id, spec_path, spec, InJob("", "not submitted yet"),
+                               hosts=[h.label for h in backend.hosts(allocate=False)])
     log = EventLog(record.make_dir())
     try:
         log.append(Requested(text))

@@ -217,9 +217,7 @@ def start_there(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord
     if code != 0 or not found:
         raise _refused(host, code, out)
     answer = json.loads(found[-1])
-    record = RunRecord(run_id=run_id, spec_path=str(spec_path), backend=spec.backend,
-                       hosts=[h.label for h in spec.hosts], spec=spec.redacted(),
-                       placement=OnHost(host.label, int(answer["pid"])), base_dir=spec.base_dir)
+    record = RunRecord.planned(run_id, spec_path, spec, OnHost(host.label, int(answer["pid"])))
     record.save()
     return record
 
@@ -243,5 +241,4 @@ def host_of(record: RunRecord) -> SupervisorHost:
     """
     if not isinstance(record.placement, OnHost):
         raise ValueError(f"run {record.run_id} is not supervised on another host")
-    spec = ClusterSpec.model_validate(record.spec).model_copy(update={"base_dir": record.base_dir})
-    return SupervisorHost(spec)
+    return SupervisorHost(record.spec)
