@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from ddplaunch.errors import PlanError
-from ddplaunch.record.diagnosis import Localization
+from ddplaunch.record.diagnosis import Gate, Localization
 from ddplaunch.record.events import HostsExcluded, Localized, RecoveryStarted, StageEnded
 from ddplaunch.record.hosthealth import clear, recorded, remember
 from ddplaunch.record.incidents import Recovery
 from ddplaunch.record.results import NodeOutcome, NodeState, StageResult
-from ddplaunch.run.hostmemory import HOST_HEALTH, HostMemory, skip_recorded
+from ddplaunch.run.hostmemory import HostMemory, skip_recorded
 from ddplaunch.spec.load import load_spec
 
 DAY = 86400.0
@@ -68,7 +68,7 @@ def test_a_run_records_the_hosts_its_events_name_bad(tmp_path):
     memory = HostMemory(spec, "r1")
     memory.note(RecoveryStarted(Recovery(1, ["h1"], {"h1": "no heartbeat for 3s"}, 1.0, 2.0), ["h4", "h2", "h3"]))
     memory.note(Localized(Localization(bad_hosts=["h2"], reasons={"h2": "slow"})))
-    memory.note(HostsExcluded(["h9"], HOST_HEALTH))  # left out because recorded: not recorded again
+    memory.note(HostsExcluded(["h9"], Gate.HOST_HEALTH))  # left out because recorded: not recorded again
     lost = StageResult(stage="job", outcomes=[NodeOutcome(0, "h3", NodeState.LOST, detail="no heartbeat for 4s"),
                                               NodeOutcome(1, "h5", NodeState.FAILED, exit_code=1),
                                               NodeOutcome(2, "h6", NodeState.FAILED, exit_code=1,

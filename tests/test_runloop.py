@@ -19,6 +19,9 @@ from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
 from ddplaunch.backends.contract import Admitted
+from ddplaunch.record.diagnosis import Gate
+from ddplaunch.record.events import HostsExcluded, read_events
+from ddplaunch.record.hosthealth import health_file, recorded, remember
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 from tests.ssh_util import run_view
 from tests.timing import no_hang
@@ -144,6 +147,21 @@ def test_health_gate_excludes_the_bad_host_and_launches_again(tmp_path):
     assert [p.hosts for p in script.launched] == [["f1", "f2", "f3"], ["f1", "f3"]]
     assert [p.nnodes for p in script.launched] == [3, 2]
     assert "EXCLUDED them (healthcheck.on_fail: exclude)" in out
+
+
+@pytest.mark.parametrize("in_session", [True, False], ids=["probe-in-the-sessions", "own-round"])
+def test_a_check_does_not_readmit_a_host_its_own_preflight_excluded(tmp_path, in_session):
+    """A host recorded bad by an earlier run fails this check's pre-flight and is excluded; the
+    check passes on the others and readmits those it passed, never the one it excluded."""
+    health = health_file()
+    remember(health, {"f2": "lost"}, "earlier", "fake")
+    script = FakeScript(in_session=True, no_script={"f2"}) if in_session else FakeScript(unreachable={"f2"})
+    report, out, _ = run(tmp_path, script, UpOptions(healthcheck_only=True), healthcheck={"on_fail": "exclude"})
+    assert report.exit_code == 0 and [p.hosts for p in script.launched] == [["f1", "f3"]], out
+    assert report.excluded == ["f2"] and report.passed == ["f1", "f3"]
+    excluded = [e for e in read_events(tmp_path / "state" / "runs" / report.run_id) if isinstance(e, HostsExcluded)]
+    assert [(e.hosts, e.gate) for e in excluded] == [(["f2"], Gate.PREFLIGHT)]
+    assert list(recorded(health, 3600)) == ["f2"]  # still bad: the next `up` leaves it out
 
 
 def test_separate_health_check_is_its_own_launch_and_gates_the_job(tmp_path):

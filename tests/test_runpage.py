@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 
-from ddplaunch.record.diagnosis import HealthVerdict, Localization, Probe
+from ddplaunch.record.diagnosis import BandwidthRow, HealthVerdict, Localization, Probe
 from ddplaunch.record.events import EventLog, RunEnded, RunStarted, StageStarted, StepWindow
 from ddplaunch.record.results import NodeState, RunState
 from ddplaunch.report.page import page_of as render
@@ -30,8 +30,7 @@ def _run_dir(tmp_path, host="h2"):
     checked = stage_ended({"h1": NodeState.OK, host: NodeState.OK}, {"h1": 0, host: 0}, t=101.5)
     checked.result.ran_healthcheck = True
     checked.result.healthcheck = HealthVerdict(
-        ok=True, bandwidth=[{"bytes": 65536, "busbw_gbps": 0.5, "collective": "all_reduce"},
-                            {"bytes": 1 << 20, "busbw_gbps": 1.5, "collective": "all_reduce"}],
+        ok=True, bandwidth=[BandwidthRow("all_reduce", 65536, 0.5), BandwidthRow("all_reduce", 1 << 20, 1.5)],
         pairs=Localization(pairs=[Probe(("h1", host), True, 1.0), Probe(("h1", "h3"), False, None)]))
     for e in [RunStarted("r1", "ssh", ["h1", host], 1, "me", t=100.0), StageStarted("job", "h1", 1, ["h1", host], t=101.0),
               *[StepWindow(20 * w + 1, 20 * w + 20, {"h1": [0.1, 0.1, 0.2], host: [0.19, 0.01, 0.2]}, t=101.0 + w)
@@ -96,8 +95,8 @@ def test_an_interrupted_run_is_interrupted_on_its_page_as_in_its_summary(tmp_pat
 def test_busbw_is_on_a_log_axis_so_small_messages_show_and_the_axes_have_ticks():
     from ddplaunch.report.page import busbw_plot
 
-    plot = busbw_plot(HealthVerdict(ok=True, bandwidth=[{"bytes": 4096, "busbw_gbps": 0.004},
-                                                        {"bytes": 8 << 20, "busbw_gbps": 8.0}]))
+    plot = busbw_plot(HealthVerdict(ok=True, bandwidth=[BandwidthRow("all_reduce", 4096, 0.004),
+                                                        BandwidthRow("all_reduce", 8 << 20, 8.0)]))
     parser = _Tags()
     parser.feed(plot)
     small, large = [float(a["height"]) for t, a in parser.tags if t == "rect" and a.get("class") == "busbw"]

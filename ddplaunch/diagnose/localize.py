@@ -72,7 +72,7 @@ class _ProbeRunner:
                     "detail": first.describe() if first else "no result"}
         rows = payload.bandwidth
         # one rank alone has no link to measure: correctness only
-        busbw = rows[-1]["busbw_gbps"] if rows and len(group) > 1 else None
+        busbw = rows[-1].busbw_gbps if rows and len(group) > 1 else None
         return {"hosts": labels, "ok": payload.ok, "busbw_gbps": busbw, "detail": ""}
 
 

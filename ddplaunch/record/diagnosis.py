@@ -8,12 +8,22 @@ fill them; the event log keeps them (record/codec.py); `to_dict` is their `--jso
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from ddplaunch.record.codec import from_data
 
 CHECKS = ("reach", "image", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir", "shm")
+
+
+class Gate(StrEnum):
+    """A check that decides whether, and where, the job runs: its value is how people name it."""
+
+    PREFLIGHT = "pre-flight"
+    HEALTHCHECK = "health check"
+    #: hosts an earlier run recorded bad, left out before anything runs (run/hostmemory.py)
+    HOST_HEALTH = "host health"
 
 
 @dataclass
@@ -137,6 +147,19 @@ class HealthFailure:
 
 
 @dataclass
+class BandwidthRow:
+    """One collective at one message size, as the health check timed it (hostside/collectives.py)."""
+
+    collective: str
+    bytes: int
+    busbw_gbps: float
+    algbw_gbps: float = 0.0
+    time_us: float = 0.0
+    count: int = 0
+    iters: int = 0
+
+
+@dataclass
 class HealthVerdict:
     """Rank 0's verdict of one health check (hostside/healthcheck.py): ok, the world it saw, every
     failure, the bandwidth per collective and size, each rank's facts, and the pair gate's
@@ -146,8 +169,7 @@ class HealthVerdict:
     world_size: Optional[int] = None
     backend: Optional[str] = None
     failures: list[HealthFailure] = field(default_factory=list)
-    #: per collective and size: collective, bytes, iters, time_us, algbw_gbps, busbw_gbps
-    bandwidth: list[dict[str, Any]] = field(default_factory=list)
+    bandwidth: list[BandwidthRow] = field(default_factory=list)
     #: each rank's facts (rank, host, device, versions), as it said them
     ranks: list[dict[str, Any]] = field(default_factory=list)
     pairs: Optional[Localization] = None

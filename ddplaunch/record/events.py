@@ -3,10 +3,10 @@
 The process that runs the run loop (the supervisor, or `ddplaunch.up` in-process) appends every
 fact the run establishes, once, as it happens: the run taken (`RunStarted`), what the backend
 executed (`Requested`), the pre-flight's table, each launch's start and its whole result
-(`StageStarted`, `StageEnded`), every host's state, the gates' decisions (`HostsExcluded`,
-`GateStopped`), a localization, recoveries and their resumption, each window of steps as judged
-(one number per host, not per rank), ranks gone silent, a straggler named, a spare dropped, a
-requeued allocation, every line the screen shows (`Shown`)
+(`StageStarted`, `StageEnded`), every host's state, every gate's decision (`HostsExcluded`,
+`SparesRejected`, `Replanned`, `GateStopped`), a localization, recoveries and their resumption,
+each window of steps as judged (one number per host, not per rank), ranks gone silent, a
+straggler named, a spare dropped, a requeued allocation, every line the screen shows (`Shown`)
 and the end (`RunEnded`). Everything that reads a run — the summary, `status`, `top`, `attach`,
 the page, the Python API — folds these events (record/view.py); nothing keeps a second copy.
 Each event carries the wall time (`t`) and the writer's monotonic clock (`mono`, for intervals);
@@ -26,7 +26,7 @@ from typing import IO, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.codec import from_data, to_data
-from ddplaunch.record.diagnosis import Localization, PreflightReport
+from ddplaunch.record.diagnosis import Gate, Localization, PreflightReport
 from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import NodeState, RunState, StageResult
 
@@ -119,19 +119,37 @@ class Localized(_Event):
 
 @dataclass
 class HostsExcluded(_Event):
-    """A gate dropped these hosts (`healthcheck.on_fail: exclude`); the run goes on without them."""
+    """A gate dropped these hosts (`healthcheck.on_fail: exclude`, or hosts an earlier run recorded
+    bad); the run goes on without them."""
 
     KIND: ClassVar[str] = "hosts-excluded"
     hosts: list[str]
-    gate: str
+    gate: Gate
+
+
+@dataclass
+class SparesRejected(_Event):
+    """A gate found these spares wanting (the pre-flight): dropped, the run goes on without them."""
+
+    KIND: ClassVar[str] = "spares-rejected"
+    hosts: list[str]
+    gate: Gate
+
+
+@dataclass
+class Replanned(_Event):
+    """The run was planned again on `hosts`, without the ones a gate excluded."""
+
+    KIND: ClassVar[str] = "replanned"
+    hosts: list[str]
 
 
 @dataclass
 class GateStopped(_Event):
-    """A gate ("pre-flight", "health check") stopped the run before its last launch."""
+    """A gate stopped the run before its last launch."""
 
     KIND: ClassVar[str] = "gate-stopped"
-    gate: str
+    gate: Gate
 
 
 @dataclass
@@ -243,13 +261,13 @@ class RunEnded(_Event):
 
 
 Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
-              HostsExcluded, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, StepWindow, RanksSilent,
+              HostsExcluded, SparesRejected, Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, StepWindow, RanksSilent,
               RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, Requeued, RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
-DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, GateStopped,
-           RecoveryStarted, RecoveryUpdated, NotRecovered, RanksSilent, HostQuiet, StragglerNamed, SpareDropped,
-           Requeued, RunEnded)
+DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, SparesRejected,
+           Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, RanksSilent, HostQuiet,
+           StragglerNamed, SpareDropped, Requeued, RunEnded)
 
 
 def to_line(event: Event) -> str:

@@ -4,31 +4,47 @@ The summary, `status`, `top`, `attach`, the run page, `--json` and the Python AP
 returns the run loop's own view) read a `RunView`; none keeps a copy of a stage, a recovery or a
 straggler of its own. `add` takes one event at a time (a follower folds as the log grows), and
 what it keeps is bounded by the run's hosts, ranks, launches and incidents, never by its length:
-of the steps only the newest window judged (the hosts' live status is record/live.py's). Pure: events in, values out.
+of the steps only the newest window judged (the hosts' live status is record/live.py's). Pure:
+events in, values out; nothing an event holds is changed (what the fold learns of a launch later,
+it keeps beside it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.plan.launch import Stage
-from ddplaunch.record.diagnosis import HealthVerdict, Localization, PreflightReport
+from ddplaunch.record.diagnosis import Gate, HealthVerdict, Localization, PreflightReport
 from ddplaunch.record.events import (Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted, RecoveryUpdated, Requested,
-                                     Requeued, RunEnded, RunStarted, SpareDropped, StageEnded, StageStarted, StepWindow,
-                                     StragglerNamed)
+                                     PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted, RecoveryUpdated, Replanned,
+                                     Requested, Requeued, RunEnded, RunStarted, SpareDropped, SparesRejected, StageEnded,
+                                     StageStarted, StepWindow, StragglerNamed)
 from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import RunState, StageResult
 
 
+#: How the plan text marks where the run was planned again without excluded hosts.
+REPLANNED = "# re-planned without excluded hosts\n"
+
+
 @dataclass
 class Launch:
-    """One launch of a stage: its start, and its result once it ended."""
+    """One launch of a stage: its start, its result once it ended, and the recovery that
+    launched it again (its number) if one did."""
 
     started: StageStarted
     result: Optional[StageResult] = None
+    recovered: Optional[int] = None
+
+    @property
+    def outcome(self) -> Optional[StageResult]:
+        """The result as readers see it: with the recovery that followed it (a copy: the event's
+        own result is never changed)."""
+        if self.result is None or self.recovered is None:
+            return self.result
+        return replace(self.result, recovered=self.recovered)
 
 
 @dataclass
@@ -47,8 +63,10 @@ class RunView:
     host_states: dict[str, HostState] = field(default_factory=dict)
     localization: Optional[Localization] = None
     excluded: list[str] = field(default_factory=list)
-    #: the gate that stopped the run before its last launch ("pre-flight", "health check")
-    blocked: Optional[str] = None
+    #: spares a gate found wanting (dropped before anything ran)
+    rejected_spares: list[str] = field(default_factory=list)
+    #: the gate that stopped the run before its last launch
+    blocked: Optional[Gate] = None
     recoveries: list[Recovery] = field(default_factory=list)
     unrecovered: Optional[str] = None
     stragglers: list[Straggler] = field(default_factory=list)
@@ -103,14 +121,18 @@ class RunView:
         if isinstance(event, Localized):
             self.localization = event.localization
         elif isinstance(event, HostsExcluded):
-            self.excluded += event.hosts
+            self.excluded += [h for h in event.hosts if h not in self.excluded]
+        elif isinstance(event, SparesRejected):
+            self.rejected_spares += [h for h in event.hosts if h not in self.rejected_spares]
+        elif isinstance(event, Replanned):
+            self.requested.append(REPLANNED)
         elif isinstance(event, GateStopped):
             self.blocked = self.blocked or event.gate
         elif isinstance(event, RecoveryStarted):
             self._recovery(event.recovery)
             self.hosts = list(event.hosts)
             if self.launches and self.launches[-1].result is not None:
-                self.launches[-1].result.recovered = event.recovery.number
+                self.launches[-1].recovered = event.recovery.number
         elif isinstance(event, RecoveryUpdated):
             self._recovery(event.recovery)
         elif isinstance(event, NotRecovered):
@@ -144,7 +166,7 @@ class RunView:
     @property
     def stages(self) -> list[StageResult]:
         """The ended launches of the allocation's current try, in order."""
-        return [launch.result for launch in self.launches[self._try_start:] if launch.result is not None]
+        return [r for r in (launch.outcome for launch in self.launches[self._try_start:]) if r is not None]
 
     @property
     def running(self) -> Optional[StageStarted]:
@@ -156,6 +178,15 @@ class RunView:
         """The verdict of the newest launch that ran the health check."""
         ran = [s for s in self.stages if s.ran_healthcheck]
         return ran[-1].healthcheck if ran else None
+
+    @property
+    def passed(self) -> list[str]:
+        """The hosts the run's final launch ran on, when it passed (for `check`: the hosts its
+        health check passed; none when it failed or never ran)."""
+        last = self.launches[-1] if len(self.launches) > self._try_start else None
+        if last is None or last.result is None or last.started.stage != self.final_stage or not last.result.ok:
+            return []
+        return list(last.started.hosts)
 
     @property
     def plan_text(self) -> str:
@@ -186,7 +217,7 @@ class RunView:
         return max(0.0, (self.ended.t if self.ended is not None else self.started.t) - self.started.t)
 
 
-def exit_code(stages: list[StageResult], final_stage: str = Stage.JOB, blocked: Optional[str] = None) -> int:
+def exit_code(stages: list[StageResult], final_stage: Stage = Stage.JOB, blocked: Optional[Gate] = None) -> int:
     """130 when the user interrupted; 0 when the last launch was the final one and passed and no
     gate stopped the run (a failed health check whose bad hosts were excluded does not count);
     else 1."""

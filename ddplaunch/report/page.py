@@ -121,12 +121,11 @@ def step_plot(view: RunView, windows: Sequence[StepWindow]) -> str:
 
 
 def busbw_plot(healthcheck: HealthVerdict | None) -> str:
-    rows = [r for r in (healthcheck.bandwidth if healthcheck is not None else [])
-            if isinstance(r.get("busbw_gbps"), (int, float))]
+    rows = healthcheck.bandwidth if healthcheck is not None else []
     if not rows:
         return "<p>No health-check bandwidth in this run.</p>"
     # a log axis, a decade per tick: small messages' busbw is a thousandth of large ones'
-    positive = [r["busbw_gbps"] for r in rows if r["busbw_gbps"] > 0] or [1.0]
+    positive = [r.busbw_gbps for r in rows if r.busbw_gbps > 0] or [1.0]
     low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)) + 1e-9)
     high = max(high, low + 1)
 
@@ -136,13 +135,13 @@ def busbw_plot(healthcheck: HealthVerdict | None) -> str:
     out = _axes("message size", "busbw (GB/s, log scale)", 0, "", y_ticks=ticks)
     width = (W - PAD - 20) / len(rows)
     for i, r in enumerate(rows):
-        h = max(1.0, up(r["busbw_gbps"]) * (H - PAD - 10))
+        h = max(1.0, up(r.busbw_gbps) * (H - PAD - 10))
         x = PAD + 5 + i * width
         out.append(f'<rect class="busbw" x="{x:.1f}" y="{H - PAD - h:.1f}" width="{width * 0.8:.1f}" height="{h:.1f}" '
-                   f'fill="#1f77b4"><title>{_esc(r.get("collective", ""))} {r["bytes"]} B: '
-                   f'{r["busbw_gbps"]:.4g} GB/s</title></rect>'
+                   f'fill="#1f77b4"><title>{_esc(r.collective)} {r.bytes} B: '
+                   f'{r.busbw_gbps:.4g} GB/s</title></rect>'
                    f'<text x="{x + width * 0.4:.1f}" y="{H - PAD + 14}" text-anchor="middle" font-size="10">'
-                   f'{_size(r["bytes"])}</text>')
+                   f'{_size(r.bytes)}</text>')
     return _svg(out)
 
 

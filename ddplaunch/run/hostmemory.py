@@ -30,10 +30,6 @@ from ddplaunch.spec.model import ClusterSpec, HostSpec
 from ddplaunch.spec.registry import registration
 
 
-#: The gate `HostsExcluded` names for hosts left out because an earlier run recorded them.
-HOST_HEALTH = "host health"
-
-
 def describe(entry: BadHost, now: Optional[float] = None) -> str:
     """`dlt3: its ranks are frozen (run r1, 2h07m ago)`."""
     return f"{entry.host}: {entry.cause} (run {entry.run_id}, {duration((now or time.time()) - entry.at)} ago)"

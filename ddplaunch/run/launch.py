@@ -27,13 +27,15 @@ from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, Pla
 from ddplaunch.output.console import make_console
 from ddplaunch.plan.launch import LaunchPlan, derive_port, stage_port_key
 from ddplaunch.plan.stages import UpOptions, exclude_hosts, plan_stage, stages_of
+from ddplaunch.record.diagnosis import Gate
 from ddplaunch.record.events import EVENTS_FILE, EventLog, HostsExcluded, RunEnded, RunStarted, read_events
 from ddplaunch.record.snapshot import Snapshots
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import Local, RunRecord, check_run_id, load_run, new_run_id, open_private, run_dir
 from ddplaunch.record.view import RunView, run_state
+from ddplaunch.report.evidence import EvidenceFiles
 from ddplaunch.report.summary import summarize
-from ddplaunch.run.hostmemory import HOST_HEALTH, readmit, skip_recorded
+from ddplaunch.run.hostmemory import readmit, skip_recorded
 from ddplaunch.run.loop import RunLoop
 from ddplaunch.spec.model import ClusterSpec
 
@@ -124,10 +126,11 @@ def begin(spec: ClusterSpec, spec_path: str, opts: UpOptions, take_over: bool = 
     view = RunView.of(read_events(record.dir))
     events = EventLog(record.dir, listeners=[view.add])
     events.listen(Snapshots(record.dir, view, events))  # where readers of a long run start
+    events.listen(EvidenceFiles(record.dir))  # the health check's verdict and chart, for people
     events.append(RunStarted(run_id, spec.backend, [h.label for h in spec.hosts], os.getpid(), socket.gethostname(),
                              stages_of(spec, opts)[-1]))
     if skipped.hosts():
-        events.append(HostsExcluded(skipped.hosts(), HOST_HEALTH))
+        events.append(HostsExcluded(skipped.hosts(), Gate.HOST_HEALTH))
     return Begun(spec, record, events, view, skipped.lines())
 
 
@@ -186,8 +189,8 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
         events.close()
         raise
     code = view.exit_code
-    if opts.healthcheck_only and code == 0:  # a check that passes readmits its hosts
-        readmit(spec, [h.label for h in spec.hosts if h.label not in view.excluded])
+    if opts.healthcheck_only and code == 0:  # a check that passes readmits the hosts it passed
+        readmit(spec, view.passed)
     events.append(RunEnded(run_state(code), code))
     events.close()
     stream.write(summarize(view) + "\n")

@@ -13,12 +13,10 @@ failed by itself, on the same hosts while `job.max_restarts` lasts (run/recovery
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ddplaunch.backends.contract import Launcher, SessionGated, StopEvent
 from ddplaunch.diagnose.oom import name_oom_kills
@@ -31,14 +29,14 @@ from ddplaunch.plan.hostwords import CpuShare
 from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
 from ddplaunch.plan.stages import UpOptions, plan_stage, preflight_wanted, stages_of
 from ddplaunch.record.events import (Event, EventLog, GateStopped, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RecoveryStarted, RecoveryUpdated, Requested, Requeued,
-                                     StageEnded, StageStarted, StragglerNamed)
+                                     PreflightChecked, RecoveryStarted, RecoveryUpdated, Replanned, Requested, Requeued,
+                                     SparesRejected, StageEnded, StageStarted)
 from ddplaunch.record.incidents import Straggler
 from ddplaunch.record.results import Progress, StageResult, describe_exit
-from ddplaunch.record.runs import write_private
 from ddplaunch.record.view import RunView
 from ddplaunch.run.eviction import Eviction
-from ddplaunch.run.gates import InStagePreflight, healthcheck_gate, preflight_gate
+from ddplaunch.report.evidence import LOCALIZE_PAGE
+from ddplaunch.run.gates import Decision, InStagePreflight, healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
 from ddplaunch.run.hostmemory import HostMemory
 from ddplaunch.run.recovery import RecoveryBudget
@@ -114,14 +112,26 @@ class RunLoop:
                 self._preflight_in_stage = True
                 self._proven = (stage, master_addr(spec), first)
                 return spec
-        gated, self.budget.spares, pf = preflight_gate(spec, self.backend, self.run_id, first, self.console,
-                                                       self.run_dir, spares, self.opts.emulate is not None, reached)
-        self.say(PreflightChecked(pf))
-        if gated is None:
-            self.say(GateStopped("pre-flight"))
-            return None
-        self._proven = (stage, master_addr(gated), first)
+        decision, report = preflight_gate(spec, self.backend, self.run_id, first, self.console, spares,
+                                          self.opts.emulate is not None, reached)
+        self.say(PreflightChecked(report))
+        self.budget.spares = decision.spares
+        gated = self._decided(decision)
+        if gated is not None:
+            self._proven = (stage, master_addr(gated), first)
         return gated
+
+    def _decided(self, decision: Decision) -> Optional[ClusterSpec]:
+        """A gate's decision, said as events: the spares it rejected, the hosts it excluded (the
+        run planned again without them) or its stop. The spec to go on with (None: stop)."""
+        if decision.rejected_spares:
+            self.say(SparesRejected(decision.rejected_spares, decision.gate))
+        if decision.spec is None:
+            self.say(GateStopped(decision.gate))
+        elif decision.excluded:
+            self.say(HostsExcluded(decision.excluded, decision.gate))
+            self.say(Replanned([h.label for h in decision.spec.hosts]))
+        return decision.spec
 
     def _stages(self, spec: ClusterSpec) -> bool:
         """Every launch in order; True when the backend's hosts were rescheduled under one (start
@@ -136,10 +146,10 @@ class RunLoop:
             gate, self._preflight_in_stage = (self._in_stage(spec, plan) if self._preflight_in_stage else None), False
             result = self._launch(spec, plan, gate)
             if gate is not None:
-                if gate.outcome is None:
-                    self.say(GateStopped("pre-flight"))
+                gated = self._decided(gate.outcome)
+                if gated is None:
                     return False
-                spec = gate.outcome  # the interface every host reaches the master through, hosts excluded
+                spec = gated  # the interface every host reaches the master through, hosts excluded
                 if result is None:  # it excluded hosts before anything started: launch on the others
                     stages = stages_of(spec, self.opts)
                     continue
@@ -217,26 +227,22 @@ class RunLoop:
 
     def _healthcheck_gate(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
         """After a launch that ran the health check: the spec to go on with (None: stop)."""
-        gated, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.console,
-                                      self.run_dir)
+        decision, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.console,
+                                         str(self.run_dir / LOCALIZE_PAGE))
         if loc is not None:
             self.say(Localized(loc))
-        if gated is None:
-            self.say(GateStopped("health check"))
-        elif gated is not spec:
-            self.say(HostsExcluded([h.label for h in spec.hosts if h not in gated.hosts], "health check"))
-            self.say(Requested("# re-planned without excluded hosts\n"))
-        return gated
+        return self._decided(decision)
 
     def _in_stage(self, spec: ClusterSpec, plan: LaunchPlan) -> InStagePreflight:
         """The pre-flight of `plan`'s hosts in its launch's sessions; its verdict is logged, and
         the stage announced once it starts."""
-        def verdict(report: PreflightReport, starts: bool) -> None:
+        def verdict(report: PreflightReport, decision: Decision) -> None:
             self.say(PreflightChecked(report))
-            if starts:
+            if gate.starts:
                 self._announce(plan)
-        return InStagePreflight(spec, self.backend.max_parallel, self.run_id, plan.master_port, self.console,
-                                self.run_dir, self.opts.emulate is not None, verdict)
+        gate = InStagePreflight(spec, self.backend.max_parallel, self.run_id, plan.master_port, self.console,
+                                self.opts.emulate is not None, verdict)
+        return gate
 
     def _announce(self, plan: LaunchPlan) -> None:
         self.console.note(f"stage {plan.stage}: master {plan.master_addr}:{plan.master_port}")
@@ -281,9 +287,6 @@ class RunLoop:
         result.diagnosis += _aborted_after_return(result)
         result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)
         result.diagnosis += self._oom_kills(spec, plan, result)
-        if result.ran_healthcheck and result.healthcheck is not None:  # the evidence, for people
-            write_private(self.run_dir / "healthcheck.json",
-                          json.dumps(result.healthcheck.to_dict(), indent=2, sort_keys=True))
         self.say(StageEnded(result))
         return result
 
@@ -321,7 +324,7 @@ class RunLoop:
             self.console.note(f"training {'restarted from scratch' if recovery.from_scratch else 'resumed'}{step}"
                               f"{loaded}, {recovery.resumed_after_s:.0f}s after {recovery.since()}{scratch}")
 
-    def _free_port(self, spec: ClusterSpec, stage: str, recovery: int = 0) -> int:
+    def _free_port(self, spec: ClusterSpec, stage: Stage, recovery: int = 0) -> int:
         """A free master port for `stage`: the one the pre-flight proved, `master.port`, or one
         derived from the run id (and the recovery: a relaunch takes a fresh port)."""
         addr = master_addr(spec)
