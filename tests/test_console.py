@@ -7,7 +7,15 @@ import io
 
 from ddplaunch.output import console as console_mod
 from ddplaunch.output.console import Console
+from ddplaunch.output.who import OutputLine, read_line
 from tests.torchrun_util import wait_for
+
+
+def said(text: str) -> OutputLine:
+    """A host's line, as StageLines reads it: `[host:rank] text` or `[host] text`."""
+    line = read_line(text)
+    assert line is not None
+    return line
 
 
 def _console(verbose: bool = False) -> tuple[Console, io.StringIO, io.StringIO]:
@@ -18,7 +26,7 @@ def _console(verbose: bool = False) -> tuple[Console, io.StringIO, io.StringIO]:
 def _every_rank(con: Console, text: str, hosts: int = 3, per_host: int = 2) -> None:
     for h in reversed(range(hosts)):  # the last host first: the line names them in rank order anyway
         for local in range(per_host):
-            con.line(f"[dle{h}:{h * per_host + local}] {text}", shown=True)
+            con.line(said(f"[dle{h}:{h * per_host + local}] {text}"), shown=True)
 
 
 def test_a_line_every_rank_prints_is_shown_once_with_the_ranks():
@@ -47,12 +55,12 @@ def test_verbose_shows_every_line_as_it_comes():
 
 def test_different_lines_keep_their_order_and_lone_lines_stay_as_printed():
     con, out, _ = _console()
-    con.line("[a:0] step 1", shown=True)
-    con.line("[a:0] config: lr=0.1", shown=True)
-    con.line("[b:1] config: lr=0.1", shown=True)
-    con.line("[b] host line", shown=True)
-    con.line("[c] host line", shown=True)
-    con.line("[a:0] hidden", shown=False)
+    con.line(said("[a:0] step 1"), shown=True)
+    con.line(said("[a:0] config: lr=0.1"), shown=True)
+    con.line(said("[b:1] config: lr=0.1"), shown=True)
+    con.line(said("[b] host line"), shown=True)
+    con.line(said("[c] host line"), shown=True)
+    con.line(said("[a:0] hidden"), shown=False)
     con.note("done")  # ddplaunch's own lines come after what waits
     assert out.getvalue().splitlines() == ["[a:0] step 1", "[x2 ranks: a:0, b:1] config: lr=0.1",
                                            "[x2 hosts: b, c] host line", "[ddplaunch] done"]
@@ -61,8 +69,8 @@ def test_different_lines_keep_their_order_and_lone_lines_stay_as_printed():
 def test_the_same_rank_printing_a_line_again_is_a_new_line():
     con, out, _ = _console()
     for _ in range(3):
-        con.line("[a:0] tick", shown=True)
-    con.line("[a:1] tick", shown=True)
+        con.line(said("[a:0] tick"), shown=True)
+    con.line(said("[a:1] tick"), shown=True)
     con.close()
     assert out.getvalue().splitlines() == ["[a:0] tick", "[a:0] tick", "[x2 ranks: a:0-1] tick"]
 
@@ -70,7 +78,7 @@ def test_the_same_rank_printing_a_line_again_is_a_new_line():
 def test_a_waiting_line_is_shown_after_the_window_without_more_output(monkeypatch):
     monkeypatch.setattr(console_mod, "FOLD_S", 0.2)
     con, out, _ = _console()
-    con.line("[a:0] alone", shown=True)
-    con.line("[a:1] alone", shown=True)
+    con.line(said("[a:0] alone"), shown=True)
+    con.line(said("[a:1] alone"), shown=True)
     assert out.getvalue() == ""  # within the window: waiting for the other ranks
     wait_for(lambda: out.getvalue() == "[x2 ranks: a:0-1] alone\n", timeout=5)

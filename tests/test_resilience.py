@@ -15,6 +15,7 @@ from pathlib import Path
 from ddplaunch.diagnose.oom import killed_ranks
 from ddplaunch.diagnose.stacks import RankStack, stuck_at, summarize_stacks
 from ddplaunch.output.torchrun import VICTIM_RE, mismatch_lines, rank_cause, store_errors
+from ddplaunch.output.who import OutputLine
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
 from tests.timing import no_hang
@@ -66,13 +67,14 @@ def test_a_callbacks_error_is_the_cause_not_its_frame_list():
              "[pair.cc:553] Connection closed by peer [10.213.7.12]:61868. This is typically caused by a "
              "remote worker crashing.",
              "[dlt1:0] [rank0]: [rank0]: At:", *frames, "[dlt1:0] ", "[dlt1:0] after the frames"]
-    cause = rank_cause(lines)
+    said = [OutputLine("dlt1", 0, 0, line[len("[dlt1:0] "):]) for line in lines]
+    cause = rank_cause(said)
     assert cause[0] == "[rank0]: Traceback (most recent call last):"
     assert "Connection closed by peer" in cause[-2] and cause[-1] == "after the frames", cause
     assert VICTIM_RE.search("\n".join(cause))
     assert not any("At:" in line or "mod" in line for line in cause)
     # without the trailer: the same error last
-    assert rank_cause(lines[:-len(frames) - 3])[-1] == cause[-2]
+    assert rank_cause(said[:-len(frames) - 3])[-1] == cause[-2]
 
 
 def test_the_ranks_signal_9_ended_are_found_in_torchruns_failure_report():

@@ -16,6 +16,7 @@ from ddplaunch.output.console import BAR_EVERY_S, Console
 from ddplaunch.output.screen import pieces, screen_text
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import HEARTBEAT
+from ddplaunch.output.who import OutputLine
 
 HOST = "h1"
 #: Anything of ddplaunch's own that must never be seen on the screen.
@@ -42,8 +43,8 @@ def test_a_bar_glued_to_the_heartbeat_shows_its_newest_state_and_no_marker():
 
 def test_a_rank_prefix_inside_a_line_starts_a_line_of_its_own():
     got = pieces(f"[{HOST}:0]  34%|███▍      | 206/600 [00:02<00:01, 210.63it/s][{HOST}:0] {{'loss': '4.707'}}", HOST)
-    assert [p.shown for p in got] == [f"[{HOST}:0]  34%|███▍      | 206/600 [00:02<00:01, 210.63it/s]",
-                                      f"[{HOST}:0] {{'loss': '4.707'}}"]
+    assert [(p.rank, p.shown) for p in got] == [(0, " 34%|███▍      | 206/600 [00:02<00:01, 210.63it/s]"),
+                                                (0, "{'loss': '4.707'}")]
     assert "".join(p.raw for p in got).count("206/600") == 1
 
 
@@ -59,7 +60,8 @@ def test_a_loggers_line_written_after_a_bar_is_a_line_of_its_own_folded_with_the
     assert screen.getvalue().splitlines() == [f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]",
                                               f"[x3 ranks: {HOST}:0, h2:1, h3:2] {warning}"]
     assert log.getvalue().splitlines()[0] == f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]{warning}"
-    assert lines.rank_tail(0) == [f"[{HOST}:0]   0%|          | 0/600 [00:00<?, ?it/s]", f"[{HOST}:0] {warning}"]
+    assert lines.rank_tail(0) == [OutputLine(HOST, 0, 0, "  0%|          | 0/600 [00:00<?, ?it/s]"),
+                                  OutputLine(HOST, 0, 0, warning)]
 
 
 def test_a_bars_own_text_after_its_times_is_not_a_line_of_every_redraw():
@@ -157,13 +159,17 @@ def test_on_a_terminal_each_ranks_bar_is_one_live_line_and_a_full_one_is_printed
     screen, log = io.StringIO(), io.StringIO()
     console = LiveConsole(screen, log, [HOST])
     try:
+        def rank(r: int, text: str) -> OutputLine:
+            return OutputLine(HOST, 0, r, text)
+
         for i in (1, 5, 9):
-            console.bar(f"[{HOST}:0] raw {i}", f"[{HOST}:0] {i * 10}%|█| {i}/10 [00:0{i}<00:00, 1it/s]")
-        console.bar(f"[{HOST}:1] raw", f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]")
-        assert console.live_bars == {(HOST, 0): f"[{HOST}:0] 90%|█| 9/10 [00:09<00:00, 1it/s]",
-                                     (HOST, 1): f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]"}
+            console.bar(rank(0, f"raw {i}"), rank(0, f"{i * 10}%|█| {i}/10 [00:0{i}<00:00, 1it/s]"))
+        console.bar(rank(1, "raw"), rank(1, "30%|█| 3/10 [00:03<00:00, 1it/s]"))
+        assert {key: str(bar) for key, bar in console.live_bars.items()} == {
+            (HOST, 0): f"[{HOST}:0] 90%|█| 9/10 [00:09<00:00, 1it/s]",
+            (HOST, 1): f"[{HOST}:1] 30%|█| 3/10 [00:03<00:00, 1it/s]"}
         for _ in range(2):  # the full bar, then its redraw as it closes
-            console.bar(f"[{HOST}:0] raw 10", f"[{HOST}:0] 100%|█| 10/10 [00:10<00:00, 1it/s]")
+            console.bar(rank(0, "raw 10"), rank(0, "100%|█| 10/10 [00:10<00:00, 1it/s]"))
         assert list(console.live_bars) == [(HOST, 1)]  # the full one left the live lines, printed once
     finally:
         console.close()
@@ -198,9 +204,12 @@ def test_ranks_at_the_same_count_of_the_same_bar_are_one_live_line():
     most LIVE_BARS lines, the newest."""
     from ddplaunch.output.console import LIVE_BARS, fold_bars
 
-    bars = [f"[h{r // 8}:{r}] 45%|████ | 45/100 [00:09<00:11, {5 + r % 3}it/s]" for r in range(64)]
+    bars = [OutputLine(f"h{r // 8}", r // 8, r, f"45%|████ | 45/100 [00:09<00:11, {5 + r % 3}it/s]") for r in range(64)]
     assert fold_bars(bars) == [f"{bars[-1]} (+63 ranks at 45/100)"]
-    ahead, other = "[h9:72] 46%|████ | 46/100 [00:09<00:11, 5it/s]", "[h0:0] eval 3/9 [00:01<00:02, 1it/s]"
-    assert fold_bars([*bars, ahead, other]) == [f"{bars[-1]} (+63 ranks at 45/100)", ahead, other]
-    many = [f"[h{r}:{r}] {r}%|█ | {r}/100 [00:01<00:02, 1it/s]" for r in range(20)]
-    assert fold_bars(many) == many[-LIVE_BARS:]
+    ahead = OutputLine("h9", 9, 72, "46%|████ | 46/100 [00:09<00:11, 5it/s]")
+    other = OutputLine("h0", 0, 0, "eval 3/9 [00:01<00:02, 1it/s]")
+    assert fold_bars([*bars, ahead, other]) == [f"{bars[-1]} (+63 ranks at 45/100)", str(ahead), str(other)]
+    many = [OutputLine(f"h{r}", r, r, f"{r}%|█ | {r}/100 [00:01<00:02, 1it/s]") for r in range(20)]
+    assert fold_bars(many) == [str(bar) for bar in many[-LIVE_BARS:]]
+    nodes = [OutputLine(f"h{n}", n, None, "45%|████ | 45/100 [00:09<00:11, 5it/s]") for n in range(2)]
+    assert fold_bars(nodes) == [str(bar) for bar in nodes]  # the nodes' own bars: not folded as ranks

@@ -387,7 +387,7 @@ def finish_outcome(outcome: NodeOutcome, lines: StageLines, exit_code: Optional[
         outcome.state = OK if exit_code == 0 else FAILED
     if exit_code != 0:
         found = _said_culprit(outcome.node_rank, lines) or culprit(parse_torchrun_failures(outcome.tail),
-                                                                   lines.rank_tail)
+                                                                   lambda rank: [t.body for t in lines.rank_tail(rank)])
         if found:
             outcome.failed_rank, outcome.failed_local_rank, outcome.rank_exit_code = found
             outcome.cause = rank_cause(lines.rank_tail(outcome.failed_rank))
@@ -408,4 +408,4 @@ def _said_culprit(node: int, lines: StageLines) -> Optional[tuple[int, int, Opti
     failed = [(rank, starts[rank].local_rank, exits[rank]) for rank in starts if exits.get(rank, 0) != 0]
     if not failed or not starts.keys() <= exits.keys():
         return None
-    return min(failed, key=lambda f: is_victim(lines.rank_tail(f[0])))
+    return min(failed, key=lambda f: is_victim(line.body for line in lines.rank_tail(f[0])))

@@ -29,7 +29,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ddplaunch.output.who import who_of, without_rank
+from ddplaunch.output.who import OutputLine
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import EventLog, HostState, Shown
 from ddplaunch.record.results import NodeState, Progress
@@ -63,15 +63,14 @@ def hosts_named(labels: Sequence[str], most: int = HOSTS_NAMED) -> str:
 class _Fold:
     """Lines that wait to be shown, each with everyone who printed the same text meanwhile."""
 
-    def __init__(self, first: str, at: float):
+    def __init__(self, first: OutputLine, at: float):
         self.first, self.at = first, at
         self.who: dict[tuple[str, Optional[int]], None] = {}  # in order; a lookup costs O(1)
 
     def text(self) -> str:
         if len(self.who) < 2:
-            return self.first
-        body = who_of(self.first)
-        rest = body.text if body else self.first
+            return str(self.first)
+        rest = self.first.body
         ranks = [r for _, r in self.who if r is not None]
         hosts = sorted(set(h for h, _ in self.who))
         if len(ranks) == len(self.who):
@@ -119,67 +118,72 @@ class Console:
         #: Each rank's full bars shown last (their description and count).
         self._full: dict[tuple[str, Optional[int]], deque[str]] = {}
 
-    def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
+    def line(self, line: OutputLine, shown: bool, screen: Optional[OutputLine] = None) -> None:
         """One line of a host: to the log as it came, and, when `shown`, to the screen as a screen
-        shows it (`screen`, default `text`; see `show`)."""
+        shows it (`screen`, default `line`; see `show`)."""
+        with self._lock:
+            self._logged(str(line))
+            if shown:
+                self.show(screen or line)
+
+    def log(self, text: str) -> None:
+        """A line from ddplaunch to the log only, as it is (not a host's: no prefix)."""
         with self._lock:
             self._logged(text)
-            if shown:
-                self.show(screen or text)
 
-    def show(self, text: str) -> None:
+    def show(self, line: OutputLine) -> None:
         """A line as a screen shows it, not logged (the line it came in was): after `FOLD_S`,
         once for everyone who printed the same text meanwhile; at once with `verbose`."""
         with self._lock:
-            who = who_of(text)
-            if self.verbose or who is None:
-                self._show(text)
+            if self.verbose:
+                self._show(str(line))
                 return
-            key = (who.text, who.rank is not None)
-            by = (who.host, who.rank)
+            key = (line.body, line.rank is not None)
+            by = (line.host, line.rank)
             fold = self._folds.get(key)
             if fold is not None and by in fold.who:  # the same one again: a new line, after the others
                 self.flush()
                 fold = None
             if fold is None:
-                fold = self._folds[key] = _Fold(text, time.monotonic())
+                fold = self._folds[key] = _Fold(line, time.monotonic())
             fold.who[by] = None
             if self._flusher is None:
                 self._flusher = threading.Thread(target=self._flush_when_due, daemon=True)
                 self._flusher.start()
 
-    def bar(self, text: str, screen: str) -> None:
-        """A rank's progress bar redrawn (`screen`: its newest state; "" to log it only): to the
+    def bar(self, line: OutputLine, screen: Optional[OutputLine]) -> None:
+        """A rank's progress bar redrawn (`screen`: its newest state; None to log it only): to the
         log as it came; shown every BAR_EVERY_S seconds at most per rank, and when it is full."""
         with self._lock:
-            found = self._bar_of(text, screen)
-            if found is None:
+            found = self._bar_of(line, screen)
+            if found is None or screen is None:
                 return
             key, at = found
             now, (shown_at, was) = time.monotonic(), self._bars.get(key, (-BAR_EVERY_S, None))
             if at is not None and at == was:
                 return  # the same count again (a bar redrawn as it closes)
-            if now - shown_at >= BAR_EVERY_S or full(screen):
+            if now - shown_at >= BAR_EVERY_S or full(screen.body):
                 self._bars[key] = (now, at)
                 self.flush()
-                self._show(screen)
+                self._show(str(screen))
 
-    def _bar_of(self, text: str, screen: str) -> Optional[tuple[tuple[str, Optional[int]], Optional[str]]]:
+    def _bar_of(self, line: OutputLine,
+                screen: Optional[OutputLine]) -> Optional[tuple[tuple[str, Optional[int]], Optional[str]]]:
         """A bar's line logged as it came; whose it is ((host, rank)) and how far it is, when it is
         to be shown (None: to the log only)."""
-        self._logged(text)
-        who = who_of(screen) if screen else None
-        if who is None:
+        self._logged(str(line))
+        if screen is None:
             return None
-        m = BAR_AT_RE.search(who.text)
+        who = (screen.host, screen.rank)
+        m = BAR_AT_RE.search(screen.body)
         if m is None:
-            return (who.host, who.rank), None
+            return who, None
         if m.group(1) == m.group(2):  # full: shown once, though redrawn as it closes after other bars
-            shown, bar = self._full.setdefault((who.host, who.rank), deque(maxlen=FULL_KEPT)), who.text[:m.end()]
+            shown, bar = self._full.setdefault(who, deque(maxlen=FULL_KEPT)), screen.body[:m.end()]
             if bar in shown:
                 return None
             shown.append(bar)
-        return (who.host, who.rank), f"{m.group(1)}/{m.group(2)}"
+        return who, f"{m.group(1)}/{m.group(2)}"
 
     def progress(self, progress: Progress) -> None:
         """The job's optimizer steps as rank 0 counts them (a terminal shows them live, whatever
@@ -258,13 +262,16 @@ class Console:
 class QuietConsole(Console):
     """Shows and logs nothing: for launches whose lines only matter as data (localization probes)."""
 
-    def line(self, text: str, shown: bool, screen: Optional[str] = None) -> None:
+    def line(self, line: OutputLine, shown: bool, screen: Optional[OutputLine] = None) -> None:
         pass
 
-    def show(self, text: str) -> None:
+    def log(self, text: str) -> None:
         pass
 
-    def bar(self, text: str, screen: str) -> None:
+    def show(self, line: OutputLine) -> None:
+        pass
+
+    def bar(self, line: OutputLine, screen: Optional[OutputLine]) -> None:
         pass
 
 
@@ -277,7 +284,7 @@ class LiveConsole(Console):
         self.states: dict[str, Optional[HostState]] = {h: None for h in hosts}
         #: each rank's newest progress bar, redrawn under the host table (the last LIVE_BARS), and
         #: the job's steps as its rank 0 counts them
-        self.live_bars: dict[tuple[str, Optional[int]], str] = {}
+        self.live_bars: dict[tuple[str, Optional[int]], OutputLine] = {}
         self.steps: Optional[Progress] = None
         self.rich = RichConsole(file=stream, highlight=False, soft_wrap=True)
         self.live = Live(self._table(), console=self.rich, refresh_per_second=4, transient=True)
@@ -288,19 +295,19 @@ class LiveConsole(Console):
             self.states[event.host] = event
             self.live.update(self._live())
 
-    def bar(self, text: str, screen: str) -> None:
+    def bar(self, line: OutputLine, screen: Optional[OutputLine]) -> None:
         """A rank's progress bar: one live line, redrawn in place; printed once when full."""
         with self._lock:
-            found = self._bar_of(text, screen)
-            if found is None:
+            found = self._bar_of(line, screen)
+            if found is None or screen is None:
                 return
             key, at = found
             self.live_bars.pop(key, None)
-            if full(screen):
+            if full(screen.body):
                 if self._bars.get(key, (0.0, None))[1] != at:  # once: not again as it closes
                     self._bars[key] = (time.monotonic(), at)
                     self.flush()
-                    self._show(screen)
+                    self._show(str(screen))
             else:
                 self.live_bars[key] = screen
                 while len(self.live_bars) > KEPT_BARS:
@@ -347,21 +354,23 @@ def steps_line(progress: Progress) -> str:
     return f"job: step {progress.last_step:,}{rate}"
 
 
-def fold_bars(bars: Iterable[str]) -> list[str]:
+def fold_bars(bars: Iterable[OutputLine]) -> list[str]:
     """The newest LIVE_BARS lines of `bars` (each a rank's, oldest first), the ranks at the same
     count of the same bar (its description, its count) as one: the newest of them, and how many
-    more are there — `[h2:5] 45%|████ | 45/100 [00:09<00:11, 5it/s] (+7 ranks at 45/100)`."""
-    groups: dict[str, list[str]] = {}
+    more are there — `[h2:5] 45%|████ | 45/100 [00:09<00:11, 5it/s] (+7 ranks at 45/100)`. A
+    node's own bar (no rank) is a line of its own."""
+    groups: dict[str, list[OutputLine]] = {}
     newest: dict[str, int] = {}
     for i, bar in enumerate(bars):
-        key = bar_identity(without_rank(bar)) or bar
+        key = (bar_identity(bar.body) if bar.rank is not None else None) or str(bar)
         groups.setdefault(key, []).append(bar)
         newest[key] = i
     lines = []
     for key in sorted(groups, key=newest.__getitem__)[-LIVE_BARS:]:
         same = groups[key]
         more = len(same) - 1
-        lines.append(same[-1] + (f" (+{more} rank{'s' if more > 1 else ''} at {bar_at(same[-1])})" if more else ""))
+        lines.append(str(same[-1]) + (f" (+{more} rank{'s' if more > 1 else ''} at {bar_at(same[-1].body)})"
+                                      if more else ""))
     return lines
 
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
+
+from ddplaunch.output.who import prefix_at, rank_starts
 
 #: A progress bar's redraw by its shape, for redraws that arrive as lines of their own (torchrun
 #: reads a rank's output with universal newlines: its `\r` ends a line): tqdm's (Hugging Face's
@@ -39,10 +42,12 @@ CONTROL_RE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank's part of a node's line: as it came (for the log), what a screen shows of it
-    ("" when nothing), whether it was a redraw (`\\r`: a progress bar), and the line a screen shows
-    of what was written after a whole bar ("" when nothing)."""
+    """One part of a node's line: the rank whose `[host:rank] ` began it (None: the node's own
+    text), the rest as it came (for the log), what a screen shows of it ("" when nothing), whether
+    it was a redraw (`\\r`: a progress bar), and the line a screen shows of what was written
+    after a whole bar ("" when nothing). A node's own text keeps a `[host] ` it started with."""
 
+    rank: Optional[int]
     raw: str
     shown: str
     bar: bool
@@ -52,28 +57,14 @@ class Piece:
 def pieces(line: str, host: str) -> list[Piece]:
     """`line` (one line a node printed, without its newline) cut before every `[host:rank] ` that
     begins inside it (torchrun's prefix of this node's ranks), each piece with its screen text.
-    String search, no pattern per host: a thousand hosts' patterns would not stay compiled."""
-    starts, at = [0], line.find(f"[{host}:", 1)
-    while at > 0:
-        if prefix_of(line[at:], host):
-            starts.append(at)
-        at = line.find(f"[{host}:", at + 1)
-    bounds = [*starts, len(line)]
+    The prefixes are found and read by output/who.py."""
+    bounds = [0, *rank_starts(line, host), len(line)]
     return [_piece(line[a:b], host) for a, b in zip(bounds, bounds[1:]) if line[a:b]]
 
 
-def prefix_of(text: str, host: str) -> str:
-    """The `[host:rank] ` or `[host] ` that `text` starts with ("" when none)."""
-    if not text.startswith(f"[{host}"):
-        return ""
-    end = text.find("] ", len(host) + 1)
-    middle = text[len(host) + 1:end] if end > 0 else "x"
-    return text[:end + 2] if middle == "" or middle[:1] == ":" and middle[1:].isdigit() else ""
-
-
 def _piece(raw: str, host: str) -> Piece:
-    head = prefix_of(raw, host)
-    body = raw[len(head):]
+    rank, length = prefix_at(raw, host) or (None, 0)
+    head, body = "" if rank is not None else raw[:length], raw[length:]
     segments = [screen_text(s) for s in body.split("\r")]
     last = next((s for s in reversed(segments) if s.strip()), "")
     bar = WHOLE_BAR_RE.match(last)
@@ -82,8 +73,8 @@ def _piece(raw: str, host: str) -> Piece:
         last = last[:bar.end()]
     last = TORCH_LOG_RE.sub(r"[\1 \2] ", last)
     after = TORCH_LOG_RE.sub(r"[\1 \2] ", after)
-    return Piece(raw, head + last if last else "", "\r" in body or BAR_RE.search(last) is not None,
-                 head + after if after else "")
+    return Piece(rank, body if rank is not None else raw, head + last if last else "",
+                 "\r" in body or BAR_RE.search(last) is not None, head + after if after else "")
 
 
 def screen_text(text: str) -> str:

@@ -23,9 +23,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 from ddplaunch.hostside.payloads import (Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
                                          RankStart, StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
-from ddplaunch.output.screen import Piece, pieces, prefix_of
+from ddplaunch.output.screen import Piece, pieces
 from ddplaunch.output.torchrun import FINDING_RE, HEARTBEAT, MAX_FINDINGS, NOISE_RE, PAYLOAD_RE, RESUMED_RE, STEP_RE
-from ddplaunch.output.who import rank_of
+from ddplaunch.output.who import OutputLine, prefix_at
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.diagnosis import HealthVerdict
 from ddplaunch.record.results import NodeState, Progress, StageResult
@@ -56,8 +56,8 @@ class StageLines:
         #: Secret values to mask in every line, longest first (one inside another is masked whole).
         self._secrets = sorted({s for s in secrets if len(s) >= MASKED_MIN}, key=len, reverse=True)
         self._lock = threading.Lock()
-        self._tails: dict[int, deque[str]] = {}
-        self._rank_tails: dict[int, deque[str]] = {}
+        self._tails: dict[int, deque[OutputLine]] = {}
+        self._rank_tails: dict[int, deque[OutputLine]] = {}
         self._muted: set[int] = set()
         #: Per (node, rank): the shape (digits as #) of the text last seen after a whole bar. The
         #: same shape again is the bar's own (a `bar_format` with text after its times): not apart.
@@ -66,7 +66,8 @@ class StageLines:
         self._agent_failing: set[int] = set()
         #: the ranks' payloads the result keeps, each with the node that printed it
         self._payloads: dict[str, list[tuple[int, Any]]] = {}
-        self.findings: list[str] = []
+        #: Lines worth repeating however far they scrolled (FINDING_RE), as a screen shows them.
+        self.findings: list[OutputLine] = []
         #: When the last line from any node arrived (the hang watchdog's clock), and from any rank;
         #: when each node was last heard from: all on the monotonic clock (durations, not dates).
         self.last_line_at = time.monotonic()
@@ -83,10 +84,12 @@ class StageLines:
     # ------------------------------------------------------------------ from the backends
 
     def emit(self, node_rank: int, host: str, line: str) -> None:
-        """One line a node printed (torchrun prefixes worker lines `[host:rank] `; others get
-        `[host] `). ddplaunch's own words in it — the shell's heartbeat, a rank's payload — are
-        taken out wherever they stand (after a rank's partial line, a progress bar, they stand
-        inside one) and never shown; what the ranks printed around them is (output/screen.py)."""
+        """One line a node printed, read here, once, into typed lines (output/who.py's
+        `OutputLine`: host, node, rank, body) by torchrun's `[host:rank] ` prefix of a worker's
+        lines; the node's own lines (no rank) are shown and logged `[host] `. ddplaunch's own words
+        in it — the shell's heartbeat, a rank's payload — are taken out wherever they stand (after
+        a rank's partial line, a progress bar, they stand inside one) and never shown; what the
+        ranks printed around them is (output/screen.py)."""
         line = line.rstrip("\r\n")
         mono = time.monotonic()
         if HEARTBEAT in line:  # only says the host lives: not output, not the hang watchdog's
@@ -100,19 +103,19 @@ class StageLines:
         marker = PAYLOAD_RE.search(line)
         if marker is not None:
             before = line[:marker.start()]
-            head = prefix_of(before, host)
-            self._payload(node_rank, f"{head or f'[{host}] '}{line[marker.start():]}", marker.group(1),
-                          marker.group(2), host, mono)
+            rank, head = prefix_at(before, host) or (None, 0)
+            self._payload(node_rank, OutputLine(host, node_rank, rank, line[marker.start():]), marker.group(1),
+                          marker.group(2), mono)
             line = before  # what the rank printed before it, without a newline
-            if not line[len(head):].strip():
+            if not line[head:].strip():
                 return
-        for piece in pieces(line, host) or [Piece(line, "", False)]:  # an empty line: logged, not shown
+        for piece in pieces(line, host) or [Piece(None, line, "", False)]:  # an empty line: logged, not shown
             self._text(node_rank, host, piece, mono)
 
-    def _payload(self, node_rank: int, line: str, kind: str, text: str, host: str, mono: float) -> None:
+    def _payload(self, node_rank: int, line: OutputLine, kind: str, text: str, mono: float) -> None:
         """A payload line: a report goes to `on_report`; the others are kept and logged, never shown."""
         if kind in REPORTS:
-            self._report(node_rank, host, kind, text, mono)
+            self._report(node_rank, line.host, kind, text, mono)
             if kind == Held.KIND:  # the others come every few seconds from every host: not logged
                 self.console.line(line, False)
             return
@@ -129,32 +132,30 @@ class StageLines:
         """A piece of what a node printed: logged as it came, shown as a screen shows it (nothing
         of padding or an empty line; a progress bar's newest redraw, and apart from it what was
         written after it)."""
-        raw, screen, after = piece.raw, piece.shown, piece.after
-        if not raw.startswith(f"[{host}:"):
-            raw, screen = f"[{host}] {raw}", f"[{host}] {screen}" if screen else ""
-            after = f"[{host}] {after}" if after else ""
+        raw = OutputLine(host, node_rank, piece.rank, piece.raw)
+        screen = raw.with_body(piece.shown) if piece.shown else None
+        after = raw.with_body(piece.after) if piece.after else None
         started = False
         with self._lock:
             self.last_line_at = self.heard_at[node_rank] = mono
-            if FINDING_RE.search(raw) and len(self.findings) < MAX_FINDINGS:
+            if FINDING_RE.search(raw.body) and len(self.findings) < MAX_FINDINGS:
                 self.findings.append(screen or raw)
-            seen = [text for text in (screen, after) if text]
+            seen = [line for line in (screen, after) if line is not None]
             self._tails.setdefault(node_rank, deque(maxlen=TAIL_LINES)).extend(seen)
-            ranked = rank_of(raw)
-            if ranked is not None:
+            if raw.rank is not None:
                 self.last_rank_line_at = mono
-                self._rank_tails.setdefault(ranked[1], deque(maxlen=TAIL_LINES)).extend(seen)
-                self._progress(screen or raw, time.time())
-            shown = bool(screen) and self._shown(node_rank, screen)
-            apart = bool(after) and self._apart((node_rank, ranked[1] if ranked else -1), after)
-            after_shown = apart and self._shown(node_rank, after)
+                self._rank_tails.setdefault(raw.rank, deque(maxlen=TAIL_LINES)).extend(seen)
+                self._progress((screen or raw).body, time.time())
+            shown = screen is not None and self._shown(node_rank, screen)
+            apart = after is not None and self._apart((node_rank, -1 if raw.rank is None else raw.rank), after.body)
+            shown_after = after if after is not None and apart and self._shown(node_rank, after) else None
             started = self._start_known()
         if piece.bar:
-            self.console.bar(raw, screen if shown else "")
+            self.console.bar(raw, screen if shown else None)
         else:
             self.console.line(raw, shown, screen)
-        if after_shown:
-            self.console.show(after)
+        if shown_after is not None:
+            self.console.show(shown_after)
         self._started(started)
 
     def _apart(self, who: tuple[int, int], after: str) -> bool:
@@ -248,7 +249,7 @@ class StageLines:
 
     def log_note(self, text: str) -> None:
         """A line from ddplaunch to the run's log only (`ddplaunch logs`), not the screen."""
-        self.console.line(f"[ddplaunch] {text}", shown=False)
+        self.console.log(f"[ddplaunch] {text}")
 
     def state(self, host: str, state: NodeState, exit_code: Optional[int] = None) -> None:
         """A host's state in this launch, for the live table and the event log."""
@@ -260,29 +261,31 @@ class StageLines:
         with self._lock:
             self._muted |= node_ranks
 
-    def _shown(self, node_rank: int, line: str) -> bool:
+    def _shown(self, node_rank: int, line: OutputLine) -> bool:
         if self.console.verbose:
             return True
         if node_rank in self._muted:
             return False
-        if rank_of(line) is None:  # torchrun's own lines (the agent): its failure report stays in the log
+        text = line.body
+        if line.rank is None:  # torchrun's own lines (the agent): its failure report stays in the log
             if node_rank in self._agent_failing:
                 return False
-            if "Traceback (most recent call last)" in line or "ChildFailedError" in line:
+            if "Traceback (most recent call last)" in text or "ChildFailedError" in text:
                 self._agent_failing.add(node_rank)
                 return False
-        if NOISE_RE.search(line):
-            return "OMP_NUM_THREADS" in line and self.console.first_time("omp-banner")
+        if NOISE_RE.search(text):
+            return "OMP_NUM_THREADS" in text and self.console.first_time("omp-banner")
         return True
 
     # ------------------------------------------------------------------ for the result
 
     def tail(self, node_rank: int) -> list[str]:
+        """The node's last lines, as a screen shows them (for its outcome: the report prints them)."""
         with self._lock:
-            return list(self._tails.get(node_rank, ()))
+            return [str(line) for line in self._tails.get(node_rank, ())]
 
-    def rank_tail(self, rank: int) -> list[str]:
-        """The last lines of one global rank (its own output, from torchrun's `[host:rank]` prefix)."""
+    def rank_tail(self, rank: int) -> list[OutputLine]:
+        """The last lines of one global rank (its own output, by torchrun's `[host:rank]` prefix)."""
         with self._lock:
             return list(self._rank_tails.get(rank, ()))
 
@@ -301,7 +304,7 @@ class StageLines:
         result.rank_exits = [p for _, p in self.payloads(RankExit.KIND)]
         result.rank_starts = [p for _, p in self.payloads(RankStart.KIND)]
         result.rank_failures = [p for _, p in self.payloads(RankFailed.KIND)]
-        result.findings = list(self.findings)
+        result.findings = [str(line) for line in self.findings]
         result.progress = self.progress
         for node, start in self.payloads(RankStart.KIND):
             if 0 <= node < len(result.outcomes):

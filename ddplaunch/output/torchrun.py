@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import signal
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
-from ddplaunch.output.who import rank_of, who_of, without_rank
+from ddplaunch.output.who import OutputLine, read_line
 
 PAYLOAD_RE = re.compile(r"\bDDPLAUNCH_([A-Z]+)_JSON (\{.*\})\s*$")
 _RANK_RE = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -58,21 +58,21 @@ def parse_torchrun_failures(lines: list[str]) -> list[tuple[int, int, Optional[i
 
 
 def culprit(failures: list[tuple[int, int, Optional[int]]],
-            own_lines: Callable[[int], list[str]]) -> Optional[tuple[int, int, Optional[int]]]:
+            own_words: Callable[[int], Iterable[str]]) -> Optional[tuple[int, int, Optional[int]]]:
     """The failed rank that failed first in fact: torchrun's root cause has one-second resolution
     and often names a rank that only saw its peer die; prefer a rank whose own last lines do not
-    say so (`own_lines(rank)` gives them), nor was ended by torchrun itself (it SIGTERMs a
+    say so (`own_words(rank)` gives their text), nor was ended by torchrun itself (it SIGTERMs a
     node's other workers once one failed; such a rank has nothing to say)."""
     for entry in failures:
         stopped = entry[2] == -signal.SIGTERM and len(failures) > 1
-        if not stopped and not is_victim(own_lines(entry[0])):
+        if not stopped and not is_victim(own_words(entry[0])):
             return entry
     return failures[0] if failures else None
 
 
-def is_victim(lines: list[str]) -> bool:
-    """Whether a rank's own last lines say it failed only because another rank died first."""
-    return any(VICTIM_RE.search(line) for line in lines)
+def is_victim(texts: Iterable[str]) -> bool:
+    """Whether a rank's own last lines (their text) say it failed only because another rank died first."""
+    return any(VICTIM_RE.search(text) for text in texts)
 
 
 #: torch's trailer of an error raised in a Future's callback (a DDP comm hook's, ours included):
@@ -83,10 +83,10 @@ _AT_RE = re.compile(r"^(\[rank\d+\]: )*At:\s*$")
 _AT_FRAME_RE = re.compile(r"^(\[rank\d+\]: )*(\s+\S.*\(\d+\): \S.*)?\s*$")
 
 
-def rank_cause(lines: list[str], keep: int = 12) -> list[str]:
-    """A rank's own account of its failure: its last traceback (prefix stripped), else its last
-    lines; never the frame list a callback's error ends with (the error is above it)."""
-    text = [without_rank(line) for line in lines]
+def rank_cause(lines: Sequence[OutputLine], keep: int = 12) -> list[str]:
+    """A rank's own account of its failure (the text of its lines): its last traceback, else its
+    last lines; never the frame list a callback's error ends with (the error is above it)."""
+    text = [line.body for line in lines]
     at = max((i for i, line in enumerate(text) if _AT_RE.match(line)), default=None)
     if at is not None:
         end = next((j for j in range(at + 1, len(text)) if not _AT_FRAME_RE.match(text[j])), len(text))
@@ -101,45 +101,60 @@ def rank_cause(lines: list[str], keep: int = 12) -> list[str]:
 
 
 _FP_RE = re.compile(r"Rank (\d+) is running collective: CollectiveFingerPrint\((.*?)(?=, but Rank|\.Collectives|$)")
+_STORE_RE = re.compile(r"(torch\.distributed\.)?(DistStoreError|DistNetworkError): (.*)")
 _FIELD_RE = re.compile(r"(OpType)=([A-Z_]+)|(TensorShape)=(\[[^\]]*\])|(TensorDtypes)=(\w+)")
 
 
-def mismatch_lines(findings: list[str]) -> list[str]:
+def finding_lines(findings: Sequence[OutputLine]) -> list[str]:
+    """The findings (FINDING_RE's lines) as the summary repeats them: PyTorch's collective
+    mismatches, then rendezvous/store timeouts, one short line each."""
+    return _mismatches(findings) + _store_errors(findings)
+
+
+def mismatch_lines(findings: Sequence[str]) -> list[str]:
+    """`finding_lines`' mismatches, from findings as a screen showed them (a stage result's).
+    Transitional: goes once run/loop.py hands `finding_lines` its StageLines' typed findings."""
+    return _mismatches([line for line in map(read_line, findings) if line is not None])
+
+
+def store_errors(findings: Sequence[str]) -> list[str]:
+    """`finding_lines`' store errors, from findings as a screen showed them (a stage result's).
+    Transitional: goes once run/loop.py hands `finding_lines` its StageLines' typed findings."""
+    return _store_errors([line for line in map(read_line, findings) if line is not None])
+
+
+def _mismatches(findings: Sequence[OutputLine]) -> list[str]:
     """PyTorch's collective mismatch errors, one short line per reporting rank, with its host:
     `dlt1 rank 0: collective mismatch: rank 0 ALLREDUCE [8] Double vs rank 1 ALLREDUCE [4] Float`."""
     out = []
     for line in findings:
-        if "Detected mismatch between collectives" not in line:
+        if "Detected mismatch between collectives" not in line.body:
             continue
-        prefix = rank_of(line)
-        who = f"{prefix[0]} rank {prefix[1]}" if prefix else "?"
+        who = f"{line.host} rank {line.rank}" if line.rank is not None else "?"
         sides = []
-        for rank, fp in _FP_RE.findall(line):
+        for rank, fp in _FP_RE.findall(line.body):
             fields = {}
             for m in _FIELD_RE.finditer(fp):
                 key = next(g for g in m.groups()[0::2] if g)
                 fields[key] = next(g for g in m.groups()[1::2] if g)
             sides.append(" ".join(x for x in (f"rank {rank}", fields.get("OpType"), fields.get("TensorShape"),
                                                fields.get("TensorDtypes")) if x))
-        detail = " vs ".join(sides) if sides else line.split("Detected mismatch", 1)[1][:200]
+        detail = " vs ".join(sides) if sides else line.body.split("Detected mismatch", 1)[1][:200]
         text = f"{who}: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): {detail}"
         if text not in out:
             out.append(text)
     return out
 
 
-def store_errors(findings: list[str]) -> list[str]:
+def _store_errors(findings: Sequence[OutputLine]) -> list[str]:
     """Rendezvous/store timeouts (a host that never joined), one per host and message."""
     out = []
     for line in findings:
-        m = re.search(r"(torch\.distributed\.)?(DistStoreError|DistNetworkError): (.*)", line)
-        who = who_of(line)
-        if m and who is not None and who.rank is None:
-            text = f"{who.host}: {m.group(2)}: {m.group(3).strip()}"
-        elif m and who is not None:
-            text = f"{who.host} rank {who.rank}: {m.group(2)}: {m.group(3).strip()}"
-        else:
+        m = _STORE_RE.search(line.body)
+        if m is None:
             continue
+        who = line.host if line.rank is None else f"{line.host} rank {line.rank}"
+        text = f"{who}: {m.group(2)}: {m.group(3).strip()}"
         if text not in out:
             out.append(text)
     return out
