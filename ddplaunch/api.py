@@ -5,7 +5,7 @@
     report.exit_code, report.run_id, report.stages[-1].outcomes, report.healthcheck
 
     run = ddplaunch.submit("cluster.yaml")   # a supervisor takes the run; this process may end
-    run.run_id, run.state, run.events(), run.wait(), run.stop()
+    run.run_id, run.state, run.events(), run.wait(), run.stop()   # run.state: a RunState
 
 The same runs as the command line: the spec is read and checked as `ddplaunch validate` does,
 every line goes to `stream` (default: this process's stdout), and the run is recorded under
@@ -24,9 +24,9 @@ from typing import IO, Any, Mapping, Optional, Sequence, Union
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import Event, RunEnded
+from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, OnHost, check_run_id, load_run, new_run_id
 from ddplaunch.record.view import RunView
-from ddplaunch.report.status import shown_state
 from ddplaunch.run import launch
 from ddplaunch.spec.load import load_spec as _load_file, load_spec_data
 from ddplaunch.spec.model import ClusterSpec
@@ -84,14 +84,19 @@ class Run:
         self.run_id = check_run_id(run_id)
 
     @property
-    def state(self) -> str:
-        """running, then ok, failed or interrupted (or the supervisor's death said); `submitted`
-        while a scheduler has not started the run's job."""
+    def state(self) -> RunState:
+        """Where the run stands, as a value (ddplaunch/record/results.py): SUBMITTED while a
+        scheduler has not started the run's job, RUNNING, then how it ended (OK, FAILED,
+        INTERRUPTED; CANCELLED or UNKNOWN when its scheduler said it); UNKNOWN as well when its
+        supervisor died without ending it (`ddplaunch status RUN_ID` says so in words)."""
         record = load_run(self.run_id)
         if isinstance(record.placement, OnHost):
-            return shown_state(RunView.of(run_events(record)), None)
+            return RunView.of(run_events(record)).state
         commands.settle(record)
-        return shown_state(commands.view_of(record), commands.supervisor_alive(record))
+        view = commands.view_of(record)
+        if view.ended is None and view.started is not None and commands.supervisor_alive(record) is False:
+            return RunState.UNKNOWN
+        return view.state
 
     def events(self) -> list[Event]:
         """Every event logged so far (ddplaunch/record/events.py: typed, oldest first)."""

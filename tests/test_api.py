@@ -4,6 +4,7 @@ A real run through the API is in test_habits.py (from a plain Python process).""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -12,7 +13,12 @@ import pytest
 import ddplaunch
 from ddplaunch.errors import PlanError, SpecError
 from ddplaunch.plan.stages import UpOptions
+from ddplaunch.record.events import Event, EventLog, RunEnded, RunStarted
+from ddplaunch.record.results import RunState
+from ddplaunch.record.runs import Local, RunRecord, load_run
+from ddplaunch.report.status import shown_state
 from ddplaunch.run.launch import dry_run
+from ddplaunch.supervise.commands import supervisor_alive, view_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +47,33 @@ def test_dry_run_reports_exactly_what_the_cli_prints():
 def test_unknown_option_is_a_plan_error():
     with pytest.raises(PlanError, match="unknown option skip_health; the options are"):
         ddplaunch.check(ROOT / "cluster.yaml", dry_run=True, skip_health=True)
+
+
+def _recorded(run_id: str, placement: Local, *events: Event) -> None:
+    """A run recorded on this machine (its supervisor `placement`) whose log holds `events`."""
+    record = RunRecord.planned(run_id, "cluster.yaml", ddplaunch.load_spec(ROOT / "cluster.yaml"), placement)
+    record.save()
+    log = EventLog(record.dir)
+    for event in events:
+        log.append(event)
+    log.close()
+
+
+def test_a_runs_state_is_a_value_the_status_line_renders(tmp_path, monkeypatch):
+    """`Run.state` is a RunState, never the words `ddplaunch status` prints; a supervisor that died
+    without ending its run is UNKNOWN, the words say why."""
+    monkeypatch.setenv("DDPLAUNCH_HOME", str(tmp_path))
+    here = Local.this_process()
+    gone = Local(here.pid, -1, here.host)  # this pid, another start: not the supervisor any more
+    started = RunStarted("r-ok", "local", ["localhost"], here.pid, here.host)
+    _recorded("r-ok", here, started, RunEnded(RunState.OK, 0))
+    _recorded("r-running", here, dataclasses.replace(started, run_id="r-running"))
+    _recorded("r-dead", gone, dataclasses.replace(started, run_id="r-dead"))
+    _recorded("r-handed", here)
+    states = {run_id: ddplaunch.Run(run_id).state for run_id in ("r-ok", "r-running", "r-dead", "r-handed")}
+    assert states == {"r-ok": RunState.OK, "r-running": RunState.RUNNING, "r-dead": RunState.UNKNOWN,
+                      "r-handed": RunState.SUBMITTED}
+    assert all(type(state) is RunState for state in states.values())
+    dead = load_run("r-dead")
+    assert shown_state(view_of(dead), supervisor_alive(dead)) == \
+        f"supervisor died without ending the run (pid {here.pid} gone)"
