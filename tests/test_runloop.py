@@ -20,7 +20,10 @@ from ddplaunch.run.launch import run_here
 from ddplaunch.spec.load import load_spec
 from ddplaunch.backends.contract import Admitted
 from ddplaunch.record.diagnosis import Gate
-from ddplaunch.record.events import HostsExcluded, read_events
+from ddplaunch.output.console import Console
+from ddplaunch.record.events import EventLog, HostsExcluded, read_events
+from ddplaunch.record.view import RunView
+from ddplaunch.run.session import RunSession
 from ddplaunch.record.hosthealth import health_file, recorded, remember
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 from tests.ssh_util import run_view
@@ -39,6 +42,12 @@ def run(tmp_path, script: FakeScript, opts: UpOptions | None = None, **sections)
         t0 = time.monotonic()
         report = run_here(spec, "fake.yaml", opts or UpOptions(), stream=out)
         return report, out.getvalue(), time.monotonic() - t0
+
+
+def _session(tmp_path, spec, backend, stop) -> RunSession:
+    """A run's context around `backend`, for a part of the loop tested alone."""
+    return RunSession(spec, backend, UpOptions(), Console(io.StringIO()), stop, "t-1", tmp_path, EventLog(tmp_path),
+                      RunView())
 
 
 def bad_pair_verdict(host: str) -> dict:
@@ -754,7 +763,7 @@ def test_a_hang_names_the_ranks_the_agents_saw_frozen_when_no_stack_dump_answers
     said = {labels[3]: HostFrozen({"6": ["T", 4242]}, of=2),
             labels[1]: HostFrozen({"2": ["T", 11], "3": ["D", 12]}, of=2)}
     lines, stop = StageLines(Console(io.StringIO())), StopEvent()
-    watchdog = HangWatchdog(Silent(), spec, plan, lines, stop, tmp_path / "stacks", timeout=0.2, poll=0.05,
+    watchdog = HangWatchdog(_session(tmp_path, spec, Silent(), stop), spec, plan, lines, timeout=0.2, poll=0.05,
                             frozen=lambda: said)
     with watchdog:
         lines.emit(0, labels[0], f"[{labels[0]}:0] started")  # a rank spoke: the hang timeout alone counts
@@ -783,7 +792,7 @@ def test_a_host_whose_every_rank_its_agent_saw_frozen_is_not_waited_for_until_th
     said: dict = {labels[2]: HostFrozen({"4": ["T", 7]}, of=2)}  # one of its two ranks: not pinned yet
     monkeypatch.setattr(hangwatch, "EVIDENT_S", 0.3)
     lines, stop = StageLines(Console(io.StringIO())), StopEvent()
-    with hangwatch.HangWatchdog(Silent(), spec, plan, lines, stop, tmp_path / "stacks", timeout=600, poll=0.05,
+    with hangwatch.HangWatchdog(_session(tmp_path, spec, Silent(), stop), spec, plan, lines, timeout=600, poll=0.05,
                                 frozen=lambda: dict(said)) as watchdog:
         lines.emit(0, labels[0], f"[{labels[0]}:0] started")
         assert not stop.wait(timeout=1.0)  # silent, but no host pinned: the hang timeout (600 s) holds

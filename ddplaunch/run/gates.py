@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from ddplaunch.backends.contract import Admitted, HostResult, Launcher, StopEvent
+from ddplaunch.backends.contract import Admitted, HostResult
 from ddplaunch.diagnose.localize import Localization, localize
 from ddplaunch.diagnose.preflight import (PROBE_SLACK, PreflightReport, evaluate, host_facts, listen_seconds,
                                           probe_command, render_table, run_preflight)
@@ -21,7 +21,9 @@ from ddplaunch.plan.hostprogram import parse_answer
 from ddplaunch.output.console import Console, hosts_named
 from ddplaunch.plan.stages import exclude_hosts
 from ddplaunch.record.diagnosis import Gate
+from ddplaunch.report.evidence import LOCALIZE_PAGE
 from ddplaunch.record.results import StageResult
+from ddplaunch.run.session import RunSession
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 
@@ -37,16 +39,14 @@ class Decision:
     spares: list[HostSpec] = field(default_factory=list)
 
 
-def preflight_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: Optional[int],
-                   console: Console, spares: Optional[list[HostSpec]] = None, emulated: bool = False,
+def preflight_gate(session: RunSession, spec: ClusterSpec, port: Optional[int], spares: list[HostSpec],
                    reached: Optional[list[HostResult]] = None) -> tuple[Decision, PreflightReport]:
-    """Run the pre-flight checks on the hosts and the spares at once: the decision (a spare that
-    fails is named and rejected; the run goes on) and the report. `reached`: the hosts'
+    """Run the pre-flight checks on `spec`'s hosts and the spares at once: the decision (a spare
+    that fails is named and rejected; the run goes on) and the report. `reached`: the hosts'
     connections, where the caller tried them already."""
-    spares = list(spares or [])
     probed = spec.model_copy(update={"hosts": [*spec.hosts, *spares]}) if spares else spec
-    report = run_preflight(probed, backend, run_id, port, emulated, reached)
-    return judge_preflight(spec, report, spares, console), report
+    report = run_preflight(probed, session.backend, session.run_id, port, session.emulated, reached)
+    return judge_preflight(spec, report, spares, session.console), report
 
 
 def judge_preflight(spec: ClusterSpec, report: PreflightReport, spares: list[HostSpec],
@@ -76,11 +76,11 @@ class InStagePreflight:
     `outcome` is the spec to go on with (hosts excluded) or None (stop), as `preflight_gate` says.
     Called from the backend's thread; `verdict(report, the stage starts)` runs there too."""
 
-    def __init__(self, spec: ClusterSpec, parallel: int, run_id: str, port: int, console: Console,
-                 emulated: bool, verdict: Callable[[PreflightReport, Decision], None]):
-        self.spec, self.run_id, self.port, self.console = spec, run_id, port, console
-        self.parallel, self.emulated, self.verdict = parallel, emulated, verdict
-        self.timeout = listen_seconds(spec, parallel) + PROBE_SLACK
+    def __init__(self, session: RunSession, spec: ClusterSpec, port: int,
+                 verdict: Callable[[PreflightReport, Decision], None]):
+        self.spec, self.run_id, self.port, self.console = spec, session.run_id, port, session.console
+        self.parallel, self.emulated, self.verdict = session.backend.max_parallel, session.emulated, verdict
+        self.timeout = listen_seconds(spec, self.parallel) + PROBE_SLACK
         self._nonces: dict[str, str] = {}
         self._sent = time.time()
         self.outcome = Decision(Gate.PREFLIGHT, spec)
@@ -108,10 +108,10 @@ class InStagePreflight:
         return self.outcome.spec is not None and not self.outcome.excluded
 
 
-def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, result: StageResult,
-                     stop: StopEvent, console: Console, chart: str) -> tuple[Decision, Optional[Localization]]:
-    """After a health check: its decision (the spec unchanged, without the bad hosts, or None)
-    and the localization, if one ran (`chart`: where its page will be, for people).
+def healthcheck_gate(session: RunSession, spec: ClusterSpec, result: StageResult
+                     ) -> tuple[Decision, Optional[Localization]]:
+    """After a health check on `spec`'s hosts: its decision (the spec unchanged, without the bad
+    hosts, or None) and the localization, if one ran.
 
     The pair gate runs inside the health check's own processes (its verdict is in the result's
     `healthcheck`); only a health check that failed without naming hosts is localized by launches
@@ -120,17 +120,18 @@ def healthcheck_gate(spec: ClusterSpec, backend: Launcher[Any], run_id: str, res
     pairs = result.healthcheck.pairs if result.healthcheck is not None else None
     if pairs is not None and (pairs.pairs or pairs.bad_hosts):
         loc = pairs
-    elif result.ok or result.interrupted or stop.is_set() or len(spec.hosts) < 2:
+    elif result.ok or result.interrupted or session.stop.is_set() or len(spec.hosts) < 2:
         return Decision(Gate.HEALTHCHECK, spec if result.ok else None), None
     else:
-        console.note("localizing: each host alone, then host pairs, then suspects with known-good hosts")
-        loc = localize(spec, backend, run_id, stop)
+        session.console.note("localizing: each host alone, then host pairs, then suspects with known-good hosts")
+        loc = localize(spec, session.backend, session.run_id, session.stop)
+    console = session.console
     console.block(loc.summary())
     if not loc.bad_hosts:
         if not result.ok:
             console.note("no single host explains the failure: stopping")
         return Decision(Gate.HEALTHCHECK, spec if result.ok else None), loc
-    console.note(f"localization chart: {chart}")
+    console.note(f"localization chart: {session.run_dir / LOCALIZE_PAGE}")
     return _exclude_or_stop(spec, loc.bad_hosts, Gate.HEALTHCHECK, console), loc
 
 

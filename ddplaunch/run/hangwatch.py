@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.diagnose.links import broken_links
 from ddplaunch.diagnose.stacks import (DUMP_TIMEOUT, collect_stacks, frozen_by_agents, frozen_hosts, save_stacks,
                                        summarize_stacks)
@@ -29,6 +27,7 @@ from ddplaunch.hostside.procs import STOPPED
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.spec.model import ClusterSpec, HostSpec
+from ddplaunch.run.session import RunSession
 
 
 #: Seconds without a line from any rank after which a host whose every rank its agent says is
@@ -62,17 +61,23 @@ class Pace:
         self._backoff *= 2
 
 
+#: Where in the run directory the hang watch saves every rank's stack.
+STACKS_DIR = "stacks"
+
+
 class HangWatchdog:
     """Ends a job that printed nothing for `timeout` seconds, after naming where every rank is.
 
     Use as a context manager around the job stage; `diagnosis` holds the report lines once it fired.
     """
 
-    def __init__(self, backend: Launcher[Any], spec: ClusterSpec, plan: LaunchPlan, lines: StageLines,
-                 stop: StopEvent, out_dir: Path, timeout: float, poll: float = 0.5,
-                 witnesses: Sequence[HostSpec] = (), frozen: Callable[[], dict[str, HostFrozen]] = dict):
-        self.backend, self.spec, self.plan, self.lines, self.stop = backend, spec, plan, lines, stop
-        self.out_dir, self.timeout, self.poll = out_dir, timeout, poll
+    def __init__(self, session: RunSession, spec: ClusterSpec, plan: LaunchPlan, lines: StageLines, timeout: float,
+                 poll: float = 0.5, witnesses: Sequence[HostSpec] = (),
+                 frozen: Callable[[], dict[str, HostFrozen]] = dict):
+        """Watch `plan`'s launch of `spec`'s hosts (the run's `session`): stacks are saved in the
+        run directory's `stacks/`."""
+        self.backend, self.spec, self.plan, self.lines, self.stop = session.backend, spec, plan, lines, session.stop
+        self.out_dir, self.timeout, self.poll = session.run_dir / STACKS_DIR, timeout, poll
         #: what the node agents say of their frozen ranks now (run/steps.StepsWatch.frozen)
         self.frozen = frozen
         #: spares that take part in the link test (never named)

@@ -37,6 +37,7 @@ from ddplaunch.report.evidence import EvidenceFiles
 from ddplaunch.report.summary import summarize
 from ddplaunch.run.hostmemory import readmit, skip_recorded
 from ddplaunch.run.loop import RunLoop
+from ddplaunch.run.session import RunSession
 from ddplaunch.spec.model import ClusterSpec
 
 __all__ = ["UpOptions", "dry_run", "run_here"]
@@ -180,7 +181,7 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
             for note in begun.notes:
                 console.note(note)
             with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
-                RunLoop(spec, backend, opts, console, stop, record.run_id, record.dir, events, view).run()
+                RunLoop(RunSession(spec, backend, opts, console, stop, record.run_id, record.dir, events, view)).run()
     except BaseException as err:
         interrupted = isinstance(err, KeyboardInterrupt)
         code = EXIT_INTERRUPTED if interrupted else getattr(err, "exit_code", EXIT_FAILURE)

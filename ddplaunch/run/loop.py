@@ -15,31 +15,29 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from ddplaunch.backends.contract import Launcher, SessionGated, StopEvent
+from ddplaunch.backends.contract import SessionGated
 from ddplaunch.diagnose.oom import name_oom_kills
 from ddplaunch.diagnose.preflight import PreflightReport, reach_hosts
 from ddplaunch.errors import PlanError
-from ddplaunch.output.console import Console, hosts_named
+from ddplaunch.output.console import hosts_named
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.output.torchrun import mismatch_lines, store_errors
 from ddplaunch.plan.hostwords import CpuShare
 from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
-from ddplaunch.plan.stages import UpOptions, plan_stage, preflight_wanted, stages_of
-from ddplaunch.record.events import (Event, EventLog, GateStopped, HostsExcluded, Localized, NotRecovered,
+from ddplaunch.plan.stages import plan_stage, preflight_wanted, stages_of
+from ddplaunch.record.events import (Event, GateStopped, HostsExcluded, Localized, NotRecovered,
                                      PreflightChecked, RecoveryStarted, RecoveryUpdated, Replanned, Requested, Requeued,
                                      SparesRejected, StageEnded, StageStarted)
 from ddplaunch.record.incidents import Straggler
 from ddplaunch.record.results import Progress, StageResult, describe_exit
-from ddplaunch.record.view import RunView
 from ddplaunch.run.eviction import Eviction
-from ddplaunch.report.evidence import LOCALIZE_PAGE
 from ddplaunch.run.gates import Decision, InStagePreflight, healthcheck_gate, preflight_gate
 from ddplaunch.run.hangwatch import HangWatchdog
 from ddplaunch.run.hostmemory import HostMemory
 from ddplaunch.run.recovery import RecoveryBudget
+from ddplaunch.run.session import RunSession
 from ddplaunch.run.spares import SpareWatch
 from ddplaunch.run.steps import StepsWatch
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -54,21 +52,22 @@ class RunLoop:
     """One run in progress: the stages and their gates; what happens goes to `events`, whose
     fold (`view`) is all the loop reads back."""
 
-    def __init__(self, spec: ClusterSpec, backend: Launcher[Any], opts: UpOptions, console: Console,
-                 stop: StopEvent, run_id: str, run_dir: Path, events: EventLog, view: RunView):
-        self.spec, self.backend, self.opts, self.console, self.stop = spec, backend, opts, console, stop
-        self.run_id, self.run_dir, self.events, self.view = run_id, run_dir, events, view
+    def __init__(self, session: RunSession):
+        self.session = session
+        self.spec, self.backend, self.opts, self.console = session.spec, session.backend, session.opts, session.console
+        self.stop, self.run_id, self.run_dir = session.stop, session.run_id, session.run_dir
+        self.events, self.view = session.events, session.view
         self._moved: set[tuple[str, int]] = set()  # (stage, port) taken instead of a busy derived port
         #: (stage, master, port) the pre-flight just found free (the master listened on it): that
         #: launch takes it without probing it again
         self._proven: Optional[tuple[str, str, int]] = None
         #: The pre-flight rides in the next launch's own sessions (`InStagePreflight`)
         self._preflight_in_stage = False
-        self.budget = RecoveryBudget(spec.recovery, [])
-        self.memory = HostMemory(spec, run_id)  # bad hosts, remembered for the next runs
+        self.budget = RecoveryBudget(self.spec.recovery, [])
+        self.memory = HostMemory(self.spec, self.run_id)  # bad hosts, remembered for the next runs
         #: The values of the spec's secrets, masked in everything the ranks print.
-        names = spec.secret_names()
-        self._secrets = [v for k, v in spec.env_values(os.environ).items() if k in names]
+        names = self.spec.secret_names()
+        self._secrets = [v for k, v in self.spec.env_values(os.environ).items() if k in names]
 
     def say(self, event: Event) -> None:
         """Append `event` to the run's log (the fold `view` takes it too); the hosts it names bad
@@ -112,8 +111,7 @@ class RunLoop:
                 self._preflight_in_stage = True
                 self._proven = (stage, master_addr(spec), first)
                 return spec
-        decision, report = preflight_gate(spec, self.backend, self.run_id, first, self.console, spares,
-                                          self.opts.emulate is not None, reached)
+        decision, report = preflight_gate(self.session, spec, first, spares, reached)
         self.say(PreflightChecked(report))
         self.budget.spares = decision.spares
         gated = self._decided(decision)
@@ -227,8 +225,7 @@ class RunLoop:
 
     def _healthcheck_gate(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
         """After a launch that ran the health check: the spec to go on with (None: stop)."""
-        decision, loc = healthcheck_gate(spec, self.backend, self.run_id, result, self.stop, self.console,
-                                         str(self.run_dir / LOCALIZE_PAGE))
+        decision, loc = healthcheck_gate(self.session, spec, result)
         if loc is not None:
             self.say(Localized(loc))
         return self._decided(decision)
@@ -240,8 +237,7 @@ class RunLoop:
             self.say(PreflightChecked(report))
             if gate.starts:
                 self._announce(plan)
-        gate = InStagePreflight(spec, self.backend.max_parallel, self.run_id, plan.master_port, self.console,
-                                self.opts.emulate is not None, verdict)
+        gate = InStagePreflight(self.session, spec, plan.master_port, verdict)
         return gate
 
     def _announce(self, plan: LaunchPlan) -> None:
@@ -267,8 +263,7 @@ class RunLoop:
         watchdog = None
         hang_timeout = spec.job.hang_timeout or (RECOVERY_HANG_S if spec.recovery.max_host_failures else None)
         if job and hang_timeout:
-            watchdog = HangWatchdog(self.backend, spec, plan, lines, self.stop, self.run_dir / "stacks",
-                                    hang_timeout, witnesses=self.budget.spares,
+            watchdog = HangWatchdog(self.session, spec, plan, lines, hang_timeout, witnesses=self.budget.spares,
                                     frozen=steps.frozen if steps is not None else dict)
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
