@@ -359,8 +359,7 @@ def top_cmd(run_id: str | None, once: bool) -> None:
     """Every host and rank of a run (default: the latest run here), refreshed each second until it
     ends: state, step, step time, wait at the collectives, straggler score, recoveries."""
     from ddplaunch.record.runs import OnHost
-    from ddplaunch.report.top import top
-    from ddplaunch.supervise.follow import follow_elsewhere, supervisor_of
+    from ddplaunch.supervise.follow import follow_elsewhere, supervisor_of, top
 
     record = _pick(run_id)
     if isinstance(record.placement, OnHost):

@@ -11,7 +11,8 @@ from ddplaunch.plan.launch import Stage
 from ddplaunch.record.events import (EVENTS_FILE, EventLog, HostState, RunEnded, RunStarted, Shown, StageStarted,
                                      StepWindow, read_events)
 from ddplaunch.record.results import NodeState, RunState
-from ddplaunch.record.snapshot import HEAD_LINES, SNAPSHOT_FILE, TAIL_LINES, Snapshots, load, read_view, screen_from
+from ddplaunch.record.snapshot import (HEAD_LINES, SNAPSHOT_FILE, TAIL_LINES, LogReader, Snapshots, load, read_view,
+                                       screen_from)
 from ddplaunch.record.view import RunView
 from tests.events_util import stage_ended, straggler_named
 
@@ -92,3 +93,35 @@ def test_a_snapshot_that_cannot_be_trusted_is_not_used(tmp_path):
     path.unlink()
     assert read_view(tmp_path) == want
     assert oct(Path(tmp_path / EVENTS_FILE).stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_follower_replays_the_screen_to_the_snapshot_then_folds_what_follows(tmp_path):
+    """The one way to read a run (attach, top, status): the screen up to the snapshot (its start
+    first, its end last), then each event after it, folded before it is seen; live, until the run
+    ends."""
+    _write_run(tmp_path, lines=HEAD_LINES + TAIL_LINES + 70, end=False, every=1 << 12)
+    reader = LogReader(tmp_path)
+    assert reader.snapshot is not None and 0 < reader.offset < (tmp_path / EVENTS_FILE).stat().st_size
+    screen = list(reader.screen())
+    assert isinstance(screen[0], RunStarted) and isinstance(screen[-1], HostState)
+    log = EventLog(tmp_path)
+    log.append(RunEnded(RunState.OK, 0))
+    log.close()
+    seen = []
+    for event in reader.events(alive=lambda: True):
+        seen.append(event)
+        assert reader.view.ended is (event if isinstance(event, RunEnded) else None)
+    assert isinstance(seen[-1], RunEnded) and reader.view == RunView.of(read_events(tmp_path))
+    ended = tmp_path / "ended"
+    ended.mkdir()
+    _write_run(ended, lines=10, end=True)
+    assert list(LogReader(ended).screen())[-1] == read_events(ended)[-1]  # its end's snapshot: the screen ends it
+
+
+def test_without_a_snapshot_the_screen_is_empty_and_the_whole_log_is_read(tmp_path):
+    log = EventLog(tmp_path)
+    log.append(RunStarted("r", "ssh", ["h0"], 1, "here"))
+    log.close()
+    reader = LogReader(tmp_path)
+    assert list(reader.screen()) == [] and [type(e) for e in reader.events()] == [RunStarted]
+    assert reader.view.run_id == "r"

@@ -89,3 +89,23 @@ def test_an_ended_run_shows_its_goodput_ledger_under_the_table():
     view.add(StageEnded(result, t=192.0))
     view.add(RunEnded(RunState.OK, 0, t=200.0))
     assert "goodput 80% of 1m40s wall: training 1m20s; lost to startup 10s, other 10s" in _text(view, live=None)
+
+
+def test_top_refreshes_the_table_until_the_run_ends_and_once_prints_it_once(tmp_path):
+    """The loop (supervise/follow.py) around the pure table: the run's log read in its own
+    thread; the table printed at each refresh and once more at the end."""
+    from ddplaunch.record.events import EventLog
+    from ddplaunch.supervise.follow import top
+
+    log = EventLog(tmp_path)
+    for event in [RunStarted("r1", "ssh", ["h1", "h2"], 1, "me"), StageStarted(Stage.JOB, "h1", 1, ["h1", "h2"]),
+                  HostState("h1", Stage.JOB, NodeState.OK, 0), RunEnded(RunState.OK, 0)]:
+        log.append(event)
+    log.close()
+    for once in (True, False):
+        out = io.StringIO()
+        assert top(tmp_path, lambda: True, out, once=once) == 0
+        text = out.getvalue()
+        assert text.count("run r1: ok") >= 1 and "h2" in text, text
+        if once:
+            assert text.count("run r1:") == 1

@@ -4,9 +4,10 @@ The event log only grows (by hosts / window, never by ranks / second: record/eve
 reader that folds a day of it from its first line would take minutes. So the supervisor saves
 the run loop's own fold (`RunView`) now and then — every `SNAPSHOT_BYTES` of log, and when the
 run ends — as `view.json` with the log's length at that moment and the screen's first and last
-lines; a reader (`status`, `top`, `attach`) loads it and folds only the events after it. A
+lines; a reader (`status`, `top`, `attach`) starts from it and folds only the events after it
+(`LogReader`, the one way to read a run's log: the snapshot, then the rest, once or live). A
 snapshot that is missing, torn, of another format or longer than the log is not used: the reader
-folds the whole log, as it would without one. Pure except `save` and `load`.
+folds the whole log, as it would without one. Pure except `save`, `load` and `LogReader`.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from itertools import chain
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ddplaunch.record.codec import from_data, to_data
-from ddplaunch.record.events import EVENTS_FILE, Event, EventLog, HostState, RunEnded, Shown, events_from
+from ddplaunch.record.events import EVENTS_FILE, Event, EventLog, HostState, RunEnded, Shown, events_from, follow
 from ddplaunch.record.view import RunView
 
 SNAPSHOT_FILE = "view.json"
@@ -89,13 +92,46 @@ def load(run_dir: Path) -> Optional[Snapshot]:
     return snapshot if snapshot.format == FORMAT and 0 <= snapshot.offset <= size else None
 
 
+class LogReader:
+    """A reader of a run's event log: `view` starts as the fold its snapshot saved (an empty
+    fold without one); `events` reads the log after it, each event folded into `view` before it
+    is yielded; `screen` is what the run's screen showed up to the snapshot."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.snapshot = load(run_dir)
+        self.view = self.snapshot.view if self.snapshot is not None else RunView()
+        self.offset = self.snapshot.offset if self.snapshot is not None else 0
+
+    def screen(self) -> Iterable[Event]:
+        """The run up to the snapshot, as a follower shows it (nothing without one): its start,
+        the screen's first and newest lines, each host's state, its end if it had ended."""
+        if self.snapshot is None:
+            return ()
+        started, ended = self.snapshot.view.started, self.snapshot.view.ended
+        if started is None:
+            return screen_from(self.snapshot)
+        return chain([started], screen_from(self.snapshot), [ended] if ended is not None else [])
+
+    def events(self, alive: Optional[Callable[[], bool]] = None,
+               lock: AbstractContextManager[Any] = nullcontext()) -> Iterator[Event]:
+        """Each event after the snapshot, folded into `view` first (holding `lock`, which a
+        reader that draws `view` in another thread holds too): those logged so far, or with
+        `alive`, each new one too until the run ends or `alive()` says its writer is gone
+        (record/events.follow)."""
+        for event in events_from(self.run_dir, self.offset) if alive is None else \
+                follow(self.run_dir, alive, self.offset):
+            with lock:
+                self.view.add(event)
+            yield event
+
+
 def read_view(run_dir: Path) -> RunView:
     """The fold of the run's whole event log, from its snapshot on when it has one."""
-    snapshot = load(run_dir)
-    view = snapshot.view if snapshot is not None else RunView()
-    for event in events_from(run_dir, snapshot.offset if snapshot is not None else 0):
-        view.add(event)
-    return view
+    reader = LogReader(run_dir)
+    for _ in reader.events():
+        pass
+    return reader.view
 
 
 def screen_from(snapshot: Snapshot) -> Iterator[Event]:

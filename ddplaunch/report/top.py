@@ -5,37 +5,22 @@ the hosts' live status (record/live.py, as their agents last said it): per host 
 ranks' newest step, the median step time and the share of it spent waiting at the collectives,
 its straggler score (how much longer its ranks compute than the median host's), its slowest rank,
 when it last reported. At most MAX_ROWS hosts are rows — the ones to look at first — so a
-refresh costs O(hosts) at any size. `top` refreshes the table each second until the run ends (on
-a terminal a live table, elsewhere one table per refresh); `--once` prints it once. Reads the run
-directory only: it works the same for a run in the foreground, detached, or over.
+refresh costs O(hosts) at any size. Pure: the loop that reads the run and refreshes the table
+each second is supervise/follow.py's `top`.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
-import time
-from pathlib import Path
-from typing import IO, Callable, Optional
+from typing import Optional
 
-from rich.console import Console as RichConsole
-from rich.live import Live
 from rich.table import Table
 
 from ddplaunch.output.console import state_text
-from ddplaunch.record.events import events_from, follow
-from ddplaunch.record.live import LiveSteps, read_live
+from ddplaunch.record.live import LiveSteps
 from ddplaunch.record.results import NodeState
-from ddplaunch.record.snapshot import load
 from ddplaunch.record.view import RunView
 from ddplaunch.report.goodput import worth_saying
-
-#: Seconds between two refreshes of the table.
-REFRESH_S = 1.0
-
-
-#: Columns of a table printed to a file or a pipe.
-WIDE = 160
 
 #: Hosts shown one row each; beyond, the hosts not running and the slowest come first, this many.
 MAX_ROWS = 30
@@ -93,40 +78,3 @@ def table(view: RunView, live: Optional[LiveSteps], now: float) -> Table:
     if len(shown) < len(hosts):
         out.add_row(f"+{len(hosts) - len(shown)} more", "", "", "", "", "", "", "", "")
     return out
-
-
-def top(run_dir: Path, alive: Callable[[], bool], stream: IO[str], once: bool = False) -> int:
-    """Show the run's table: once, or refreshed every second until the run ends (Ctrl-C leaves)."""
-    snapshot = load(run_dir)  # a day-old run: the fold saved beside its log, then what came after
-    view, offset = (snapshot.view, snapshot.offset) if snapshot is not None else (RunView(), 0)
-    # not a terminal (a file, a pipe): wide enough that no cell wraps
-    rich = RichConsole(file=stream, highlight=False, soft_wrap=True, width=None if stream.isatty() else WIDE)
-    if once:
-        for event in events_from(run_dir, offset):
-            view.add(event)
-        rich.print(table(view, read_live(run_dir), time.time()))
-        return 0
-    lock, done = threading.Lock(), threading.Event()
-
-    def consume() -> None:
-        for event in follow(run_dir, alive, offset):
-            with lock:
-                view.add(event)
-        done.set()
-    threading.Thread(target=consume, name="ddplaunch-top", daemon=True).start()
-    try:
-        if stream.isatty():
-            with Live(console=rich, refresh_per_second=2, transient=False) as live:
-                while not done.wait(REFRESH_S):
-                    with lock:
-                        live.update(table(view, read_live(run_dir), time.time()))
-                with lock:
-                    live.update(table(view, read_live(run_dir), time.time()))
-        else:
-            while not done.wait(REFRESH_S):
-                with lock:
-                    rich.print(table(view, read_live(run_dir), time.time()))
-            rich.print(table(view, read_live(run_dir), time.time()))
-    except KeyboardInterrupt:
-        return 130
-    return 0

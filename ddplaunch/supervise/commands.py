@@ -25,7 +25,6 @@ from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
 from ddplaunch.record.view import RunView
 from ddplaunch.report.goodput import Ledger, ledger
 from ddplaunch.report.status import shown_state, status_lines
-from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise import daemon
 
 #: Seconds between two questions to the scheduler whether a detached run's job has ended.

@@ -2,9 +2,11 @@
 
 Both replay the run's event log from its first line and follow it live (record/events.py):
 every line the screen showed, each host's state (a live table on a terminal), then the summary
-rendered from the fold of the events, and return the run's exit code. A run with a snapshot
-(record/snapshot.py: a long one, or one that ended) is replayed from it: the screen's first and
-newest lines, each host's state, then the events after it. They differ only in what
+rendered from the fold of the events — the one rendering of it for a run supervised apart from
+its terminal — and return the run's exit code. A run with a snapshot (record/snapshot.py: a long
+one, or one that ended) is replayed from it: the screen's first and newest lines, each host's
+state, then the events after it. `top` reads the run the same way and refreshes its table
+(report/top.py) each second. They differ only in what
 Ctrl-C means: in `up` it stops the run (SIGTERM to the supervisor, which stops every host in
 order; a second Ctrl-C leaves without waiting), in `attach` it only detaches. A closed terminal
 or a killed follower never touches the run. The supervisor is where the run's placement says
@@ -21,7 +23,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, Optional, Protocol
+from typing import IO, Any, Callable, Iterator, Optional, Protocol
+
+from rich.console import Console as RichConsole
+from rich.live import Live
+from rich.table import Table
 
 from ddplaunch.backends import scheduler_of
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, PlanError, RunNotFoundError
@@ -29,10 +35,12 @@ from ddplaunch.output.console import make_console
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import (EVENTS_FILE, Event, HostState, RunEnded, RunStarted, Shown, follow, from_line,
                                      read_events)
+from ddplaunch.record.live import read_live
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord
-from ddplaunch.record.snapshot import load, screen_from
+from ddplaunch.record.snapshot import LogReader
 from ddplaunch.record.view import RunView
 from ddplaunch.report.summary import summarize, summary_json
+from ddplaunch.report.top import table
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise.commands import JOB_POLL, record_backend
 from ddplaunch.supervise.daemon import Supervised, start_daemon
@@ -122,18 +130,11 @@ def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: O
     out = err if as_json else stream
     console = None
     # a long run: from the fold saved beside its log (the screen's first and newest lines), then on
-    snapshot = load(supervised.dir)
-    view, offset = (snapshot.view, snapshot.offset) if snapshot is not None else (RunView(), 0)
-    replay: Iterable[Event] = screen_from(snapshot) if snapshot is not None else ()
-    if snapshot is not None and view.started is not None:
-        replay = itertools.chain([view.started], replay, [view.ended] if view.ended is not None else [])
+    reader = LogReader(supervised.dir)
     interrupts = _Interrupts(supervised, stops_run, lambda text: print(text, file=out, flush=True))
     old = _install(interrupts)
     try:
-        for event, fresh in itertools.chain(((e, False) for e in replay),
-                                            ((e, True) for e in follow(supervised.dir, supervised.alive, offset))):
-            if fresh:
-                view.add(event)
+        for event in itertools.chain(reader.screen(), reader.events(supervised.alive)):
             if isinstance(event, RunStarted) and console is None:
                 console = make_console(out, None, event.hosts)
                 if stops_run:
@@ -146,7 +147,7 @@ def follow_run(supervised: Followed, stream: IO[str], *, stops_run: bool, err: O
             elif isinstance(event, RunEnded):
                 if console is not None:
                     console.close()
-                return _ended(view, event, stream, err, as_json)
+                return _ended(reader.view, event, stream, err, as_json)
     except KeyboardInterrupt:
         if console is not None:
             console.close()
@@ -250,3 +251,47 @@ def run_events(record: RunRecord, live: bool = False, timeout: Optional[float] =
     def going() -> bool:
         return supervised.alive() and (deadline is None or time.monotonic() < deadline)
     yield from follow(supervised.dir, going)
+
+
+#: Seconds between two refreshes of `top`'s table.
+REFRESH_S = 1.0
+#: Columns of a table printed to a file or a pipe.
+WIDE = 160
+
+
+def top(run_dir: Path, alive: Callable[[], bool], stream: IO[str], once: bool = False) -> int:
+    """`ddplaunch top`: the run's table (report/top.py) once, or refreshed every second until the
+    run ends (a live table on a terminal, elsewhere one table per refresh; Ctrl-C leaves): the
+    fold of its log, read in a thread of its own, and the hosts' live status (record/live.py)."""
+    reader = LogReader(run_dir)  # a day-old run: the fold saved beside its log, then what came after
+    # not a terminal (a file, a pipe): wide enough that no cell wraps
+    rich = RichConsole(file=stream, highlight=False, soft_wrap=True, width=None if stream.isatty() else WIDE)
+    if once:
+        for _ in reader.events():
+            pass
+        rich.print(table(reader.view, read_live(run_dir), time.time()))
+        return 0
+    lock, done = threading.Lock(), threading.Event()
+
+    def consume() -> None:
+        for _ in reader.events(alive, lock):  # the view changes only while no table is drawn from it
+            pass
+        done.set()
+
+    def now() -> Table:
+        with lock:
+            return table(reader.view, read_live(run_dir), time.time())
+    threading.Thread(target=consume, name="ddplaunch-top", daemon=True).start()
+    try:
+        if stream.isatty():
+            with Live(console=rich, refresh_per_second=2, transient=False) as live:
+                while not done.wait(REFRESH_S):
+                    live.update(now())
+                live.update(now())
+        else:
+            while not done.wait(REFRESH_S):
+                rich.print(now())
+            rich.print(now())
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return 0
