@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ddplaunch.record.incidents import Recovery
-from ddplaunch.record.results import STATE_ORDER, StageResult, job_failure
+from ddplaunch.record.results import STATE_ORDER, NodeState, StageResult, job_failure
 from ddplaunch.record.view import RunView
 from ddplaunch.report.goodput import ledger, worth_saying
 
@@ -72,7 +72,7 @@ def _stage_lines(stage: StageResult, tail_lines: int) -> list[str]:
         first = stage.first_failure  # a restart: what failed
         what = job_failure(first)[0] if first is not None else "failed"
         return [f"stage {stage.stage}: {what}{f' after {seconds}' if seconds else ''}: {stage_verdict(stage)}"]
-    bad = [o for o in stage.outcomes if o.state != "ok"]
+    bad = [o for o in stage.outcomes if o.state != NodeState.OK]
     out = [f"stage {stage.stage}: {stage_verdict(stage)} on {len(bad)} of {len(stage.outcomes)} node(s){took}{restarts}"]
     out += [f"  missing host: {o.describe()}" for o in stage.outcomes if o.never_started]
     out += [f"  {line}" for line in stage.diagnosis]
