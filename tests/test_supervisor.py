@@ -158,3 +158,29 @@ def test_a_supervisor_that_dies_is_said_by_attach(tmp_path):
     down = ddplaunch(["down", run_id], tmp_path, timeout=120)
     assert down.returncode == 0 and "supervisor" not in down.stdout, down.stdout
     assert wait_for(lambda: not run_processes(run_id), timeout=30) is True
+
+
+def test_detach_on_a_backend_without_a_scheduler_prepares_the_run_once(tmp_path, monkeypatch):
+    """`up --detach` on the local backend: --exclude applied and the run's id taken here, once;
+    the daemon is handed the run as prepared (its id, nothing left to exclude), and nothing is
+    written before it takes the run."""
+    from ddplaunch.plan.stages import UpOptions
+    from ddplaunch.spec.load import load_spec
+    from ddplaunch.supervise import handover
+
+    monkeypatch.setenv("DDPLAUNCH_HOME", str(tmp_path / "state"))
+    handed = []
+
+    class Taken:
+        run_id = "taken"
+
+    def fake_daemon(spec, spec_path, opts):
+        handed.append((spec, opts))
+        return Taken()
+    monkeypatch.setattr(handover, "start_daemon", fake_daemon)
+    monkeypatch.setattr(handover, "load_run", lambda run_id: run_id)
+    spec = load_spec(_spec(tmp_path, "once"))
+    assert handover.hand_over(spec, "c.yaml", UpOptions(detach=True, exclude=[])) == "taken"
+    ((got, opts),) = handed
+    assert opts.run_id is not None and opts.run_id.startswith("sup-") and opts.exclude == [] and not opts.detach
+    assert got.hosts == spec.hosts and not (tmp_path / "state" / "runs").exists()

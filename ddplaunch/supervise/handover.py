@@ -9,12 +9,13 @@ spec or the backend, where the supervisor is.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
 
 from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import RunContext, StopEvent
 from ddplaunch.errors import DdplaunchError
+from ddplaunch.plan.handoff import supervisor_opts
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import EventLog, Requested, RunEnded
 from ddplaunch.record.results import RunState
@@ -26,7 +27,8 @@ from ddplaunch.supervise.daemon import start_daemon
 
 
 def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
-    """Hand the run to its supervisor; its record once the supervisor has taken it.
+    """Hand the run to its supervisor; its record once the supervisor has taken it. The run is
+    prepared once (--exclude'd hosts out, its id), here or on the supervisor's host.
 
     Raises:
         PlanError: bad --run-id or --exclude (nothing is recorded). BackendError: the supervisor
@@ -36,44 +38,44 @@ def hand_over(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> RunRecord:
         from ddplaunch.supervise import remote  # Fabric: only when a run goes there
 
         return remote.start_there(spec, spec_path, opts)
-    record = to_scheduler(spec, spec_path, opts)
-    if record is not None:
-        return record
-    return load_run(start_daemon(spec, spec_path, opts).run_id)
+    spec, run_id = prepared(spec, opts, fresh=True)
+    context = RunContext(run_id, run_dir(run_id), StopEvent())
+    with contextlib.closing(make_backend(spec, context)) as backend:  # connects to nothing: asked what it can do
+        schedules = scheduler_of(backend) is not None
+    if schedules:
+        return to_scheduler(spec, spec_path, opts, context)
+    # the daemon's `begin` takes the run as prepared here: its id, no --exclude left to apply
+    return load_run(start_daemon(spec, spec_path, supervisor_opts(opts, run_id)).run_id)
 
 
-def to_scheduler(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Optional[RunRecord]:
+def to_scheduler(spec: ClusterSpec, spec_path: str, opts: UpOptions, context: RunContext) -> RunRecord:
     """`up --detach` on a backend with a scheduler that owns runs (Slurm): hand it the whole run
     (its supervisor runs in the scheduler's job), record it, return the record once the scheduler
-    has it; None when the backend has none.
+    has it. `spec` is prepared (--exclude'd hosts out); `context` names the run.
 
     Raises:
-        PlanError: bad --run-id or --exclude. BackendError: the scheduler refused the job (the
-        run's log ends "failed").
+        BackendError: the scheduler refused the job (the run's log ends "failed").
     """
-    spec, run_id = prepared(spec, opts, fresh=True)
     spec = skip_recorded(spec, opts.healthcheck_only).spec  # the allocation excludes nodes remembered bad
-    backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
-    scheduler = scheduler_of(backend)
-    if scheduler is None:
-        backend.close()
-        return None
-    request, text = detached_request(spec, scheduler, backend, run_id, spec_path, opts)
-    record = RunRecord.planned(run_id, spec_path, spec, InJob("", "not submitted yet"),
-                               hosts=[h.label for h in backend.hosts(allocate=False)])
-    log = EventLog(record.make_dir())
-    try:
-        log.append(Requested(text))
+    with contextlib.closing(make_backend(spec, context)) as backend:
+        scheduler = scheduler_of(backend)
+        assert scheduler is not None  # hand_over asked
+        request, text = detached_request(spec, scheduler, backend, context.run_id, spec_path, opts)
+        record = RunRecord.planned(context.run_id, spec_path, spec, InJob("", "not submitted yet"),
+                                   hosts=[h.label for h in backend.hosts(allocate=False)])
+        log = EventLog(record.make_dir())
         try:
-            record.placement = scheduler.submit(request, record)
-        except DdplaunchError as err:
-            record.placement = InJob("", f"refused by the scheduler: {err}")
-            log.append(RunEnded(RunState.FAILED, err.exit_code, error=str(err)))
-            raise
+            log.append(Requested(text))
+            try:
+                record.placement = scheduler.submit(request, record)
+            except DdplaunchError as err:
+                record.placement = InJob("", f"refused by the scheduler: {err}")
+                log.append(RunEnded(RunState.FAILED, err.exit_code, error=str(err)))
+                raise
+            finally:
+                record.save()
         finally:
-            record.save()
-    finally:
-        log.close()
+            log.close()
     return record
 
 
