@@ -2,27 +2,37 @@
 
 Every rank sends its step times and its waits at the gradient collectives (hostside/
 steptiming.py) to its node's agent, which folds them per window of `window` steps (hostside/
-fold.py): each rank's median compute and wait over the window, one part per host. In a synchronous job every rank's step lasts as long as the slowest rank's, so
-step times are equal everywhere; what differs is the wait: the others wait at each collective for
-the straggler, which arrives last and waits least. A rank's compute share is its step time minus
-its wait. `StragglerJudge` compares, per window, each host's compute share (its slowest rank's
-median: one slow GPU among a host's eight is the straggler, and the host's median would hide it)
-with the same number of the other hosts (their median), and names a host whose share is
-`threshold` (15 %) — or, on a noisy machine, three times the spread of its peers' — above it in
-three windows in a row, with the ranks that are. Against its own level: how a
-rank's share compares with its peers' when nothing is wrong differs a little by rank (its place in
-the collective's algorithm: ±5 % measured for Gloo's ranks, steadily), so the median of a host's
-ratios in the windows it was not slow in, as far as it is within `threshold / 3` of even, is its
-level, and a host slower than that by the bar is slow (one slow from the start is named too: no
-more than `threshold / 3` of its slowness can become its level). Three windows must also hold
-MIN_SLOW_S (3 s) of steps: with steps of milliseconds a rank held back by a shared core for a
-fraction of a second is no straggler. Pure: fed with the hosts' parts,
-it returns verdicts (and the ranks gone silent, the hosts whose part never came); the run loop
-shows and records them.
+fold.py): each rank's compute and wait over the window, one part per host. In a synchronous job
+every rank's step lasts as long as the slowest rank's, so step times are equal everywhere; what
+differs is the wait: the others wait at each collective for the straggler, which arrives last and
+waits least. A rank's compute share is its step time minus its wait. `StragglerJudge` compares,
+per window, each host's compute share (its slowest rank's: one slow GPU among a host's eight is
+the straggler, and the host's median would hide it; the trimmed mean of its steps, not their
+median, which on a busy machine is a fast step or a held-back one on a coin's throw) with the
+same number of the other hosts (their median). A host is slow in a window when it is
+
+- `threshold` (15 %) — or, on a noisy machine, three times the spread of its peers' — above it,
+  against its own level (how a rank's share compares with its peers' when nothing is wrong
+  differs a little by rank: its place in the collective's algorithm, ±5 % measured for Gloo's
+  ranks, steadily; the median of a host's ratios in the windows it was not slow in, as far as it
+  is within `threshold / 3` of even: a host slow from the start is named too);
+- surely so: its extra compute is SURE (3) standard errors of the difference or more (the steps'
+  own spread within the window: a window of steps that vary by a factor of four proves less
+  than one of steady steps);
+- and waited for: its peers wait at least WAIT_SHARE (half) of its extra compute a step (a rank
+  "slower" that nobody waits for is the windows' statistics, not a straggler).
+
+It is named once slow in IN_A_ROW (3) windows in a row that hold MIN_SLOW_S (15 s) of steps: a
+rank held back by a shared core or a burst of load on the machine for a few seconds, or paused
+by a GC or a checkpoint, is no straggler (issue #55: a healthy host named after 5 s of a busy
+machine). O(hosts) a window beside reading the parts, nothing per rank per second. Pure: fed with
+the hosts' parts, it returns verdicts (and the ranks gone silent, the hosts whose part never
+came); the run loop shows and records them.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -48,8 +58,17 @@ NOISE_FACTOR = 3.0
 LEVEL_WINDOWS = 50
 #: Seconds of its steps a host must also be slow for before it is named: with steps of a few
 #: milliseconds three windows are a fraction of a second, and a rank that a shared core held back
-#: that long (a Lightning job's 7 ms steps on the sim: 49 % "slower" for 0.4 s) is no straggler.
-MIN_SLOW_S = 3.0
+#: that long (a Lightning job's 7 ms steps on the sim: 49 % "slower" for 0.4 s), or a burst of
+#: load on the machine for several seconds, is no straggler. A host at a quarter of its CPU makes
+#: every step slow: its three windows take ~15 s on the sim, past this bar already.
+MIN_SLOW_S = 15.0
+#: A slow window must also be sure: the host's compute over its peers' by this many standard
+#: errors of the difference (the steps' own spread within the window, fold.py), ...
+SURE = 3.0
+#: ... and its peers must wait for it: their median wait at least this share of its extra compute
+#: (in a synchronous job every other rank waits for the slowest; "slower" that nobody waits for is
+#: the windows' statistics, not a straggler).
+WAIT_SHARE = 0.5
 
 
 #: Seconds a window waits for every host's part before it is judged with the hosts that sent
@@ -102,8 +121,9 @@ class StragglerJudge:
     `judge` (on a timer, not per line) judges each window once, in order, when every host sent its
     part or LATE_S after the first did: O(ranks log ranks) per window, bounded memory."""
 
-    def __init__(self, hosts: Sequence[str] = (), threshold: float = THRESHOLD, window: int = WINDOW):
-        self.threshold, self.window = threshold, window
+    def __init__(self, hosts: Sequence[str] = (), threshold: float = THRESHOLD, window: int = WINDOW,
+                 min_slow_s: float = MIN_SLOW_S):
+        self.threshold, self.window, self.min_slow_s = threshold, window, min_slow_s
         self.expected = set(hosts)
         self._lock = threading.Lock()
         self._pending: dict[int, dict[str, HostWindow]] = {}  # a window's last step -> host -> its part
@@ -182,48 +202,44 @@ class StragglerJudge:
                 out.silent[host] = new
 
     def _window(self, parts: dict[str, HostWindow]) -> Optional[Straggler]:
-        per_rank: dict[int, tuple[float, float]] = {}
-        step_s: list[float] = []
-        for host, part in parts.items():
-            for rank, values in part.ranks.items():
-                if isinstance(values, list) and len(values) >= 2:
-                    per_rank[int(rank)] = (float(values[0]), float(values[1]))
-                    self.host_of[int(rank)] = host
-                    step_s += [float(values[2])] if len(values) >= 3 else []
-        ranks_of: dict[str, list[int]] = {}
-        for r in sorted(per_rank):
-            ranks_of.setdefault(self.host_of[r], []).append(r)
-        if len(ranks_of) < 2:
+        ranks = _Ranks(parts, self.host_of)
+        if len(ranks.of) < 2:
             return None
         first = min(p.first for p in parts.values())
-        lasted = (max(p.last for p in parts.values()) - first + 1) * (statistics.median(step_s) if step_s else 0.0)
-        # each host as one number, the same kind for all: its slowest rank's compute
-        slowest = {h: max(per_rank[r][0] for r in rs) for h, rs in ranks_of.items()}
-        peers = _Peers(slowest, statistics.median(w for _, w in per_rank.values()))
+        lasted = (max(p.last for p in parts.values()) - first + 1) * ranks.step_s
+        peers = _Peers(ranks.hosts)
         found = None
-        for host, ranks in sorted(ranks_of.items()):
-            mine = slowest[host]
-            theirs, spread = peers.of(host)
-            if theirs <= 0:
-                self._slow_in.pop(host, None)
-                self._slow_s.pop(host, None)
+        for host, mine in sorted(ranks.hosts.items()):
+            theirs = peers.of(host)
+            if theirs.compute <= 0:
+                self._forget(host)
                 continue
-            bar = (1 + max(self.threshold, NOISE_FACTOR * spread / theirs)) * theirs * self._own_level(host)
-            if mine < bar:
-                self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine / theirs)
-                self._slow_in.pop(host, None)
-                self._slow_s.pop(host, None)
+            bar = (1 + max(self.threshold, NOISE_FACTOR * theirs.spread / theirs.compute)) * theirs.compute \
+                * self._own_level(host)
+            if mine.compute < bar:
+                self._level.setdefault(host, deque(maxlen=LEVEL_WINDOWS)).append(mine.compute / theirs.compute)
+                self._forget(host)
+                continue
+            extra = mine.compute - theirs.compute
+            if extra < SURE * math.hypot(mine.error, theirs.error) or theirs.wait < WAIT_SHARE * extra:
+                self._forget(host)  # slower by chance (the steps' own spread), or nobody waits for it
                 continue
             since = self._slow_in.setdefault(host, first)
             self._slow_s[host] = self._slow_s.get(host, 0.0) + lasted
-            if first - since < (IN_A_ROW - 1) * self.window or self._slow_s[host] < MIN_SLOW_S or host in self.named \
-                    or found:
+            if first - since < (IN_A_ROW - 1) * self.window or self._slow_s[host] < self.min_slow_s \
+                    or host in self.named or found:
                 continue  # not slow long enough yet, or named already (one host named a window)
-            found = Straggler(host=host, ranks=[r for r in ranks if per_rank[r][0] >= bar], slowdown=mine / theirs - 1,
-                              since_step=since, named_at=time.time(), compute_s=mine, peers_compute_s=theirs,
-                              peers_wait_s=peers.wait, ranks_slow={r: round(per_rank[r][0] / theirs - 1, 3) for r in ranks})
+            found = Straggler(host=host, ranks=[r for r in ranks.of[host] if ranks.compute[r] >= bar],
+                              slowdown=mine.compute / theirs.compute - 1, since_step=since, named_at=time.time(),
+                              compute_s=mine.compute, peers_compute_s=theirs.compute, peers_wait_s=theirs.wait,
+                              ranks_slow={r: round(ranks.compute[r] / theirs.compute - 1, 3) for r in ranks.of[host]})
             self.named[host] = found
         return found
+
+    def _forget(self, host: str) -> None:
+        """`host` is not slow in this window: its run of slow windows ends."""
+        self._slow_in.pop(host, None)
+        self._slow_s.pop(host, None)
 
     def _own_level(self, host: str) -> float:
         """`host`'s share against its peers' when it was not slow, within threshold/3 of even."""
@@ -246,23 +262,73 @@ def _summary(parts: dict[str, HostWindow]) -> Judged:
     return Judged(min(p.first for p in parts.values()), max(p.last for p in parts.values()), hosts)
 
 
+@dataclass(frozen=True)
+class _Host:
+    """A host in one window: its slowest rank's compute a step (the trimmed mean where the agent
+    sent it, else the median) and that number's standard error; its ranks' median wait."""
+
+    compute: float
+    error: float
+    wait: float
+
+
+class _Ranks:
+    """A window's parts read once: each rank's compute, the ranks of each host, each host as a
+    `_Host`, and the median step time."""
+
+    def __init__(self, parts: dict[str, HostWindow], host_of: dict[int, str]):
+        self.compute: dict[int, float] = {}
+        error: dict[int, float] = {}
+        wait: dict[int, float] = {}
+        step_s: list[float] = []
+        for host, part in parts.items():
+            for rank, values in part.ranks.items():
+                if isinstance(values, list) and len(values) >= 2:
+                    r = int(rank)
+                    sure = len(values) >= 5  # the agent's trimmed mean and its error (fold.py)
+                    self.compute[r] = float(values[3] if sure else values[0])
+                    error[r] = float(values[4]) if sure else 0.0
+                    wait[r] = float(values[1])
+                    host_of[r] = host
+                    step_s += [float(values[2])] if len(values) >= 3 else []
+        self.of: dict[str, list[int]] = {}
+        for r in sorted(self.compute):
+            self.of.setdefault(host_of[r], []).append(r)
+        self.hosts: dict[str, _Host] = {}
+        for host, rs in self.of.items():
+            slowest = max(rs, key=lambda r: self.compute[r])
+            self.hosts[host] = _Host(self.compute[slowest], error[slowest], statistics.median(wait[r] for r in rs))
+        self.step_s = statistics.median(step_s) if step_s else 0.0
+
+
+@dataclass(frozen=True)
+class _Theirs:
+    """A host's peers in one window: the median of their computes, its spread (median absolute
+    deviation), the median of their errors and of their waits."""
+
+    compute: float
+    spread: float
+    error: float
+    wait: float
+
+
 class _Peers:
-    """A host's peers in one window: the median of the other hosts' slowest-rank compute and its
-    spread (median absolute deviation); the ranks' median wait. Exact (the host itself left out)
-    up to EXACT_PEERS_UP_TO hosts; beyond, every host's, computed once for the window."""
+    """A host's peers in one window, exact (the host itself left out) up to EXACT_PEERS_UP_TO
+    hosts; beyond, every host's, computed once for the window."""
 
-    def __init__(self, slowest: dict[str, float], wait: float):
-        self.slowest, self.wait = slowest, wait
-        self.exact = len(slowest) <= EXACT_PEERS_UP_TO
+    def __init__(self, hosts: dict[str, _Host]):
+        self.hosts = hosts
+        self.exact = len(hosts) <= EXACT_PEERS_UP_TO
         if not self.exact:
-            self.all = _stats(list(slowest.values()))
+            self.all = _theirs(list(hosts.values()))
 
-    def of(self, host: str) -> tuple[float, float]:
+    def of(self, host: str) -> _Theirs:
         if not self.exact:
             return self.all
-        return _stats([v for h, v in self.slowest.items() if h != host])
+        return _theirs([v for h, v in self.hosts.items() if h != host])
 
 
-def _stats(values: list[float]) -> tuple[float, float]:
-    median = statistics.median(values)
-    return median, statistics.median(abs(v - median) for v in values)
+def _theirs(hosts: list[_Host]) -> _Theirs:
+    median = statistics.median(h.compute for h in hosts)
+    return _Theirs(median, statistics.median(abs(h.compute - median) for h in hosts),
+                   statistics.median(h.error for h in hosts), statistics.median(h.wait for h in hosts))

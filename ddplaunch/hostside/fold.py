@@ -11,6 +11,9 @@ from typing import Any, Optional
 SILENT_S = 10.0
 #: Steps of an open window kept per rank at most (a rank far ahead of a silent one: bounded).
 MAX_OPEN_STEPS = 4096
+#: The share of a window's steps left out at each end of a rank's compute before its mean (a
+#: one-off pause — a GC, a checkpoint — is one step of twenty, left out).
+TRIM = 0.1
 
 
 def _steps(items: list[Any]) -> list[tuple[int, float, float]]:
@@ -22,7 +25,11 @@ def _steps(items: list[Any]) -> list[tuple[int, float, float]]:
 class StepWindows:
     """Each rank's steps, folded per window of `window` steps after the first `warmup` ones
     (windows end at warmup + k * window): a window is done once every reporting rank passed its
-    end; then each rank's median compute and wait over it. Pure; bounded by window x ranks."""
+    end; then each rank's [median compute, median wait, median step time, trimmed mean compute,
+    its standard error] over it. A median of steps that are each fast or held back (a busy
+    machine) is the one or the other on a coin's throw; the trimmed mean moves with how often a
+    rank was held back, and its standard error says how sure it is. Pure; bounded by window x
+    ranks."""
 
     def __init__(self, window: int, warmup: int):
         self.window, self.warmup = max(1, window), max(0, warmup)
@@ -66,14 +73,24 @@ class StepWindows:
             for r in live:
                 got = [v for s, v in self.steps.get(r, {}).items() if first <= s <= last]
                 if got:
+                    mean, error = trimmed([t - w for t, w in got])
                     ranks[str(r)] = [round(statistics.median(t - w for t, w in got), 6),
                                      round(statistics.median(w for _, w in got), 6),
-                                     round(statistics.median(t for t, _ in got), 6)]
+                                     round(statistics.median(t for t, _ in got), 6), round(mean, 6), round(error, 6)]
             for mine in self.steps.values():
                 for s in [s for s in mine if s <= last]:
                     del mine[s]
             self.next_end += self.window
             out.append({"first": first, "last": last, "ranks": ranks, "silent": sorted(silent)})
+
+
+def trimmed(values: list[float]) -> tuple[float, float]:
+    """The mean of `values` without the TRIM share at each end, and its standard error (0 for
+    fewer than two values kept)."""
+    cut = int(len(values) * TRIM)
+    kept = sorted(values)[cut:len(values) - cut] or sorted(values)
+    mean = statistics.fmean(kept)
+    return mean, (statistics.stdev(kept) / len(kept) ** 0.5 if len(kept) > 1 else 0.0)
 
 
 class Status:
