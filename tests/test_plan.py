@@ -9,7 +9,7 @@ import pytest
 
 from ddplaunch.backends.shell import HEARTBEAT_LOOP, env_text, render_plan, shell_line
 from ddplaunch.plan.hostwords import HostPath
-from ddplaunch.plan.launch import PORT_RANGE, derive_port, make_plan
+from ddplaunch.plan.launch import PORT_RANGE, PlanContext, Stage, derive_port, make_plan
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.launch import dry_run
 from ddplaunch.spec.load import load_spec
@@ -64,7 +64,7 @@ def test_local_dry_run_golden():
 
 
 def test_node_ranks_master_and_world(ssh_spec):
-    plan = make_plan(ssh_spec, "r1", "job", 25000)
+    plan = make_plan(PlanContext(ssh_spec, "r1"), Stage.JOB, 25000)
     assert plan.world_size == 6 and plan.master_addr == "10.9.0.11"
     for rank, node in enumerate(plan.nodes):
         t = node.torchrun
@@ -81,14 +81,14 @@ def test_node_ranks_master_and_world(ssh_spec):
 
 
 def test_job_args_override(ssh_spec):
-    plan = make_plan(ssh_spec, "r1", "job", 25000, job_args=["--epochs", "9"])
+    plan = make_plan(PlanContext(ssh_spec, "r1", job_args=["--epochs", "9"]), Stage.JOB, 25000)
     assert plan.nodes[0].argv()[-3:] == ["jobs/train.py", "--epochs", "9"]
 
 
 def test_env_values_never_on_the_command_line_secrets_never_shown(ssh_spec):
     text = dry_run(ssh_spec, UpOptions(run_id="r"))
     assert "s3cret" not in text and "export WANDB_API_KEY=<secret>" in text
-    node = make_plan(ssh_spec, "r", "job", 25000).nodes[0]
+    node = make_plan(PlanContext(ssh_spec, "r"), Stage.JOB, 25000).nodes[0]
     assert "WANDB_API_KEY='s3cret'" in env_text(node) or "WANDB_API_KEY=s3cret" in env_text(node)
     line = shell_line(node)
     assert "s3cret" not in line and "pwned" not in line and "WANDB_API_KEY" not in line
@@ -97,7 +97,7 @@ def test_env_values_never_on_the_command_line_secrets_never_shown(ssh_spec):
 def test_env_file_and_line_round_trip_hostile_values(tmp_path, ssh_spec):
     """bash reads back exactly the spec's values from the env file, and exactly the planned argv
     from the line; nothing in them is executed."""
-    node = make_plan(ssh_spec, "r1", "job", 25000).nodes[1]
+    node = make_plan(PlanContext(ssh_spec, "r1"), Stage.JOB, 25000).nodes[1]
     env_file = tmp_path / "env"
     env_file.write_text(env_text(node))
     out = subprocess.run(["bash", "-c", f'. {env_file} && printf "%s\\n" "$NOTE"'], capture_output=True,
@@ -127,10 +127,10 @@ def test_ports_are_derived_from_run_id_and_differ_per_stage(ssh_spec):
 
 def test_render_is_a_function_of_the_inputs(ssh_spec):
     """Two plans built separately from the same inputs render the same text; a changed input shows."""
-    first = render_plan([make_plan(ssh_spec, "r", s, 25000) for s in ("healthcheck", "job")])
-    again = render_plan([make_plan(ssh_spec, "r", s, 25000) for s in ("healthcheck", "job")])
+    first = render_plan([make_plan(PlanContext(ssh_spec, "r"), s, 25000) for s in Stage])
+    again = render_plan([make_plan(PlanContext(ssh_spec, "r"), s, 25000) for s in Stage])
     assert first == again
-    other = render_plan([make_plan(ssh_spec, "r", s, 25001) for s in ("healthcheck", "job")])
+    other = render_plan([make_plan(PlanContext(ssh_spec, "r"), s, 25001) for s in Stage])
     assert other != first and "--master-port 25001" in other
 
 
@@ -164,7 +164,7 @@ job: {script: jobs/train.py}
 def test_a_mixed_fleet_gives_each_host_its_own_process_count(tmp_path):
     path = tmp_path / "mixed.yaml"
     path.write_text(MIXED)
-    plan = make_plan(load_spec(path), "m1", "job", 25000)
+    plan = make_plan(PlanContext(load_spec(path), "m1"), Stage.JOB, 25000)
     assert [n.torchrun.nproc_per_node for n in plan.nodes] == ["1", "3", "2"]
     assert plan.world_size == 6 and plan.layout() == "3 node(s) with 1+3+2 procs = world 6"
     assert [dict(n.env).get("OMP_NUM_THREADS") for n in plan.nodes] == [None, "3", "2"]

@@ -705,13 +705,13 @@ def test_after_a_confirmed_loss_the_others_are_stopped_at_once_with_the_short_gr
     survivors blocked in a collective with a dead peer never act on SIGTERM."""
     from ddplaunch.backends.failfast import LOST_STOP_GRACE, REPORT_GRACE, follow
     from ddplaunch.output.console import Console
-    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.plan.launch import PlanContext, Stage, make_plan
     from ddplaunch.backends.contract import StopEvent
     from ddplaunch.output.stagelines import StageLines
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=2))
-    plan = make_plan(spec, "loss-1", "job", 29500)
+    plan = make_plan(PlanContext(spec, "loss-1"), Stage.JOB, 29500)
     stage = _OneLost()
     t0 = time.monotonic()
     result = follow(stage, plan, StageLines(Console(io.StringIO())), StopEvent(), stop_grace=30)
@@ -753,12 +753,12 @@ def test_a_hang_names_the_ranks_the_agents_saw_frozen_when_no_stack_dump_answers
     from ddplaunch.hostside.payloads import HostFrozen
     from ddplaunch.output.console import Console
     from ddplaunch.output.stagelines import StageLines
-    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.plan.launch import PlanContext, Stage, make_plan
     from ddplaunch.run.hangwatch import HangWatchdog
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=4))
-    plan = make_plan(spec, "frozen-1", "job", 29500)
+    plan = make_plan(PlanContext(spec, "frozen-1"), Stage.JOB, 29500)
     labels = [n.host_label for n in plan.nodes]
     said = {labels[3]: HostFrozen({"6": ["T", 4242]}, of=2),
             labels[1]: HostFrozen({"2": ["T", 11], "3": ["D", 12]}, of=2)}
@@ -782,12 +782,12 @@ def test_a_host_whose_every_rank_its_agent_saw_frozen_is_not_waited_for_until_th
     from ddplaunch.hostside.payloads import HostFrozen
     from ddplaunch.output.console import Console
     from ddplaunch.output.stagelines import StageLines
-    from ddplaunch.plan.launch import make_plan
+    from ddplaunch.plan.launch import PlanContext, Stage, make_plan
     from ddplaunch.run import hangwatch
 
     with fake_registered(FakeScript()):
         spec = load_spec(fake_spec(tmp_path, hosts=3))
-    plan = make_plan(spec, "evident-1", "job", 29500)
+    plan = make_plan(PlanContext(spec, "evident-1"), Stage.JOB, 29500)
     labels = [n.host_label for n in plan.nodes]
     said: dict = {labels[2]: HostFrozen({"4": ["T", 7]}, of=2)}  # one of its two ranks: not pinned yet
     monkeypatch.setattr(hangwatch, "EVIDENT_S", 0.3)

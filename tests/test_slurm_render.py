@@ -20,7 +20,7 @@ from ddplaunch.backends.slurm.step import SrunStep
 from ddplaunch.errors import BackendError
 from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import StageLines
-from ddplaunch.plan.launch import make_plan
+from ddplaunch.plan.launch import PlanContext, Stage, make_plan
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.launch import dry_run
 from ddplaunch.spec.hostlist import expand_hostlist
@@ -139,7 +139,7 @@ def test_hosts_are_the_node_list_and_hostlists_expand(tmp_path):
 
 def test_step_carries_the_env_outside_the_command_line(tmp_path):
     spec = load(tmp_path, "requeue").model_copy(update={"hosts": SlurmBackend(load(tmp_path, "requeue"), RUN).hosts(False)})
-    plan = make_plan(spec, "r", "job", 25000)
+    plan = make_plan(PlanContext(spec, "r"), Stage.JOB, 25000)
     step = step_request(plan, "77")
     argv = " ".join(step.argv)
     assert "s3cret" not in argv and "hf_secret_value" not in argv and "pwned" not in argv
@@ -226,7 +226,7 @@ def test_a_mixed_fleet_step_gives_each_node_its_count_by_name(tmp_path):
     """One srun step for every node: each node's shell picks its own process count (and threads)."""
     spec = load(tmp_path, "cpu")
     hosts = [h.model_copy(update={"nproc": n}) for h, n in zip(SlurmBackend(spec, RUN).hosts(False), (1, 3))]
-    plan = make_plan(spec.model_copy(update={"hosts": hosts}), "mx", "job", 25000)
+    plan = make_plan(PlanContext(spec.model_copy(update={"hosts": hosts}), "mx"), Stage.JOB, 25000)
     body = step_request(plan, "77").argv[-1]
     counts = body[body.index('case "$SLURMD_NODENAME" in'):body.index(" esac") + 5]
     for host, want in zip(hosts, ("1", "3")):
@@ -245,7 +245,7 @@ def test_known_nodes_take_their_node_rank_by_name_not_by_the_steps_order(tmp_pat
     spec = load(tmp_path, "cpu")
     placeholder, _ = SlurmBackend(spec, RUN).hosts(False)
     n1, spare = (placeholder.model_copy(update={"addr": n, "name": n}) for n in ("n1", "n0"))
-    plan = make_plan(spec.model_copy(update={"hosts": [n1, spare]}), "sp", "job", 25000)
+    plan = make_plan(PlanContext(spec.model_copy(update={"hosts": [n1, spare]}), "sp"), Stage.JOB, 25000)
     body = step_request(plan, "77", by_name=True).argv[-1]
     assert body.startswith('case "$SLURMD_NODENAME" in ') and '--node-rank "$r"' in body
     assert "--master-addr n1 " in body  # the master did not move to the allocation's first node

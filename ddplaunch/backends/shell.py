@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Union
 from ddplaunch.backends.contract import HostResult
 from ddplaunch.output.torchrun import HEARTBEAT
 from ddplaunch.plan.hostprogram import host_program
-from ddplaunch.plan.launch import LaunchPlan, NodeCommand, host_run_dir, in_run_dir
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand, Stage, host_run_dir, in_run_dir
 from ddplaunch.plan.shellword import Raw, word
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 from ddplaunch.spec.values import SECRET_SHOWN
@@ -69,12 +69,12 @@ def pid_file(run_id: str, node: Union[int, str]) -> str:
     return word(host_run_dir(run_id)) + f"/node{node}.pid"
 
 
-def env_name(stage: str, node: Union[int, str]) -> str:
+def env_name(stage: Stage, node: Union[int, str]) -> str:
     """The name of a node's environment file for one stage in the run directory."""
-    return f"{stage}-node{node}.env"
+    return f"{stage.value}-node{node}.env"
 
 
-def env_file(run_id: str, stage: str, node: Union[int, str]) -> str:
+def env_file(run_id: str, stage: Stage, node: Union[int, str]) -> str:
     """The node's environment file for one stage; `node` may be a Raw word."""
     return word(in_run_dir(run_id, env_name(stage, node)))
 

@@ -18,7 +18,7 @@ from ddplaunch.backends.contract import Launcher, StopEvent
 from ddplaunch.hostside import pairs as pair_algorithm
 from ddplaunch.output.console import QuietConsole
 from ddplaunch.output.stagelines import StageLines
-from ddplaunch.plan.launch import derive_port, make_plan
+from ddplaunch.plan.launch import PlanContext, Stage, StageOptions, derive_port, make_plan
 from ddplaunch.record.diagnosis import Localization
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
@@ -62,7 +62,7 @@ class _ProbeRunner:
                                                       "iterations": 3, "min_busbw_gbps": None})
         sub = self.spec.model_copy(update={"hosts": list(group), "nproc_per_node": 1, "healthcheck": hc,
                                            "master": self.spec.master.model_copy(update={"addr": None, "port": None})})
-        plan = make_plan(sub, tag, "healthcheck", derive_port(tag), direct=True)
+        plan = make_plan(PlanContext(sub, tag), Stage.HEALTHCHECK, derive_port(tag), StageOptions(direct=True))
         result = self.backend.launch(self.backend.render(plan), StageLines(QuietConsole()), self.stop)
         payload = result.healthcheck
         labels = [h.label for h in group]

@@ -70,9 +70,10 @@ def container_run(spec: ContainerSpec, run_id: str, name: str, workdir: str, run
                         options=tuple(spec.options))
 
 
-def container_name(run_id: str, stage: str, node: object) -> str:
-    """`ddp-RUN-STAGE-nNODE`: a run's containers are told apart from everyone else's."""
-    return f"ddp-{run_id}-{stage}-n{node}"
+def probe_container_name(run_id: str, label: str) -> str:
+    """`ddp-RUN-probe-nHOST`: the pre-flight probe's container on host `label` (a stage's are
+    `ddp-RUN-STAGE-nNODE`, plan/launch.py `container_name`)."""
+    return f"ddp-{run_id}-probe-n{re.sub(r'[^A-Za-z0-9_.-]', '-', label)}"
 
 
 def _ipc(c: ContainerRun) -> list[str]:
@@ -130,8 +131,7 @@ def probe_words(spec: ContainerSpec, run_id: str, label: str, workdir: str) -> l
     """The runtime's command for the pre-flight's probe of host `label`: in the image, seeing the
     host's processes (other runs' leftovers are the host's) and network; workdir bound (the run
     directory does not exist yet)."""
-    run = container_run(spec, run_id, container_name(run_id, "probe", re.sub(r"[^A-Za-z0-9_.-]", "-", label)),
-                        workdir, None, ())
+    run = container_run(spec, run_id, probe_container_name(run_id, label), workdir, None, ())
     if run is None:
         return []
     pid_host = ("--pid=host",) if run.runtime in NAMED else ()

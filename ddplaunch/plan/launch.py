@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.container import ContainerRun, container_name, container_run
+from ddplaunch.plan.container import ContainerRun, container_run
 from ddplaunch.plan.hostwords import CpuShare, GpuCount, HostPath
 from ddplaunch.spec.examples import example_path
 from ddplaunch.spec.model import ClusterSpec, HostSpec, parse_size
@@ -176,9 +176,9 @@ def derive_port(run_id: str, attempt: int = 0) -> int:
     return lo + int.from_bytes(digest[:4], "big") % (hi - lo)
 
 
-def stage_port_key(run_id: str, stage: str) -> str:
+def stage_port_key(run_id: str, stage: Stage) -> str:
     """What a stage's master port is derived from (`derive_port`)."""
-    return f"{run_id}:{stage}"
+    return f"{run_id}:{stage.value}"
 
 
 def rendezvous_addr(host: HostSpec) -> str:
@@ -220,12 +220,13 @@ class _Program:
     uploads: tuple[tuple[str, str], ...]
 
 
-def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list[str]],
-             inline_healthcheck: bool, pairwise: bool, recovery: int = 0) -> _Program:
+def _program(run: PlanContext, stage: Stage, how: StageOptions) -> _Program:
+    """The stage's program: the health check on its own, or the job through the entry script."""
+    spec, run_id = run.spec, run.run_id
     healthcheck = tuple((str(src), src.name) for src in HEALTHCHECK_SOURCES)
     agent = tuple((str(src), src.name) for src in AGENT_SOURCES if src not in ENTRY_SOURCES)
-    if stage == "healthcheck":
-        return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, pairwise),
+    if stage is Stage.HEALTHCHECK:
+        return _Program(in_run_dir(run_id, "healthcheck.py"), healthcheck_args(spec, run_id, how.pairwise),
                         healthcheck + tuple((str(src), src.name) for src in AGENT_SOURCES))
     script: str = spec.job.script
     uploads: tuple[tuple[str, str], ...] = ()
@@ -237,10 +238,10 @@ def _program(spec: ClusterSpec, run_id: str, stage: str, job_args: Optional[list
         script, uploads = in_run_dir(run_id, example.name), ((str(example), example.name),)
     # every rank runs the user's script through the entry script: the health check first when
     # inline, then the script as __main__, then (job.fast_exit) no interpreter finalization
-    head = healthcheck_args(spec, run_id, pairwise) if inline_healthcheck else ["--no-healthcheck"]
+    head = healthcheck_args(spec, run_id, how.pairwise) if how.inline_healthcheck else ["--no-healthcheck"]
     head += [] if spec.job.fast_exit else ["--finalize"]
-    resume = spec.job.resume_args if recovery else []  # a relaunch tells the job to resume
-    args = [*head, "--", script, *(spec.job.args if job_args is None else job_args), *resume]
+    resume = spec.job.resume_args if how.recovery else []  # a relaunch tells the job to resume
+    args = [*head, "--", script, *(spec.job.args if run.job_args is None else run.job_args), *resume]
     return _Program(in_run_dir(run_id, "entry.py"), args,
                     (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads))
 
@@ -293,70 +294,92 @@ class Emulation:
         return out
 
 
-def agent_name(run_id: str, stage: str, host: str) -> str:
+def agent_name(run_id: str, stage: Stage, host: str) -> str:
     """The name of a node's agent (its socket's, in the abstract namespace), in its ranks' environment."""
-    return f"{run_id}.{stage}.{host}"
+    return f"{run_id}.{stage.value}.{host}"
 
 
-def make_plan(spec: ClusterSpec, run_id: str, stage: Union[Stage, str], port: int,
-              job_args: Optional[list[str]] = None, direct: bool = False,
-              environ: Optional[Mapping[str, str]] = None, inline_healthcheck: bool = False,
-              pairwise: bool = False, recovery: int = 0, emulate: Optional[Emulation] = None) -> LaunchPlan:
+def container_name(run_id: str, stage: Stage, node: object) -> str:
+    """`ddp-RUN-STAGE-nNODE`: a run's containers are told apart from everyone else's."""
+    return f"ddp-{run_id}-{stage.value}-n{node}"
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every launch of one run is planned from: the validated spec (for Slurm: `hosts` are
+    the allocated nodes, in order), the run id (letters, digits and `._-`), the arguments that
+    replace `job.args` (`up -- ARGS`), emulated ranks in place of torchrun and the job
+    (`up --emulate`), and the launcher's environment for `env: {X: {from_env: Y}}` (None:
+    os.environ)."""
+
+    spec: ClusterSpec
+    run_id: str
+    job_args: Optional[list[str]] = None
+    emulate: Optional[Emulation] = None
+    environ: Optional[Mapping[str, str]] = None
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How one launch starts its ranks, as its caller decides (`plan_stage`, the localization)."""
+
+    #: One rank per host started without torchrun, the torchrun env contract set by the plan
+    #: itself (half the processes: the localization's pair probes, a one-process `check`).
+    direct: bool = False
+    #: The job's workers run the health check first, in the same launch.
+    inline_healthcheck: bool = False
+    #: The health check also tests host pairs in-process (and names slow hosts).
+    pairwise: bool = False
+    #: How many host failures the run has survived: a relaunch after one tells the job
+    #: (DDPLAUNCH_RECOVERY=N, and `job.resume_args` after its arguments) to resume from its
+    #: latest checkpoint.
+    recovery: int = 0
+
+
+def make_plan(run: PlanContext, stage: Stage, port: int, how: StageOptions = StageOptions()) -> LaunchPlan:
     """Build the launch plan of one stage.
 
     Args:
-        spec: the validated cluster spec (for Slurm: `hosts` are the allocated nodes, in order).
-        run_id: unique id of this `up` (letters, digits and `._-`).
-        stage: "healthcheck" or "job".
+        run: the run's spec, id, job arguments, emulation and launcher environment.
+        stage: the health check on its own, or the job.
         port: the master port (see `derive_port`; the caller checks it is free).
-        job_args: arguments that replace `job.args` (from `up -- ARGS`).
-        direct: one rank per host started without torchrun, the torchrun env contract set by
-            the plan itself (half the processes: used for the localization's pair probes).
-        environ: the launcher's environment, for `env: {X: {from_env: Y}}` (None: os.environ).
-        inline_healthcheck: the job's workers run the health check first, in the same launch.
-        pairwise: the health check also tests host pairs in-process (and names slow hosts).
-        recovery: how many host failures the run has survived: a relaunch after one tells the
-            job (DDPLAUNCH_RECOVERY=N, and `job.resume_args` after its arguments) so it knows to
-            resume from its latest checkpoint.
-        emulate: emulated ranks in place of torchrun and the job (`up --emulate`).
+        how: how this launch starts its ranks (direct, health check inline, pairwise, recovery).
     Returns:
         The plan; a backend's `render(plan).text()` is its dry-run text.
     """
-    stage = Stage(stage)  # ValueError for an unknown one
-    program = _program(spec, run_id, stage, job_args, inline_healthcheck, pairwise, recovery) if emulate is None \
-        else _emulated(run_id, emulate, len(spec.hosts))
+    spec = run.spec
+    program = _program(run, stage, how) if run.emulate is None else _emulated(run.run_id, run.emulate, len(spec.hosts))
     addr = master_addr(spec)
-    user_env = spec.env_values(os.environ if environ is None else environ)
-    where = _Where(run_id, stage, addr, port, user_env, direct, recovery, emulate)
-    nodes = [_node(spec, where, program, rank, host) for rank, host in enumerate(spec.hosts)]
-    return LaunchPlan(run_id=run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
+    user_env = spec.env_values(os.environ if run.environ is None else run.environ)
+    where = _Where(run, stage, how, addr, port, user_env)
+    nodes = [_node(where, program, rank, host) for rank, host in enumerate(spec.hosts)]
+    return LaunchPlan(run_id=run.run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
                       nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
-                      healthcheck=stage == "healthcheck" or inline_healthcheck)
+                      healthcheck=stage is Stage.HEALTHCHECK or how.inline_healthcheck)
 
 
 @dataclass(frozen=True)
 class _Where:
     """What every node of one launch shares."""
 
-    run_id: str
+    run: PlanContext
     stage: Stage
+    how: StageOptions
     addr: str
     port: int
     user_env: dict[str, str]
-    direct: bool
-    recovery: int
-    emulate: Optional[Emulation]
 
 
-def _node(spec: ClusterSpec, where: _Where, program: _Program, rank: int, host: HostSpec) -> NodeCommand:
+def _node(where: _Where, program: _Program, rank: int, host: HostSpec) -> NodeCommand:
     """Node `rank`'s command: its environment, its agent, torchrun's arguments (or none: direct
     ranks, emulated ones)."""
-    run_id, stage, emulate, direct = where.run_id, where.stage, where.emulate, where.direct
+    spec, run_id, stage = where.run.spec, where.run.run_id, where.stage
+    emulate, direct = where.run.emulate, where.how.direct
     python = host_python(spec, host)
     nproc = 1 if direct else emulate.ranks_per_host if emulate is not None else spec.nproc_of(host)
     env = node_env(spec, run_id, stage, host.label, where.user_env, nproc)
-    if where.recovery:
-        env["DDPLAUNCH_RECOVERY"] = str(where.recovery)
+    if where.how.recovery:
+        env["DDPLAUNCH_RECOVERY"] = str(where.how.recovery)
     torchrun, agent = None, None
     if not direct:  # the node's agent: its ranks report to it (hostside/agent.py)
         env["DDPLAUNCH_AGENT"] = agent_name(run_id, stage, host.label)
@@ -391,7 +414,7 @@ def _emulated(run_id: str, emulate: Emulation, nnodes: int) -> _Program:
                     tuple((str(src), src.name) for src in sources))
 
 
-def _container(spec: ClusterSpec, run_id: str, stage: str, rank: int, env: Mapping[str, str]
+def _container(spec: ClusterSpec, run_id: str, stage: Stage, rank: int, env: Mapping[str, str]
                ) -> Optional[ContainerRun]:
     """The node's container, if the spec has one: workdir, the run directory and the job script's
     own directory (when it is elsewhere) bound; every variable of `env` passed by name."""
@@ -422,13 +445,13 @@ def healthcheck_args(spec: ClusterSpec, run_id: str, pairwise: bool = False) -> 
     return args
 
 
-def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
+def node_env(spec: ClusterSpec, run_id: str, stage: Stage, label: str,
              user_env: Mapping[str, str], nproc: Union[int, str] = 1) -> dict[str, str]:
     """Every environment variable of one node's processes (`nproc` of them): ddplaunch's run tags,
     then the spec's."""
     env = {
         "DDPLAUNCH_RUN_ID": run_id,
-        "DDPLAUNCH_STAGE": stage,
+        "DDPLAUNCH_STAGE": stage.value,
         "DDPLAUNCH_HOST": label,
         "DDPLAUNCH_DIST_TIMEOUT": str(spec.dist_timeout),
         "DDPLAUNCH_DIST_BACKEND": spec.dist_backend,
@@ -445,7 +468,7 @@ def node_env(spec: ClusterSpec, run_id: str, stage: str, label: str,
     if spec.socket_ifname:
         env["GLOO_SOCKET_IFNAME"] = spec.socket_ifname
         env["NCCL_SOCKET_IFNAME"] = spec.socket_ifname
-    if spec.job.debug_collectives and stage == "job":
+    if spec.job.debug_collectives and stage is Stage.JOB:
         # PyTorch checks that every rank calls the same collective with matching shapes
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     env.update(user_env)  # the user's values win

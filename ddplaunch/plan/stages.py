@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.launch import Emulation, LaunchPlan, Stage, make_plan
+from ddplaunch.plan.launch import Emulation, LaunchPlan, PlanContext, Stage, StageOptions, make_plan
 from ddplaunch.spec.model import ClusterSpec
 
 
@@ -53,7 +53,7 @@ def stages_of(spec: ClusterSpec, opts: UpOptions) -> list[Stage]:
     return [Stage.JOB]
 
 
-def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOptions,
+def plan_stage(spec: ClusterSpec, run_id: str, stage: Stage, port: int, opts: UpOptions,
                recovery: int = 0) -> LaunchPlan:
     """One launch's plan: `check` always tests host pairs; `up` when `healthcheck.pairwise`.
 
@@ -62,11 +62,10 @@ def plan_stage(spec: ClusterSpec, run_id: str, stage: str, port: int, opts: UpOp
     second time on every host, about 40 % of a 4-host check here, to start one process. The
     pre-flight has already checked torch and the master's port; `up` always runs torchrun.
     """
-    inline = stage == Stage.JOB and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
-    direct = opts.healthcheck_only and spec.nproc_per_node == 1
-    return make_plan(spec, run_id, stage, port, opts.job_args, inline_healthcheck=inline, direct=direct,
-                     pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery,
-                     emulate=opts.emulate)
+    inline = stage is Stage.JOB and healthcheck_wanted(spec, opts) and spec.healthcheck.launch == "inline"
+    how = StageOptions(direct=opts.healthcheck_only and spec.nproc_per_node == 1, inline_healthcheck=inline,
+                       pairwise=opts.healthcheck_only or spec.healthcheck.pairwise, recovery=recovery)
+    return make_plan(PlanContext(spec, run_id, opts.job_args, opts.emulate), stage, port, how)
 
 
 def exclude_hosts(spec: ClusterSpec, labels: list[str]) -> ClusterSpec:

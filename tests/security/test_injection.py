@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ddplaunch.backends.shell import env_text, shell_line
 from ddplaunch.backends.slurm.render import step_request
-from ddplaunch.plan.launch import make_plan
+from ddplaunch.plan.launch import PlanContext, Stage, make_plan
 from ddplaunch.spec.model import ClusterSpec
 
 CANARY = "/tmp/ddplaunch-injection-canary"
@@ -67,7 +67,7 @@ def run_bash(script: str, home: Path, extra: dict) -> subprocess.CompletedProces
 def test_values_round_trip_through_every_renderer(tmp_path_factory, arg, env_value, workdir_name):
     tmp = tmp_path_factory.mktemp("inj")
     spec = build(tmp, arg, env_value, workdir_name)
-    plan = make_plan(spec, "r1", "job", 25000, environ={})
+    plan = make_plan(PlanContext(spec, "r1", environ={}), Stage.JOB, 25000)
     node = plan.nodes[1]
     run_dir = tmp / ".ddplaunch" / "runs" / "r1"
     run_dir.mkdir(parents=True)

@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 import jinja2
 
 from ddplaunch.backends.shell import pid_file, shell_line, stage_files
-from ddplaunch.plan.container import container_name, pyxis_options
+from ddplaunch.plan.container import pyxis_options
 from ddplaunch.plan.hostwords import HostWord
-from ddplaunch.plan.launch import LaunchPlan, NodeCommand, agent_name, host_run_dir, in_run_dir
+from ddplaunch.plan.launch import LaunchPlan, NodeCommand, agent_name, container_name, host_run_dir, in_run_dir
 from ddplaunch.plan.shellword import Raw, word
 from ddplaunch.spec.model import ClusterSpec, ContainerSpec
 from ddplaunch.spec.values import SECRET_SHOWN
