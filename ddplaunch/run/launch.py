@@ -166,9 +166,10 @@ def run_here(spec: ClusterSpec, spec_path: str, opts: UpOptions, stream: Optiona
     return run_begun(begin(spec, spec_path, opts), opts, stream)
 
 
-def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -> RunView:
+def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None, summary: bool = True) -> RunView:
     """The run loop of a begun run; its event log ends whatever happens (an error is raised after
-    `RunEnded` says it), and the summary of its fold is written to `stream`."""
+    `RunEnded` says it), and with `summary` the summary of its fold is written to `stream` (a
+    daemon's follower renders it instead: supervise/follow.py)."""
     stream = stream or sys.stdout
     spec, record, events, view = begun.spec, begun.record, begun.events, begun.view
     try:
@@ -194,8 +195,9 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None) -
         readmit(spec, view.passed)
     events.append(RunEnded(run_state(code), code))
     events.close()
-    stream.write(summarize(view) + "\n")
-    stream.flush()
+    if summary:
+        stream.write(summarize(view) + "\n")
+        stream.flush()
     return view
 
 

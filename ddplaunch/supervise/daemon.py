@@ -162,8 +162,8 @@ def _supervise(spec: ClusterSpec, spec_path: str, opts: UpOptions, answer_fd: in
         os.close(log)
         _answer(answer_fd, {"run_id": begun.record.run_id, "pid": os.getpid(),
                             "start": process_start_time(os.getpid())})
-        with open(os.devnull, "w") as nowhere:
-            code = launch.run_begun(begun, opts, stream=nowhere).exit_code
+        with open(os.devnull, "w") as nowhere:  # the screen is the event log's; its follower renders the summary
+            code = launch.run_begun(begun, opts, stream=nowhere, summary=False).exit_code
     except DdplaunchError as err:  # told in the event log's RunEnded; the attached side prints it
         code = err.exit_code
     except BaseException:  # a defect: its traceback for the supervisor log
