@@ -93,7 +93,6 @@ def test_readme_plan_line_is_what_the_dry_run_prints(tmp_path):
 #: thread. Asserted to be exactly what the checks find, so an entry that becomes true fails the
 #: test until it is removed here: empty it as the work lands, and keep it empty.
 KNOWN_FALSE = {
-    "report/top.py imports threading (the table says report/ is pure)",
     "backends/slurm/client.py writes slurm.json into a run's directory; the run's memory does not name it",
     "record/runs.py writes record.json into a run's directory; the run's memory does not name it",
     "report/evidence.py writes healthcheck.json into a run's directory; the run's memory does not name it",
