@@ -7,7 +7,6 @@ are followed by polling with deadlines; a run's processes are found by its DDPLA
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import re
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddplaunch.backends.slurm.client import SlurmJob
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
 from tests.ssh_util import ROOT, ddplaunch, popen_ddplaunch, read_until, run_processes, wait_for
 
@@ -39,7 +39,9 @@ def slurm_env(cluster) -> dict[str, str]:
 
 
 def job_of(tmp_path: Path, run_id: str) -> str:
-    return json.loads((tmp_path / "state" / "runs" / run_id / "slurm.json").read_text())["job_id"]
+    job = SlurmJob.load(tmp_path / "state" / "runs" / run_id)  # a detached run's: its record's
+    assert job is not None
+    return job.job_id
 
 
 def queue_state(cluster, job_id: str) -> str:

@@ -194,6 +194,14 @@ def load_run(run_id: str) -> RunRecord:
                                f"{str(err)[:200]}); remove the directory or pass another run id") from None
 
 
+def read_record(directory: Path) -> Optional[RunRecord]:
+    """The record in a run directory, None when it has none or it is unreadable."""
+    try:
+        return _record(json.loads((directory / "record.json").read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def _record(data: Any) -> RunRecord:
     """A RunRecord from a record file's JSON, every field of the type it must have.
 
@@ -210,13 +218,8 @@ def _record(data: Any) -> RunRecord:
 def list_runs() -> list[RunRecord]:
     """Every readable recorded run, newest first."""
     root = home() / "runs"
-    records = []
-    for path in sorted(root.glob("*/record.json")) if root.is_dir() else []:
-        try:
-            records.append(_record(json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue
-    return sorted(records, key=lambda r: r.started_at, reverse=True)
+    found = (read_record(path.parent) for path in sorted(root.glob("*/record.json"))) if root.is_dir() else ()
+    return sorted((r for r in found if r is not None), key=lambda r: r.started_at, reverse=True)
 
 
 def latest_run(project_dir: Optional[Path] = None) -> tuple[RunRecord, str]:

@@ -215,8 +215,6 @@ class SlurmBackend:
         job_id = proc.stdout.strip().split(";")[0]
         if proc.returncode != 0 or not job_id.isdigit():
             raise BackendError(describe_sbatch_error(proc.stderr or proc.stdout))
-        SlurmJob(job_id=job_id, owned=True, slurm_conf=self.client.conf,
-                 output_path=output.replace("%j", job_id)).save(record.dir)
         return InJob(job_id, f"submitted Slurm job {job_id}; follow it with `ddplaunch logs {record.run_id} -f`, "
                              f"`ddplaunch status {record.run_id}`; stop it with `ddplaunch down {record.run_id}`")
 

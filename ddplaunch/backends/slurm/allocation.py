@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from ddplaunch.backends.contract import RunContext
-from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error
+from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error, job_output
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -57,8 +57,7 @@ class Allocation:
         return names or None, active + self.spec.recovery.spare_count
 
     def output_path(self) -> str:
-        out = Path(self.spec.workdir_path) / self.spec.slurm.output_dir
-        return str(out / f"{self.run.run_id}-%j.out")
+        return job_output(self.spec, self.run.run_id)
 
     def text(self) -> str:
         if self.inside:

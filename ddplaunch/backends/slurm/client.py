@@ -1,5 +1,6 @@
 """Slurm's client commands (sbatch, srun, squeue, scontrol, scancel), each with a timeout, and
-what ddplaunch remembers of a job it submitted. `SLURM_CONF` comes from `slurm.conf` in the spec."""
+the job a run uses (`SlurmJob`): a detached run's is read from its record, an attached run's
+allocation from `slurm.json`. `SLURM_CONF` comes from `slurm.conf` in the spec."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ddplaunch.errors import BackendError
+from ddplaunch.record.runs import InJob, read_record, write_private
+from ddplaunch.spec.model import ClusterSpec
 
 #: Timeout of each Slurm client command.
 COMMAND_TIMEOUT = 30.0
@@ -32,9 +35,22 @@ SBATCH_ERRORS = (
 )
 
 
+def job_output(spec: ClusterSpec, run_id: str) -> str:
+    """Where a run's job writes its output (`%j`: the job's id)."""
+    return str(Path(spec.workdir_path) / spec.slurm.output_dir / f"{run_id}-%j.out")
+
+
+def spec_conf(spec: ClusterSpec) -> Optional[str]:
+    """The spec's `slurm.conf` (its relative path taken from the spec file's directory), if set."""
+    return str(spec.resolve(spec.slurm.conf)) if spec.slurm.conf else None
+
+
 @dataclass
 class SlurmJob:
-    """What ddplaunch remembers of a job it submitted or uses (`runs/<id>/slurm.json`)."""
+    """The Slurm job a run uses. A detached run's is its record's (`InJob` in `record.json`: the
+    job its supervisor runs in, submitted by ddplaunch), read from the record and never written
+    again; an attached run's allocation — the one it submitted, or the one it runs inside — is
+    written by the backend as `runs/<id>/slurm.json` once it has it."""
 
     job_id: str
     #: ddplaunch submitted it (and cancels it when the run ends), rather than running inside it.
@@ -43,13 +59,19 @@ class SlurmJob:
     output_path: Optional[str] = None
 
     def save(self, run_dir: Path) -> None:
-        from ddplaunch.record.runs import write_private
-
+        """Write an attached run's allocation (`slurm.json`, 0600)."""
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_private(run_dir / "slurm.json", json.dumps(asdict(self), indent=2, sort_keys=True))
 
     @classmethod
     def load(cls, run_dir: Path) -> Optional["SlurmJob"]:
+        """The run's job: the one its record names when it was detached (None before it was
+        submitted), else the allocation saved in `slurm.json` (None: none saved)."""
+        record = read_record(run_dir)
+        if record is not None and isinstance(record.placement, InJob):
+            job_id = record.placement.job_id
+            return cls(job_id, owned=True, slurm_conf=spec_conf(record.spec),
+                       output_path=job_output(record.spec, record.run_id).replace("%j", job_id)) if job_id else None
         try:
             return cls(**json.loads((run_dir / "slurm.json").read_text()))
         except (OSError, ValueError, TypeError):
