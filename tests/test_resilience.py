@@ -14,8 +14,8 @@ from pathlib import Path
 
 from ddplaunch.diagnose.oom import killed_ranks
 from ddplaunch.diagnose.stacks import RankStack, stuck_at, summarize_stacks
-from ddplaunch.output.torchrun import VICTIM_RE, mismatch_lines, rank_cause, store_errors
-from ddplaunch.output.who import OutputLine
+from ddplaunch.output.torchrun import VICTIM_RE, finding_lines, rank_cause
+from ddplaunch.output.who import OutputLine, read_line
 from tests.doc_examples import check_doc_example
 from tests.ssh_util import ddplaunch, popen_ddplaunch, read_until, run_processes, sim_spec, wait_for
 from tests.timing import no_hang
@@ -49,11 +49,10 @@ def test_mismatch_and_store_errors_condensed():
     line = (f"[dlt2:1] [rank1]: RuntimeError: Detected mismatch between collectives on ranks. Rank 1 is running "
             f"collective: {fp.format(4, 'Float')}, but Rank 0 is running collective: {fp.format(8, 'Double')}."
             "Collectives differ in the following aspects: Tensor Tensor shapes: 4vs 8")
-    assert mismatch_lines([line, line]) == [
-        "dlt2 rank 1: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
-        "rank 1 ALLREDUCE [4] Float vs rank 0 ALLREDUCE [8] Double"]
     store = "[dlt1] torch.distributed.DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."
-    assert store_errors([store]) == [
+    assert finding_lines([read_line(line), read_line(line), read_line(store)]) == [
+        "dlt2 rank 1: collective mismatch (TORCH_DISTRIBUTED_DEBUG=DETAIL): "
+        "rank 1 ALLREDUCE [4] Float vs rank 0 ALLREDUCE [8] Double",
         "dlt1: DistStoreError: Timed out after 31 seconds waiting for clients. 1/2 clients joined."]
 
 
@@ -105,6 +104,8 @@ def test_killed_worker_restarts_resumes_and_ends_bitwise_identical(sim_cluster, 
     and ends with the weights of an undisturbed run."""
     ref = ddplaunch(["up", str(_train_spec(sim_cluster, tmp_path, "ref")), "--run-id", "res-ref"], tmp_path)
     assert ref.returncode == 0, ref.stdout[-3000:]
+    # DDP over SSH across hosts: every replica ends with the same parameters
+    assert re.search(r"replicas identical: \w+ on 4 ranks", ref.stdout), ref.stdout[-3000:]
     (want,) = SHA_RE.findall(ref.stdout)
 
     spec = _train_spec(sim_cluster, tmp_path, "killed", "--step-sleep", "0.3", max_restarts=1)

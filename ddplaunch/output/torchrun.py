@@ -11,7 +11,7 @@ import re
 import signal
 from typing import Callable, Iterable, Optional, Sequence
 
-from ddplaunch.output.who import OutputLine, read_line
+from ddplaunch.output.who import OutputLine
 
 PAYLOAD_RE = re.compile(r"\bDDPLAUNCH_([A-Z]+)_JSON (\{.*\})\s*$")
 _RANK_RE = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
@@ -109,18 +109,6 @@ def finding_lines(findings: Sequence[OutputLine]) -> list[str]:
     """The findings (FINDING_RE's lines) as the summary repeats them: PyTorch's collective
     mismatches, then rendezvous/store timeouts, one short line each."""
     return _mismatches(findings) + _store_errors(findings)
-
-
-def mismatch_lines(findings: Sequence[str]) -> list[str]:
-    """`finding_lines`' mismatches, from findings as a screen showed them (a stage result's).
-    Transitional: goes once run/loop.py hands `finding_lines` its StageLines' typed findings."""
-    return _mismatches([line for line in map(read_line, findings) if line is not None])
-
-
-def store_errors(findings: Sequence[str]) -> list[str]:
-    """`finding_lines`' store errors, from findings as a screen showed them (a stage result's).
-    Transitional: goes once run/loop.py hands `finding_lines` its StageLines' typed findings."""
-    return _store_errors([line for line in map(read_line, findings) if line is not None])
 
 
 def _mismatches(findings: Sequence[OutputLine]) -> list[str]:

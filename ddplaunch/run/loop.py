@@ -23,7 +23,7 @@ from ddplaunch.diagnose.preflight import PreflightReport, reach_hosts
 from ddplaunch.errors import PlanError
 from ddplaunch.output.console import hosts_named
 from ddplaunch.output.stagelines import StageLines
-from ddplaunch.output.torchrun import mismatch_lines, store_errors
+from ddplaunch.output.torchrun import finding_lines
 from ddplaunch.plan.hostwords import CpuShare
 from ddplaunch.plan.launch import LaunchPlan, Stage, derive_port, master_addr, stage_port_key
 from ddplaunch.plan.stages import plan_stage, preflight_wanted, stages_of
@@ -280,7 +280,7 @@ class RunLoop:
                 result = self.backend.launch(request, lines, self.stop)
         result.diagnosis += watchdog.diagnosis if watchdog else []
         result.diagnosis += _aborted_after_return(result)
-        result.diagnosis += mismatch_lines(result.findings) + store_errors(result.findings)
+        result.diagnosis += finding_lines(lines.findings)
         result.diagnosis += self._oom_kills(spec, plan, result)
         self.say(StageEnded(result))
         return result
