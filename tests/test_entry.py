@@ -221,15 +221,14 @@ def test_failed_health_check_runs_no_job_code(tmp_path):
 
 def test_reproducer_never_aborts_through_entry():
     """jobs/teardown_repro.py can abort at exit under bare torchrun (bench/teardown.py; rare on
-    this machine); through entry.py a finished rank leaves by os._exit and never reaches that
-    teardown: every rank reports its exit line and the run succeeds."""
-    runs = 3
-    for _ in range(runs):
-        run = run_torchrun(ENTRY, "--no-healthcheck", "--", JOBS / "teardown_repro.py", nproc=3,
-                           timeout=120)
-        assert "terminate called" not in run.stdout, run.stdout
-        assert run.returncode == 0, run.stdout
-        assert sorted(e["rank"] for e in rank_exits(run.stdout)) == [0, 1, 2]
+    this machine: 0 of about 40 bare runs, so repeating the run here would not make it fail);
+    through entry.py a finished rank leaves by os._exit and never reaches that teardown: every
+    rank reports its exit line and the run succeeds. That no rank reaches the interpreter's
+    finalization is test_leaves_without_finalization_unless_finalize's to show, every time."""
+    run = run_torchrun(ENTRY, "--no-healthcheck", "--", JOBS / "teardown_repro.py", nproc=3, timeout=120)
+    assert "terminate called" not in run.stdout, run.stdout
+    assert run.returncode == 0, run.stdout
+    assert sorted(e["rank"] for e in rank_exits(run.stdout)) == [0, 1, 2]
 
 
 def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_print(tmp_path):
