@@ -26,6 +26,7 @@ from ddplaunch.plan.launch import HOST_RUN_ROOT, LaunchPlan
 from ddplaunch.record.results import StageResult
 from ddplaunch.record.runs import RunRecord, write_private
 from ddplaunch.spec.model import ClusterSpec, HostSpec
+from ddplaunch.spec.values import RUNTIMES
 
 
 class LocalBackend(ShellLauncher):
@@ -100,7 +101,8 @@ class _LocalStage:
         self.plan, self.proc, self.run_dir = plan, proc, run_dir
         self.host = plan.nodes[0].host_label
         container = plan.nodes[0].container
-        self.runtime = container.runtime if container is not None else None
+        # the containers the stage's end removes by label (a named runtime's: docker, podman)
+        self.runtime = container.runtime if container is not None and RUNTIMES[container.runtime].named else None
         self.reader = threading.Thread(target=self._pump, args=(lines,), daemon=True)
         self.reader.start()
 

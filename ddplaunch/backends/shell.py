@@ -22,7 +22,7 @@ from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import LaunchPlan, NodeCommand, Stage, host_run_dir, in_run_dir
 from ddplaunch.plan.shellword import Raw, word
 from ddplaunch.spec.model import ClusterSpec, HostSpec
-from ddplaunch.spec.values import SECRET_SHOWN
+from ddplaunch.spec.values import RUNTIMES, SECRET_SHOWN, Runtime
 
 #: While the node's shell, and the torchrun it becomes, lives: a line every second that says so
 #: (backends/failfast.py counts a node silent for `recovery.detect_timeout` as a host to check). It
@@ -173,10 +173,11 @@ class ShellRequest:
         return shell_line(node, heartbeat=self.heartbeat, lease=self.lease)
 
 
-def runtime_of(spec: ClusterSpec) -> Optional[str]:
-    """The container runtime whose containers a run's teardown removes by label (docker, podman)."""
+def runtime_of(spec: ClusterSpec) -> Optional[Runtime]:
+    """The container runtime whose containers a run's teardown removes by label (a named one:
+    docker, podman), if the spec's is one."""
     runtime = spec.container.runtime if spec.container is not None else None
-    return runtime if runtime in ("docker", "podman") else None
+    return runtime if runtime is not None and RUNTIMES[runtime].named else None
 
 
 class ShellLauncher:

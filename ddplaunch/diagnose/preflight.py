@@ -22,6 +22,7 @@ from ddplaunch.plan.shellword import IFNAME
 from ddplaunch.record.diagnosis import CHECKS, Check, HostReport, PreflightReport
 from ddplaunch.spec.examples import is_example
 from ddplaunch.spec.model import ClusterSpec, HostSpec
+from ddplaunch.spec.values import RUNTIMES
 
 #: The oldest torch (major, minor) the hosts may have: torchrun's --signals-to-handle came with 2.10.
 MIN_TORCH = (2, 10)
@@ -68,7 +69,7 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "probe_s": port_window(spec, parallel, expect)}
     if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
-    image = spec.container if spec.container is not None and spec.container.runtime != "pyxis" else None
+    image = spec.container if spec.container is not None and not RUNTIMES[spec.container.runtime].in_step else None
     before = probe_words(image, run_id, host.label, spec.workdir_path) if image else []
     text, nonce = host_program("probe", host_python(spec, host), json.dumps(args, sort_keys=True), before=before)
     return (f"{image_check(image, nonce, spec.workdir_path)}; {text}" if image else text), nonce
@@ -194,7 +195,7 @@ def _image_fix(spec: ClusterSpec, error: str) -> str:
     assert c is not None
     if "not found on the host" in error:
         return f"install {c.runtime} on the host"
-    if c.runtime in ("docker", "podman"):
+    if RUNTIMES[c.runtime].named:
         return (f"{c.runtime} pull {c.image} on the host (or load it), or set container.pull: missing"
                 if c.pull == "never" else f"check the image name and that the host can pull it ({c.runtime} pull {c.image})")
     return f"put {c.image} on the host (a shared file system), or use a docker:// image"

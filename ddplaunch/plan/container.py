@@ -21,14 +21,13 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ddplaunch.plan.hostwords import HomeBind, HostFlags, HostUser
 from ddplaunch.plan.shellword import Raw
 from ddplaunch.spec.model import ContainerSpec
+from ddplaunch.spec.values import RUNTIMES, Runtime
 
-#: Runtimes whose containers outlive a killed client and are removed by name and label.
-NAMED = ("docker", "podman")
 LABEL_RUN = "ddplaunch.run"
 LABEL_USER = "ddplaunch.user"
 GPU_TEST = "[ -e /dev/nvidiactl ]"
@@ -42,7 +41,7 @@ _IPC_OPTIONS = ("--ipc", "--shm-size")
 class ContainerRun:
     """One node's container: what runs it, and what goes in."""
 
-    runtime: str
+    runtime: Runtime
     image: str
     name: str  # docker, podman: the container's name (a Slurm step names it per node)
     run_id: str
@@ -62,7 +61,7 @@ def container_run(spec: ContainerSpec, run_id: str, name: str, workdir: str, run
                   env_names: Sequence[str], extra_binds: Sequence[str] = ()) -> Optional[ContainerRun]:
     """The container of one node (None for pyxis: srun runs the whole step in it); `run_dir`
     (under the host's home) is bound when given."""
-    if spec.runtime == "pyxis":
+    if RUNTIMES[spec.runtime].in_step:
         return None
     binds = [f"{workdir}:{workdir}", *([HomeBind(run_dir)] if run_dir else []), *extra_binds, *spec.mounts]
     return ContainerRun(runtime=spec.runtime, image=spec.image, name=name, run_id=run_id, workdir=workdir,
@@ -80,12 +79,12 @@ def _ipc(c: ContainerRun) -> list[str]:
     return [] if any(o.startswith(_IPC_OPTIONS) for o in c.options) else ["--ipc=host"]
 
 
-def _oci(c: ContainerRun, client: str) -> list[str]:
+def _oci(c: ContainerRun) -> list[str]:
     """docker and podman: `run` with every default distributed training needs."""
     name = Raw(f"--name={c.name}") if isinstance(c.name, Raw) else f"--name={c.name}"  # a Slurm step's: per node
-    out = [client, "run", "--rm", name, f"--label={LABEL_RUN}={c.run_id}",
+    out = [RUNTIMES[c.runtime].client, "run", "--rm", name, f"--label={LABEL_RUN}={c.run_id}",
            HostUser(f"--label={LABEL_USER}="), "--network=host", *_ipc(c)]
-    if client == "docker":
+    if c.runtime is Runtime.DOCKER:
         out += ["--init", HostFlags("--gpus=all", GPU_TEST), HostUser("--user=")]
     else:  # podman maps the user itself when rootless (keep-id); CDI names the GPUs
         out += [HostFlags("--device=nvidia.com/gpu=all", CDI_TEST), HostFlags("--userns=keep-id", '[ "$(id -u)" != 0 ]')]
@@ -115,8 +114,9 @@ def _enroot(c: ContainerRun) -> list[str]:
     return out + [*c.options, c.image, "sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", c.workdir]
 
 
-_RENDER = {"docker": lambda c: _oci(c, "docker"), "podman": lambda c: _oci(c, "podman"),
-           "apptainer": _apptainer, "enroot": _enroot}
+#: Each per-node runtime's command (pyxis has none: srun's own flags, `pyxis_options`).
+_RENDER: dict[Runtime, Callable[[ContainerRun], list[str]]] = {
+    Runtime.DOCKER: _oci, Runtime.PODMAN: _oci, Runtime.APPTAINER: _apptainer, Runtime.ENROOT: _enroot}
 
 
 def pyxis_options(spec: ContainerSpec, workdir: str, extra_binds: Sequence[str] = ()) -> list[str]:
@@ -134,7 +134,7 @@ def probe_words(spec: ContainerSpec, run_id: str, label: str, workdir: str) -> l
     run = container_run(spec, run_id, probe_container_name(run_id, label), workdir, None, ())
     if run is None:
         return []
-    pid_host = ("--pid=host",) if run.runtime in NAMED else ()
+    pid_host = ("--pid=host",) if RUNTIMES[run.runtime].named else ()
     return replace(run, options=pid_host + run.options).words()
 
 
@@ -147,18 +147,19 @@ def image_check(spec: ContainerSpec, nonce: str, workdir: str) -> str:
     def fail(why: str, key: str = "image_error") -> str:
         answer = shlex.quote(json.dumps({key: why}))
         return f"{{ printf 'DDPLAUNCH_ANSWER_{nonce} %s\\n' {answer}; exit 0; }}"
-    runtime = {"pyxis": "srun"}.get(spec.runtime, spec.runtime)
+    traits = RUNTIMES[spec.runtime]
+    client = traits.client
     present = (f"[ -d {shlex.quote(workdir)} ] || {fail(f'workdir {workdir} missing', 'workdir_error')}; "
-               f"command -v {runtime} >/dev/null 2>&1 || {fail(f'{runtime} not found on the host')}")
-    if spec.runtime in NAMED:
-        have = f"{spec.runtime} image inspect {image} >/dev/null 2>&1"
-        pull = f"{spec.runtime} pull -q {image} >/dev/null 2>&1"
+               f"command -v {client} >/dev/null 2>&1 || {fail(f'{client} not found on the host')}")
+    if traits.named:
+        have = f"{client} image inspect {image} >/dev/null 2>&1"
+        pull = f"{client} pull -q {image} >/dev/null 2>&1"
         missing = fail(f"image {spec.image} is not on the host" + (" and could not be pulled" if spec.pull != "never"
                                                                      else " (container.pull: never)"))
         check = {"never": f"{have} || {missing}", "missing": f"{have} || {pull} || {missing}",
                  "always": f"{pull} || {missing}"}[spec.pull]
         return f"{present}; {check}"
-    if spec.runtime in ("apptainer", "enroot") and not spec.image.startswith(("docker://", "oras://", "library://")):
-        listed = f" || enroot list 2>/dev/null | grep -qxF {image}" if spec.runtime == "enroot" else ""
+    if traits.local_image and not spec.image.startswith(("docker://", "oras://", "library://")):
+        listed = f" || enroot list 2>/dev/null | grep -qxF {image}" if spec.runtime is Runtime.ENROOT else ""
         return f"{present}; [ -e {image} ]{listed} || {fail(f'image {spec.image} is not on the host')}"
     return present

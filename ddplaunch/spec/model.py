@@ -20,7 +20,7 @@ from ddplaunch.errors import SpecError
 from ddplaunch.spec import registry
 from ddplaunch.spec.hostlist import expand_hosts
 from ddplaunch.spec.values import (SECRET_SHOWN, Arg, EnvName, HostAddr, HostName, Interpreter, Line, Mount,
-                                   SbatchOption, SlurmName, SlurmNames, SlurmTime, UserEnvName, UserName,
+                                   Runtime, SbatchOption, SlurmName, SlurmNames, SlurmTime, UserEnvName, UserName,
                                    is_secret_name, is_secret_value)
 from ddplaunch.spec.yamlsafe import show
 
@@ -165,7 +165,7 @@ class ContainerSpec(_Strict):
 
     #: an image name (registry or local); apptainer: a .sif path or docker://...; enroot: a .sqsh or a name
     image: Line
-    runtime: Literal["docker", "podman", "apptainer", "enroot", "pyxis"] = "docker"
+    runtime: Runtime = Runtime.DOCKER
     mounts: list[Mount] = Field(default_factory=list)
     #: extra flags for the runtime's run command (`--shm-size=8g` replaces the host IPC default)
     options: list[Arg] = Field(default_factory=list)
@@ -354,7 +354,7 @@ class ClusterSpec(_Strict):
             raise ValueError(f"hosts: duplicate host {show(', '.join(dupes))} (a spare must not be a host too)")
         runtimes = registry.registration(self.backend).runtimes
         if self.container is not None and self.container.runtime not in runtimes:
-            raise ValueError(f"container.runtime: backend {self.backend!r} cannot run {self.container.runtime!r} "
+            raise ValueError(f"container.runtime: backend {self.backend!r} cannot run {self.container.runtime.value!r} "
                              f"(pyxis is srun's own --container-image); use one of {', '.join(runtimes)}")
         if isinstance(self.recovery.spares, int) and self.recovery.spares and \
                 not registry.registration(self.backend).allocates:

@@ -1,10 +1,13 @@
 """The spec's value types: the checks of single values (printable lines, environment names,
-host names and addresses, Slurm names and times, interpreters) as annotated types, and which
-environment names and values are secret. Pure; spec/model.py builds its models from these."""
+host names and addresses, Slurm names and times, interpreters) as annotated types, which
+environment names and values are secret, and the container runtimes with what each one is
+(`Runtime`, `RUNTIMES`). Pure; spec/model.py builds its models from these."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import AfterValidator
@@ -146,3 +149,43 @@ def _mount(value: str) -> str:
 
 
 Mount = Annotated[Line, AfterValidator(_mount)]
+
+
+class Runtime(StrEnum):
+    """A container runtime the ranks can run in (`container.runtime`)."""
+
+    DOCKER = "docker"
+    PODMAN = "podman"
+    APPTAINER = "apptainer"
+    ENROOT = "enroot"
+    PYXIS = "pyxis"
+
+
+@dataclass(frozen=True)
+class RuntimeTraits:
+    """What a runtime is, for everyone who asks (the plan's renderings, the pre-flight's image
+    check and its fix, the teardown, which backends can run it)."""
+
+    #: The command that must be on the host (pyxis: srun, whose plugin it is).
+    client: str
+    #: Its containers outlive a killed client: each is named and labelled with the run, and the
+    #: reaper removes them by label when a run is ended (docker, podman). Its images come from a
+    #: registry (`container.pull`).
+    named: bool = False
+    #: srun runs the whole step in the image (pyxis): no container per node, Slurm only.
+    in_step: bool = False
+    #: Its image may be a file on the host (a .sif, a .sqsh; enroot: also a name `enroot list`
+    #: shows) unless it is a registry's (docker://, oras://, library://).
+    local_image: bool = False
+
+
+#: Every runtime's traits: the one place that says which runtime is which.
+RUNTIMES: dict[Runtime, RuntimeTraits] = {
+    Runtime.DOCKER: RuntimeTraits("docker", named=True),
+    Runtime.PODMAN: RuntimeTraits("podman", named=True),
+    Runtime.APPTAINER: RuntimeTraits("apptainer", local_image=True),
+    Runtime.ENROOT: RuntimeTraits("enroot", local_image=True),
+    Runtime.PYXIS: RuntimeTraits("srun", in_step=True),
+}
+#: The runtimes that run a container per node (every backend can run them).
+PER_NODE_RUNTIMES = tuple(r for r, t in RUNTIMES.items() if not t.in_step)

@@ -22,7 +22,7 @@ from ddplaunch.plan.hostwords import HostWord
 from ddplaunch.plan.launch import LaunchPlan, NodeCommand, agent_name, container_name, host_run_dir, in_run_dir
 from ddplaunch.plan.shellword import Raw, word
 from ddplaunch.spec.model import ClusterSpec, ContainerSpec
-from ddplaunch.spec.values import SECRET_SHOWN
+from ddplaunch.spec.values import RUNTIMES, SECRET_SHOWN
 
 ALLOCATION_TEMPLATE = "allocation.sbatch.j2"
 #: How a value known only once the allocation exists appears in a dry run.
@@ -206,7 +206,7 @@ def upload_step(srun: Sequence[str], run_id: str, names: Sequence[str]) -> tuple
 
 def pyxis_of(spec: ClusterSpec) -> Optional[ContainerSpec]:
     """The spec's container when srun runs it itself (pyxis), else None."""
-    return spec.container if spec.container is not None and spec.container.runtime == "pyxis" else None
+    return spec.container if spec.container is not None and RUNTIMES[spec.container.runtime].in_step else None
 
 
 def step_request(plan: LaunchPlan, job: str, cpus_per_task: Optional[int] = None,
