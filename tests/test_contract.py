@@ -128,3 +128,25 @@ def test_inside_an_allocation_stages_are_its_steps(slurm_cluster, tmp_path):
         assert [q.split()[2] for q in _jobs(slurm_cluster) if q.startswith(job)] == ["RUNNING"]
     finally:
         subprocess.run(["scancel", job], timeout=30, env=slurm_cluster.slurm.env())
+
+
+@pytest.mark.parametrize("name, text", [
+    ("local", "backend: local\n"),
+    ("ssh", "backend: ssh\nhosts: [10.0.0.1, 10.0.0.2]\n"),
+    ("slurm", "backend: slurm\nslurm: {nodes: 2}\n")])
+def test_every_registered_backend_is_made_by_an_import_the_layer_test_sees(tmp_path, name, text):
+    """spec/registry.py says which backends exist; backends/__init__.py makes each shipped one
+    through a real import (no "module:attribute" string), and connects to nothing doing it."""
+    from ddplaunch.backends import SHIPPED, make_backend
+    from ddplaunch.backends.contract import RunContext, StopEvent
+    from ddplaunch.backends.local import LocalBackend
+    from ddplaunch.backends.slurm import SlurmBackend
+    from ddplaunch.backends.ssh import SshBackend
+    from ddplaunch.spec import registry
+    from ddplaunch.spec.load import load_spec
+
+    assert sorted(SHIPPED) == sorted(registry.names())
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: t\nworkdir: {ROOT}\njob: {{script: example:toy_ddp.py}}\n{text}")
+    backend = make_backend(load_spec(path), RunContext("t-1", tmp_path, StopEvent()))
+    assert type(backend) is {"local": LocalBackend, "ssh": SshBackend, "slurm": SlurmBackend}[name]

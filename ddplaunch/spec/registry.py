@@ -1,18 +1,21 @@
 """Which backends exist: one registration each, as data, read by the spec and by `make_backend`.
 
-A registration names the backend (`backend:` in a spec), where its class lives (imported only
-when a run needs it: Fabric loads slowly), the spec sections only it reads (`ssh:`, `slurm:`;
-another backend's spec setting them is refused), the keys it cannot honour and why (refused by
-`validate` before anything runs), and how many hosts it can drive. Adding a backend is its own
-module plus one `register(...)` line; nothing else asks which backend it holds. Data only: this
-module imports nothing of ddplaunch.
+A registration names the backend (`backend:` in a spec), the spec sections only it reads (`ssh:`,
+`slurm:`; another backend's spec setting them is refused), the keys it cannot honour and why
+(refused by `validate` before anything runs), how many hosts it can drive and the container
+runtimes it can run. What makes a shipped backend is backends/__init__.py's `SHIPPED` (real
+imports, which the layer test sees); a backend registered from outside (a test's fake) brings its
+own `factory`. Adding a backend is its own package, one `register(...)` line here and one entry
+in `SHIPPED`; nothing else asks which backend it holds. Data only: this module imports nothing of
+ddplaunch but the spec's value types.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional
+
+from ddplaunch.spec.values import PER_NODE_RUNTIMES, Runtime
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,9 @@ class Registration:
     """One backend."""
 
     name: str
-    #: The class (or any callable) `(spec, run) -> Launcher`, or "module:attribute" to import it lazily.
-    factory: Union[str, Callable[..., Any]]
+    #: `(spec, run) -> Launcher` for a backend ddplaunch does not ship (a test's fake); None: the
+    #: shipped one of this name (backends/__init__.py `SHIPPED`).
+    factory: Optional[Callable[..., Any]] = None
     #: Spec sections only this backend reads.
     sections: tuple[str, ...] = ()
     #: Key path (dotted; `hosts[]` is every host; a section name is every key in it) -> why this
@@ -34,14 +38,8 @@ class Registration:
     #: Its nodes come from an allocation it makes: spares may be a count of extra nodes.
     allocates: bool = False
     #: The container runtimes it can run ranks in (`container.runtime`).
-    runtimes: tuple[str, ...] = ("docker", "podman", "apptainer", "enroot")
+    runtimes: tuple[Runtime, ...] = PER_NODE_RUNTIMES
     one_line: str = ""
-
-    def load(self) -> Callable[..., Any]:
-        if not isinstance(self.factory, str):
-            return self.factory
-        module, _, attr = self.factory.partition(":")
-        return getattr(importlib.import_module(module), attr)
 
 
 _REGISTRY: dict[str, Registration] = {}
@@ -75,16 +73,16 @@ def section_owner(section: str) -> Optional[str]:
 
 
 register(Registration(
-    "local", "ddplaunch.backends.local:LocalBackend", max_hosts=1, runs_here=True,
+    "local", max_hosts=1, runs_here=True,
     one_line="this machine, one process group",
     limits={"sync": "the local backend runs in place: the files are already here",
             "recovery": "one host, this machine: there is no other to go on with"}))
 register(Registration(
-    "ssh", "ddplaunch.backends.ssh:SshBackend", sections=("ssh", "supervisor"),
+    "ssh", sections=("ssh", "supervisor"),
     one_line="Fabric, one connection per host"))
 register(Registration(
-    "slurm", "ddplaunch.backends.slurm:SlurmBackend", sections=("slurm",), allocates=True,
-    runtimes=("docker", "podman", "apptainer", "enroot", "pyxis"),
+    "slurm", sections=("slurm",), allocates=True,
+    runtimes=tuple(Runtime),
     one_line="srun steps of one allocation",
     limits={"sync": "Slurm jobs read the shared file system: put the files there",
             "hosts[].user": "Slurm starts every step as the submitting user",
