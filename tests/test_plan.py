@@ -234,3 +234,39 @@ def test_container_dry_run_golden(tmp_path, runtime, image):
             inside.startswith("sh -c 'cd \"$1\" && shift && exec \"$@\"' sh /srv/work python3 -m torch.distributed.run")
         assert subprocess.run(["bash", "-n", "-c", line], capture_output=True, timeout=10).returncode == 0
 
+
+@pytest.mark.parametrize("runtime, pull, problem, fix", [
+    ("podman", "missing", "no-runtime", "install podman on the host"),
+    ("docker", "never", "no-image", "docker pull img:1 on the host (or load it), or set container.pull: missing"),
+    ("apptainer", "missing", "no-image", "put /no/such/img.sif on the host (a shared file system), or use a docker:// image")])
+def test_the_image_checks_answer_carries_its_problem_and_the_fix_follows_it(tmp_path, runtime, pull, problem, fix):
+    """The image check (plan/container.py) runs in a shell whose PATH holds no runtime or one
+    with no image; its answer names the problem as data (`image_problem`), and the pre-flight's
+    fix is decided from that value, never from the message's words."""
+    from ddplaunch.diagnose.preflight import evaluate, host_facts
+    from ddplaunch.plan.container import image_check
+
+    image = "/no/such/img.sif" if runtime == "apptainer" else "img:1"
+    path = tmp_path / "c.yaml"
+    path.write_text(f"backend: ssh\nhosts: [a]\nworkdir: {tmp_path}\n"
+                    f"container: {{image: '{image}', runtime: {runtime}, pull: {pull}}}\n")
+    spec = load_spec(path)
+    bin_dir = tmp_path / "bin"  # a runtime that has no image (and pulls none), or no runtime at all
+    bin_dir.mkdir()
+    if problem == "no-image":
+        (bin_dir / runtime).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / runtime).chmod(0o755)
+    line = image_check(spec.container, "N1", str(tmp_path)) + "; echo past"
+    out = subprocess.run(["/bin/bash", "-c", line], capture_output=True, text=True, timeout=10,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin" if problem == "no-image" else str(bin_dir)})
+    prefix, answer = out.stdout.strip().split(" ", 1)
+    assert prefix == "DDPLAUNCH_ANSWER_N1" and "past" not in out.stdout
+    data = __import__("json").loads(answer)
+    assert data["image_problem"] == problem
+    def judged(facts):
+        return evaluate(spec, {"a": host_facts(facts, 0, "", None)}, launcher_time=1000.0, port=None).hosts[0]
+
+    check = judged(data).checks["image"]
+    assert check.ok is False and check.seen == data["image_error"] and check.fix == fix
+    assert judged(dict(data, image_error="reworded")).checks["image"].fix == fix  # the words decide nothing
+

@@ -10,16 +10,17 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union, cast
 
 from ddplaunch.backends.contract import HostResult, Launcher
 from ddplaunch.diagnose.hostprograms import ask_hosts
 from ddplaunch.errors import BackendError
-from ddplaunch.plan.container import image_check, probe_words
+from ddplaunch.plan.container import ImageProblem, image_check, probe_words
 from ddplaunch.plan.hostprogram import host_program
 from ddplaunch.plan.launch import host_python, master_addr, rendezvous_addr
 from ddplaunch.plan.shellword import IFNAME
 from ddplaunch.record.diagnosis import CHECKS, Check, HostReport, PreflightReport
+from ddplaunch.record.probefacts import HostFacts
 from ddplaunch.spec.examples import is_example
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 from ddplaunch.spec.values import RUNTIMES
@@ -89,7 +90,7 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
     t0 = time.time()
     parallel = backend.max_parallel
     reached = reach_hosts(spec, backend) if reached is None else reached
-    raw: dict[str, Any] = {r.host.label: _unreached(r.error) for r in reached if r.error is not None}
+    raw: dict[str, HostFacts] = {r.host.label: _unreached(r.error) for r in reached if r.error is not None}
     alive = [r.host for r in reached if r.error is None]
 
     def command(host: HostSpec) -> tuple[str, str]:
@@ -105,20 +106,22 @@ def run_preflight(spec: ClusterSpec, backend: Launcher[Any], run_id: str, port: 
     return report
 
 
-def host_facts(data: Any, code: Optional[int], output: str, error: Optional[BackendError]) -> dict[str, Any]:
-    """One host's facts for `evaluate` from its probe: the probe's JSON answer (`data`), else its
-    exit status and output's tail, else the error that kept it from running."""
+def host_facts(data: Any, code: Optional[int], output: str, error: Optional[BackendError]) -> HostFacts:
+    """One host's facts for `evaluate` from its probe: the probe's JSON answer (`data`: the probe's
+    facts, or the image check's), else its exit status and output's tail, else the error that kept
+    it from running."""
     if error is not None or code is None:
         return _unreached(error)
-    return data if isinstance(data, dict) else {"exit": code, "output": output.strip()[-300:], "python": None}
+    return cast(HostFacts, data) if isinstance(data, dict) else \
+        {"exit": code, "output": output.strip()[-300:], "python": None}
 
 
-def _unreached(err: Optional[BackendError]) -> dict[str, Any]:
+def _unreached(err: Optional[BackendError]) -> HostFacts:
     """The facts of a host the backend could not reach: its error and, where known, the fix."""
     return {"error": str(err), "fix": err.fix if err is not None else "", "jump": err.jump if err is not None else None}
 
 
-def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float, tuple[float, float]],
+def evaluate(spec: ClusterSpec, raw: Mapping[str, HostFacts], launcher_time: Union[float, tuple[float, float]],
              port: Optional[int], emulated: bool = False) -> PreflightReport:
     """Pure: per-host facts -> checks. `raw[label]` is the probe's JSON, or {"error"} / {"exit"}.
     `launcher_time` is when the launcher sent the probes and got the answers: a host clock within
@@ -126,7 +129,7 @@ def evaluate(spec: ClusterSpec, raw: dict[str, Any], launcher_time: Union[float,
     lo, hi = launcher_time if isinstance(launcher_time, tuple) else (launcher_time, launcher_time)
     hosts = []
     for h in spec.hosts:
-        rep = HostReport(host=h.label, addr=h.reach or h.addr, facts=raw.get(h.label, {}))
+        rep = HostReport(host=h.label, addr=h.reach or h.addr, facts=raw.get(h.label, HostFacts()))
         hosts.append(rep)
         f = rep.facts
         if not _probed(spec, rep, h):
@@ -172,7 +175,9 @@ def _probed(spec: ClusterSpec, rep: HostReport, h: HostSpec) -> bool:
         return False
     rep.checks["reach"] = Check(True, "ok")
     if "image_error" in f:
-        rep.checks["image"] = Check(False, f["image_error"], _image_fix(spec, f["image_error"]))
+        # a check written before the answer carried its problem: the image's
+        problem = ImageProblem(f.get("image_problem", ImageProblem.NO_IMAGE))
+        rep.checks["image"] = Check(False, f["image_error"], _image_fix(spec, problem))
         return False
     if "workdir_error" in f:  # a container binds it: nothing else was probed
         rep.checks["workdir"] = Check(False, f["workdir_error"], "create it or list the files under `sync:`")
@@ -189,11 +194,11 @@ def _probed(spec: ClusterSpec, rep: HostReport, h: HostSpec) -> bool:
     return True
 
 
-def _image_fix(spec: ClusterSpec, error: str) -> str:
+def _image_fix(spec: ClusterSpec, problem: ImageProblem) -> str:
     """What to do about an image the probe could not run."""
     c = spec.container
     assert c is not None
-    if "not found on the host" in error:
+    if problem is ImageProblem.NO_RUNTIME:
         return f"install {c.runtime} on the host"
     if RUNTIMES[c.runtime].named:
         return (f"{c.runtime} pull {c.image} on the host (or load it), or set container.pull: missing"
@@ -220,36 +225,38 @@ def _in_container(spec: ClusterSpec, rep: HostReport) -> None:
                                   warn=True)
 
 
-def _torch(f: dict[str, Any]) -> Check:
+def _torch(f: HostFacts) -> Check:
     """torch there, and not older than the oldest the launch line works with."""
-    if not f.get("torch"):
+    torch = f.get("torch")
+    if not torch:
         return Check(False, f.get("torch_error", "torch missing"),
                      f"pip install torch into {f.get('executable')} or point `python:` at a venv that has it")
-    found = re.match(r"(\d+)\.(\d+)", f["torch"])
+    found = re.match(r"(\d+)\.(\d+)", torch)
     if found and (int(found.group(1)), int(found.group(2))) < MIN_TORCH:
         oldest = ".".join(map(str, MIN_TORCH))
-        return Check(False, f"{f['torch']} is older than {oldest}, the oldest ddplaunch launches with "
+        return Check(False, f"{torch} is older than {oldest}, the oldest ddplaunch launches with "
                             "(torchrun --signals-to-handle)",
                      f"pip install 'torch>={oldest}' into {f.get('executable')}")
-    return Check(True, f["torch"])
+    return Check(True, torch)
 
 
 def _gpus(spec: ClusterSpec, rep: HostReport, host: HostSpec) -> None:
     f = rep.facts
-    if f.get("gpus") is None:
+    gpus = f.get("gpus")
+    if gpus is None:
         rep.checks["gpus"] = Check(None, "not needed (gloo)")
         return
     nproc = spec.nproc_of(host)
     want = nproc if isinstance(nproc, int) else 1
-    if f["gpus"] < want:
+    if gpus < want:
         key = "hosts[].nproc" if host.nproc is not None else "nproc_per_node"
-        rep.checks["gpus"] = Check(False, f"{f['gpus']} GPU(s) {f.get('gpu_error', '')}".strip(),
+        rep.checks["gpus"] = Check(False, f"{gpus} GPU(s) {f.get('gpu_error', '')}".strip(),
                                    f"{key} is {want}: lower it or fix the driver")
     elif f.get("gpu_procs"):
         rep.checks["gpus"] = Check(False, f"busy: {', '.join(f['gpu_procs'][:3])}",
                                    "end the processes holding the GPUs (nvidia-smi)")
     else:
-        rep.checks["gpus"] = Check(True, f"{f['gpus']} free")
+        rep.checks["gpus"] = Check(True, f"{gpus} free")
 
 
 def _network(spec: ClusterSpec, rep: HostReport, port: Optional[int]) -> None:
@@ -268,11 +275,12 @@ def _network(spec: ClusterSpec, rep: HostReport, port: Optional[int]) -> None:
                                       "check routes; set socket_ifname"))
     if port is None:
         return
-    if f.get("port_busy"):
-        rep.checks["port"] = Check(False, f"{port} busy on the master: {f['port_busy']}",
+    busy, error = f.get("port_busy"), f.get("port_error")
+    if busy:
+        rep.checks["port"] = Check(False, f"{port} busy on the master: {busy}",
                                    "free it, or leave master.port unset so ddplaunch picks a free port")
-    elif f.get("port_error"):
-        rep.checks["port"] = Check(False, f["port_error"], "open the port range in the firewall between hosts")
+    elif error:
+        rep.checks["port"] = Check(False, error, "open the port range in the firewall between hosts")
     else:
         rep.checks["port"] = Check(True, f"reached {master}:{port}")
 

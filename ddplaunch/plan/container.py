@@ -21,6 +21,7 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Callable, Optional, Sequence
 
 from ddplaunch.plan.hostwords import HomeBind, HostFlags, HostUser
@@ -35,6 +36,16 @@ IB_TEST = "[ -e /dev/infiniband ]"
 CDI_TEST = "{ [ -e /etc/cdi/nvidia.yaml ] || [ -e /var/run/cdi/nvidia.yaml ]; }"
 #: Options with which the user sizes IPC themselves: then no `--ipc=host`.
 _IPC_OPTIONS = ("--ipc", "--shm-size")
+
+
+class ImageProblem(StrEnum):
+    """Why the probe could not run in the image, as the image check's answer carries it (its
+    `image_problem`, beside the message): what the pre-flight's fix is decided from."""
+
+    #: the runtime's command is not on the host
+    NO_RUNTIME = "no-runtime"
+    #: the image is not on the host (and could not be pulled, where the runtime pulls)
+    NO_IMAGE = "no-image"
 
 
 @dataclass(frozen=True)
@@ -144,22 +155,29 @@ def image_check(spec: ContainerSpec, nonce: str, workdir: str) -> str:
     probe there)."""
     image = shlex.quote(spec.image)
 
-    def fail(why: str, key: str = "image_error") -> str:
-        answer = shlex.quote(json.dumps({key: why}))
+    def fail(answer_data: dict[str, str]) -> str:
+        answer = shlex.quote(json.dumps(answer_data))
         return f"{{ printf 'DDPLAUNCH_ANSWER_{nonce} %s\\n' {answer}; exit 0; }}"
+
+    def missing(why: str, problem: ImageProblem) -> str:
+        return fail({"image_error": why, "image_problem": problem.value})
     traits = RUNTIMES[spec.runtime]
     client = traits.client
-    present = (f"[ -d {shlex.quote(workdir)} ] || {fail(f'workdir {workdir} missing', 'workdir_error')}; "
-               f"command -v {client} >/dev/null 2>&1 || {fail(f'{client} not found on the host')}")
+    no_workdir = fail({"workdir_error": f"workdir {workdir} missing"})
+    no_client = missing(f"{client} not found on the host", ImageProblem.NO_RUNTIME)
+    present = (f"[ -d {shlex.quote(workdir)} ] || {no_workdir}; "
+               f"command -v {client} >/dev/null 2>&1 || {no_client}")
     if traits.named:
         have = f"{client} image inspect {image} >/dev/null 2>&1"
         pull = f"{client} pull -q {image} >/dev/null 2>&1"
-        missing = fail(f"image {spec.image} is not on the host" + (" and could not be pulled" if spec.pull != "never"
-                                                                     else " (container.pull: never)"))
-        check = {"never": f"{have} || {missing}", "missing": f"{have} || {pull} || {missing}",
-                 "always": f"{pull} || {missing}"}[spec.pull]
+        absent = missing(f"image {spec.image} is not on the host" + (" and could not be pulled" if spec.pull != "never"
+                                                                       else " (container.pull: never)"),
+                         ImageProblem.NO_IMAGE)
+        check = {"never": f"{have} || {absent}", "missing": f"{have} || {pull} || {absent}",
+                 "always": f"{pull} || {absent}"}[spec.pull]
         return f"{present}; {check}"
     if traits.local_image and not spec.image.startswith(("docker://", "oras://", "library://")):
         listed = f" || enroot list 2>/dev/null | grep -qxF {image}" if spec.runtime is Runtime.ENROOT else ""
-        return f"{present}; [ -e {image} ]{listed} || {fail(f'image {spec.image} is not on the host')}"
+        absent = missing(f"image {spec.image} is not on the host", ImageProblem.NO_IMAGE)
+        return f"{present}; [ -e {image} ]{listed} || {absent}"
     return present

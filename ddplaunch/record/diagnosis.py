@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from ddplaunch.record.codec import from_data
+from ddplaunch.record.probefacts import HostFacts
 
 CHECKS = ("reach", "image", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
           "clock", "disk", "workdir", "shm")
@@ -42,7 +43,7 @@ class HostReport:
     host: str
     addr: str
     checks: dict[str, Check] = field(default_factory=dict)
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: HostFacts = field(default_factory=lambda: HostFacts())
 
     @property
     def ok(self) -> bool:
