@@ -83,7 +83,7 @@ def up(spec: str, dry_run: bool, skip_healthcheck: bool, run_id: str | None, as_
        emulate_steps: int, emulate_ckpt_every: int, emulate_slow: tuple[str, ...], emulate_freeze: tuple[str, ...],
        emulate_exit: tuple[str, ...], job_args: tuple[str, ...]) -> None:
     """Pre-flight, health check, then the job of SPEC. Arguments after `--` replace job.args."""
-    from ddplaunch.plan.launch import Emulation
+    from ddplaunch.plan.emulation import Emulation
     from ddplaunch.plan.stages import UpOptions
 
     if emulate is None and (emulate_slow or emulate_freeze or emulate_exit):

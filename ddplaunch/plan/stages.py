@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.launch import Emulation, LaunchPlan, PlanContext, Stage, StageOptions, make_plan
+from ddplaunch.plan.emulation import Emulation
+from ddplaunch.plan.launch import LaunchPlan, PlanContext, Stage, StageOptions, make_plan
 from ddplaunch.spec.model import ClusterSpec
 
 
