@@ -235,6 +235,17 @@ def test_container_dry_run_golden(tmp_path, runtime, image):
         assert subprocess.run(["bash", "-n", "-c", line], capture_output=True, timeout=10).returncode == 0
 
 
+def test_every_runtime_is_one_row_of_one_table_and_each_per_node_one_renders():
+    """spec/values.py RUNTIMES says what each runtime is; the spec accepts exactly those, and
+    every runtime that runs a container per node has its command (pyxis is srun's flags)."""
+    from ddplaunch.plan.container import _RENDER
+    from ddplaunch.spec.model import ContainerSpec
+    from ddplaunch.spec.values import PER_NODE_RUNTIMES, RUNTIMES, Runtime
+
+    assert set(RUNTIMES) == set(Runtime) == {ContainerSpec(image="x", runtime=r).runtime for r in Runtime}
+    assert set(_RENDER) == set(PER_NODE_RUNTIMES) == {r for r, t in RUNTIMES.items() if not t.in_step}
+    assert [r for r, t in RUNTIMES.items() if t.named] == [Runtime.DOCKER, Runtime.PODMAN]
+
 @pytest.mark.parametrize("runtime, pull, problem, fix", [
     ("podman", "missing", "no-runtime", "install podman on the host"),
     ("docker", "never", "no-image", "docker pull img:1 on the host (or load it), or set container.pull: missing"),

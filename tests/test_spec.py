@@ -73,6 +73,11 @@ def test_host_shorthand_and_defaults(tmp_path):
     ("name: x\nname: y\n", ":2: name: duplicate key 'name' (first at line 1)"),
     ("backend: ssh\nhosts: [a]\nslurm:\n  partition: gpu\n",
      ":4: slurm.partition: not supported by backend 'ssh' (only used by backend: slurm)"),
+    ("backend: ssh\nhosts: [a]\ncontainer: {image: x, runtime: pyxis}\n",
+     ":3: container.runtime: backend 'ssh' cannot run 'pyxis' (pyxis is srun's own --container-image); "
+     "use one of docker, podman, apptainer, enroot"),
+    ("container: {image: x, runtime: lxc}\n",
+     ":1: container.runtime: Input should be 'docker', 'podman', 'apptainer', 'enroot' or 'pyxis', got 'lxc'"),
 ])
 def test_bad_input_is_one_clear_line_with_file_line_and_key(tmp_path, text, expected):
     path = write(tmp_path, text)
