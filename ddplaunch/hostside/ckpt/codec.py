@@ -10,6 +10,7 @@ the one buffer read from the file, like `torch.load(..., map_location="cpu")` gi
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -85,11 +86,17 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-def copy_into(buffer: torch.Tensor, packed: Packed) -> None:
-    """Copies every tensor's bytes to its offset in `buffer` (flat uint8, at least `packed.nbytes`)."""
+def write_at(fd: int, packed: Packed) -> None:
+    """Writes every tensor's bytes at its offset of the file `fd` (the kernel copies them: no page
+    faults on a fresh mapping, the GIL released); a tensor off the CPU is copied to it first."""
     for spec, t in zip(packed.specs, packed.tensors):
-        if spec.nbytes:
-            buffer[spec.offset:spec.offset + spec.nbytes].copy_(_bytes_of(t))
+        if not spec.nbytes:
+            continue
+        view = memoryview(_bytes_of(t).cpu().numpy().data).cast("B")
+        at = spec.offset
+        while view:
+            done = os.pwrite(fd, view, at)
+            view, at = view[done:], at + done
 
 
 def write_to(fd_write: Any, packed: Packed) -> None:

@@ -8,7 +8,6 @@ there). Past `memory_limit`, or on a full /dev/shm, a save is written to the dur
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import shutil
 import threading
@@ -162,12 +161,9 @@ class Tier:
             try:
                 if os.fstat(fd).st_size != packed.nbytes:
                     os.ftruncate(fd, packed.nbytes)
-                if packed.nbytes:
-                    os.posix_fallocate(fd, 0, packed.nbytes)  # ENOSPC here, not SIGBUS in the copy
-                    with mmap.mmap(fd, packed.nbytes) as mm:
-                        target = torch.frombuffer(mm, dtype=torch.uint8)
-                        codec.copy_into(target, packed)
-                        del target
+                if os.fstat(fd).st_blocks * 512 < packed.nbytes:  # a reused buffer has its pages
+                    os.posix_fallocate(fd, 0, packed.nbytes)  # a full /dev/shm says ENOSPC here, not midway
+                codec.write_at(fd, packed)
             finally:
                 os.close(fd)
             layout.write_private(buf / layout.META, meta, sync=False)
