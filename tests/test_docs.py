@@ -94,11 +94,6 @@ def test_readme_plan_line_is_what_the_dry_run_prints(tmp_path):
 #: test until it is removed here: empty it as the work lands, and keep it empty.
 KNOWN_FALSE = {
     "backends/slurm/client.py writes slurm.json into a run's directory; the run's memory does not name it",
-    "record/runs.py writes record.json into a run's directory; the run's memory does not name it",
-    "report/evidence.py writes healthcheck.json into a run's directory; the run's memory does not name it",
-    "report/evidence.py writes localize.html into a run's directory; the run's memory does not name it",
-    "run/loop.py writes stacks into a run's directory; the run's memory does not name it",
-    "supervise/daemon.py writes supervisor.log into a run's directory; the run's memory does not name it",
 }
 
 
