@@ -234,12 +234,14 @@ def test_a_full_dev_shm_falls_back_to_the_durable_write(tier, monkeypatch):
 
 
 def test_keep_2_frees_older_versions_and_free_leaves_nothing(tier):
-    sizes = []
+    sizes, inodes = [], {}
+    part = layout.ram_part_dir(tier.ram_root, tier.run_id, tier.host, 0)
     for step in range(1, 5):
         checkpoint.save(_state(step), step)
         checkpoint.wait(timeout=60)
         sizes.append(_ram_bytes(tier))
-    part = layout.ram_part_dir(tier.ram_root, tier.run_id, tier.host, 0)
+        inodes[step] = (part / layout.version_name(step) / layout.DATA).stat().st_ino
+    assert inodes[3] == inodes[1] and inodes[4] == inodes[2]  # the dropped version's buffer is reused
     assert layout.ram_steps(part) == [4, 3]
     assert sizes[3] == sizes[1]  # two versions' worth, not four
     assert all((part / n).stat().st_mode & 0o777 == 0o600 for n in ("v-000000000004/data", "v-000000000004/meta"))
