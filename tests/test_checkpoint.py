@@ -281,7 +281,7 @@ def test_two_runs_never_share_ram_paths_and_a_run_id_cannot_climb(tmp_path):
 
 
 _JOB = """
-import hashlib, json, sys
+import hashlib, json, sys, warnings
 import torch, torch.distributed as dist
 from ddplaunch import checkpoint
 
@@ -291,6 +291,8 @@ def digest(sd):
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if "--host-per-rank" in sys.argv:  # each rank as if on a host of its own: its own RAM
+    checkpoint.configure(host=f"h{rank}")
 out = open(f"{sys.argv[2]}/{sys.argv[1]}-{rank}.jsonl", "w")
 if sys.argv[1] == "save":
     torch.manual_seed(0)
@@ -299,10 +301,15 @@ if sys.argv[1] == "save":
     for step in (1, 2, 3):
         opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
         saved = checkpoint.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, step)
+        if "--wait" in sys.argv:
+            checkpoint.wait(timeout=60)
         print(json.dumps({"rank": rank, "step": step, "saved": saved, "digest": digest(model.module.state_dict())}),
               file=out)
 else:
-    state, step = got = checkpoint.load()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        state, step = got = checkpoint.load()
+    print(json.dumps({"rank": rank, "said": [str(w.message) for w in said]}), file=out)
     print(json.dumps({"rank": rank, "step": step, "where": got.source.where.value, "digest": digest(state["model"])}),
           file=out)
 out.close()
@@ -312,7 +319,13 @@ dist.destroy_process_group()
 
 def _lines(where: Path, phase: str) -> list[dict]:
     """What each rank wrote to its own file (the ranks' merged stdout can interleave)."""
-    return [json.loads(line) for rank in (0, 1) for line in (where / f"{phase}-{rank}.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for rank in (0, 1) for line in (where / f"{phase}-{rank}.jsonl").read_text().splitlines()]
+    return [d for d in lines if "step" in d]
+
+
+def _said(where: Path, rank: int) -> list[str]:
+    lines = [json.loads(line) for line in (where / f"load-{rank}.jsonl").read_text().splitlines()]
+    return [m for d in lines for m in d.get("said", [])]
 
 
 def test_under_torchrun_rank_0_saves_and_both_ranks_load_the_same_step(tmp_path):
@@ -351,3 +364,25 @@ def test_the_environment_configures_the_tier(tmp_path):
     assert resolve(tmp_path / "x", env={}).run_id != resolve(tmp_path / "y", env={}).run_id
     with pytest.raises(checkpoint.CheckpointError, match="no durable directory"):
         resolve(env={})
+
+
+def test_under_torchrun_ranks_on_different_hosts_load_the_newest_step_they_all_hold(tmp_path):
+    """Rank 0's host holds steps 2 and 3 in RAM; rank 1's host holds nothing, and the durable dir
+    lost step 3: both load step 2 (rank 0 from its RAM, rank 1 from the durable dir), said once."""
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    run = f"test-{uuid.uuid4().hex[:12]}"
+    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "PYTHONPATH": str(ROOT)}
+    try:
+        saved = run_torchrun(script, "save", tmp_path, "--host-per-rank", "--wait", env=env, timeout=180)
+        assert saved.returncode == 0, saved.stdout
+        shutil.rmtree(tmp_path / "durable" / layout.step_name(3))
+        loaded = run_torchrun(script, "load", tmp_path, "--host-per-rank", env=env, timeout=180)
+        assert loaded.returncode == 0, loaded.stdout
+        want = next(d["digest"] for d in _lines(tmp_path, "save") if (d["rank"], d["step"]) == (0, 2))
+        assert sorted((d["rank"], d["step"], d["where"], d["digest"]) for d in _lines(tmp_path, "load")) == \
+            [(0, 2, "memory", want), (1, 2, "durable", want)]
+        assert [m for m in _said(tmp_path, 0) if "step 3 is not readable by every rank" in m] != []
+    finally:
+        checkpoint.free(run)
+    assert not (layout.ram_base(Path("/dev/shm")) / run).exists()
