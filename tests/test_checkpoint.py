@@ -386,3 +386,44 @@ def test_under_torchrun_ranks_on_different_hosts_load_the_newest_step_they_all_h
     finally:
         checkpoint.free(run)
     assert not (layout.ram_base(Path("/dev/shm")) / run).exists()
+
+
+_SHARDED = """
+import json, sys
+import torch, torch.distributed as dist
+from ddplaunch import checkpoint
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+if sys.argv[1] == "save":
+    for step in (1, 2):
+        assert checkpoint.save({"shard": torch.full((4,), 10.0 * step + rank), "rank": rank}, step, all_ranks=True)
+    checkpoint.wait(timeout=60)
+else:
+    got = checkpoint.load(all_ranks=True)
+    with open(f"{sys.argv[2]}/sharded-{rank}.json", "w") as out:
+        json.dump({"step": got.step, "rank": got.state["rank"], "shard": got.state["shard"].tolist(),
+                   "where": got.source.where.value}, out)
+dist.destroy_process_group()
+"""
+
+
+def test_under_torchrun_all_ranks_save_their_own_parts_and_each_loads_its_own(tmp_path):
+    script = tmp_path / "sharded.py"
+    script.write_text(_SHARDED)
+    run = f"test-{uuid.uuid4().hex[:12]}"
+    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "DDPLAUNCH_HOST": "h1",
+           "PYTHONPATH": str(ROOT)}
+    try:
+        saved = run_torchrun(script, "save", tmp_path, env=env, timeout=180)
+        assert saved.returncode == 0, saved.stdout
+        step_dir = tmp_path / "durable" / layout.step_name(2)
+        assert [layout.read_verified(step_dir / f"part-{r}", 2, r)[0].parts for r in (0, 1)] == [2, 2]
+        shutil.rmtree(layout.ram_part_dir(Path("/dev/shm"), run, "h1", 1) / layout.version_name(2))
+        loaded = run_torchrun(script, "load", tmp_path, env=env, timeout=180)
+        assert loaded.returncode == 0, loaded.stdout
+        got = [json.loads((tmp_path / f"sharded-{r}.json").read_text()) for r in (0, 1)]
+        assert got == [{"step": 2, "rank": 0, "shard": [20.0] * 4, "where": "memory"},
+                       {"step": 2, "rank": 1, "shard": [21.0] * 4, "where": "durable"}]
+    finally:
+        checkpoint.free(run)
