@@ -16,7 +16,7 @@ import click
 
 from ddplaunch import __version__
 from ddplaunch.errors import EXIT_INTERRUPTED, DdplaunchError
-from ddplaunch.sim.cli import sim_group
+from ddplaunch.sim.simcli import sim_group
 
 SPEC_ARG = click.argument("spec", type=click.Path(dir_okay=False))
 EXCLUDE_OPT = click.option("--exclude", multiple=True, metavar="HOST",

@@ -97,7 +97,7 @@ class FakeScript:
     no_script: set[str] = field(default_factory=set)
     #: Hosts a link test finds cut off: they reach no peer, no peer reaches them.
     cut: set[str] = field(default_factory=set)
-    #: Link tests run (hostside/links.py's program sent to the hosts).
+    #: Link tests run (hostside/linkprobe.py's program sent to the hosts).
     link_tests: int = 0
     #: Every launch's start gate: the probe command each host ran in its session, and what it said.
     gated: list[dict[str, str]] = field(default_factory=list)
@@ -169,7 +169,7 @@ class FakeBackend:
             if host.label in self.script.unreachable:
                 out.append(HostResult(host, None, BackendError(f"{host.label} ({host.addr}): no answer", fix="plug it in")))
                 continue
-            links = "def serve(srv" in text  # hostside/links.py
+            links = "def serve(srv" in text  # hostside/linkprobe.py
             facts = self._stacks(host) if "def find_py_spy" in text else self._links(host, asked) if links \
                 else self._facts(host)
             out.append(HostResult(host, (0, answer_lines(text, facts)), None))

@@ -22,7 +22,7 @@ import yaml
 from click.testing import CliRunner
 
 from ddplaunch.sim import (RC_NOISE_STDERR, RC_NOISE_STDOUT, Naming, SimCluster, SimConfig, SimError, SimHost,
-                           check_state_dir, cli as sim_cli, load_cluster, render_spec, secure_state_dir, sim_down,
+                           check_state_dir, simcli as sim_cli, load_cluster, render_spec, secure_state_dir, sim_down,
                            sim_fault, sim_status, sim_up)
 from ddplaunch.sim.cluster import noisy_rc_text
 from ddplaunch.sim.netns import nsswitch_text, pids_by_netns
@@ -464,7 +464,7 @@ def _lifecycle(cfg, bridge):
 def test_sim_exec_cli_runs_in_the_host(sim_cluster):
     c = sim_cluster
     # exec replaces the process, so run the real CLI module in a subprocess
-    code = "import sys; from ddplaunch.sim.cli import sim_group; sim_group(sys.argv[1:])"
+    code = "import sys; from ddplaunch.sim.simcli import sim_group; sim_group(sys.argv[1:])"
     out = subprocess.run([sys.executable, "-c", code, "exec", "--state-dir", str(c.state_dir),
                           c.hosts[1].addr, "--", "hostname"],
                          capture_output=True, text=True, timeout=15, check=True).stdout

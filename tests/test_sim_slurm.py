@@ -17,7 +17,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, SlurmState, cli as sim_cli, load_cluster,
+from ddplaunch.sim import (Naming, SimCluster, SimConfig, SimError, SimHost, SlurmState, simcli as sim_cli, load_cluster,
                            render_slurm_spec, sim_down, sim_up, slurm as sim_slurm)
 from ddplaunch.sim.netns import list_netns, netns_pids
 from ddplaunch.sim.proc import pid_alive, pid_cmdline, wait_until

@@ -2,7 +2,7 @@
 
 When the job hangs and no host's ranks are frozen, the hosts may still answer their management
 channel (sshd, slurmd) while one host's training network drops everything: every rank then waits
-in a collective until the job's own timeout. `broken_links` runs hostside/links.py on every host
+in a collective until the job's own timeout. `broken_links` runs hostside/linkprobe.py on every host
 at once (each listens on one port and connects to its peers: every other host up to
 FULL_MESH_UP_TO hosts, beyond that the hosts at offsets 1, 2, 4, 8, ... after it in the run's
 order, ~log2(hosts) each: O(hosts log hosts) links, not hosts²) and names the hosts that reach
@@ -53,7 +53,7 @@ def link_answers(backend: Launcher[Any], spec: ClusterSpec, hosts: list[HostSpec
     def command(host: HostSpec) -> tuple[str, str]:
         args = {"port": port, "window": window, "peers": [addrs[p] for p in peers[host.label]],
                 "callers": callers[host.label]}
-        return host_program("links", tool_python(spec, host), json.dumps(args, sort_keys=True))
+        return host_program("linkprobe", tool_python(spec, host), json.dumps(args, sort_keys=True))
 
     return {a.host.label: a.data if isinstance(a.data, dict) and not a.data.get("error") else None
             for a in ask_hosts(backend, command, hosts, window + 20)}

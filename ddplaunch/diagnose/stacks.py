@@ -1,5 +1,5 @@
 """Where each rank of a hung job is stuck: a py-spy stack dump of every worker on every host
-(hostside/stacks.py, found by the run's tag and their RANK), one line grouping the ranks by the
+(hostside/dumpstacks.py, found by the run's tag and their RANK), one line grouping the ranks by the
 call they are in, the dumps saved in the run's directory, and the hosts whose ranks are frozen
 (stopped, or in an uninterruptible wait) while another host's can run.
 """
@@ -51,7 +51,7 @@ def collect_stacks(backend: Launcher[Any], spec: ClusterSpec, run_id: str, hosts
     """
     def command(host: HostSpec) -> tuple[str, str]:
         python = tool_python(spec, host)
-        return host_program("stacks", python, run_id, python)
+        return host_program("dumpstacks", python, run_id, python)
 
     stacks: list[RankStack] = []
     raw: dict[str, Any] = {}

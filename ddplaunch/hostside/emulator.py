@@ -4,7 +4,7 @@ No torch is imported and nothing trains, but everything ddplaunch reads of a run
 path: N rank processes per node (each its own pid, RANK and LOCAL_RANK in its environment, as
 torchrun starts them) say their start and exit (payloads.py), step every ``--step-s`` seconds,
 time each step with the real step timing (steptiming.py) sent to the node's agent, count it with
-the real progress hooks (entry.py's ``Progress``: rank 0 says its optimizer steps, saves a
+the real progress hooks (entry.py's ``ProgressHooks``: rank 0 says its optimizer steps, saves a
 "checkpoint" every ``--ckpt-every`` steps and holds after one when asked), print one line each at
 start and rank 0 one per step, behind torchrun's ``[host:rank]`` prefix. Steps are synchronous as
 in DDP: every rank knows the injections, so a slowed rank computes longer and the others wait for
@@ -110,7 +110,7 @@ def rank_main(args: argparse.Namespace) -> None:
     entry = _entry()
     payloads = entry.load_sibling("payloads")
     entry.say_start()
-    progress = entry.Progress()
+    progress = entry.ProgressHooks()
     progress.timing = entry.load_sibling("steptiming").StepTiming()
     slow, freeze, leave = injections(args)
     step = resumed(progress) if os.environ.get("DDPLAUNCH_RECOVERY") else 0

@@ -14,7 +14,7 @@ with ``os._exit(C)``: without interpreter finalization, where torch's C++ thread
 sometimes abort a finished process. ``--finalize`` (``job.fast_exit: false``) finalizes normally.
 What the rank says to ddplaunch is typed (the payloads below): its start (pid, restart), the
 exception that ended its script, its exit; rank 0 the job's optimizer steps and checkpoint loads
-(``Progress``: hooks, no print convention); every rank its step timing (``steptiming.py``).
+(``ProgressHooks``: hooks, no print convention); every rank its step timing (``steptiming.py``).
 """
 
 import atexit
@@ -195,7 +195,7 @@ PROGRESS_EVERY = 1.0
 HOLD_FILE = "hold-at-checkpoint"
 
 
-class Progress:
+class ProgressHooks:
     """The job's real progress, seen from inside its process without any print convention: its
     optimizer steps (torch.optim's global step hook; the first optimizer that steps is counted,
     so a GAN's two do not count twice) and the checkpoints it loads (torch.load,
@@ -349,9 +349,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return None
 
 
-def watch_progress() -> Progress:
+def watch_progress() -> ProgressHooks:
     """Install the progress hooks (now for what torch is imported already, the rest on import)."""
-    progress = Progress()
+    progress = ProgressHooks()
     if os.environ.get("DDPLAUNCH_STEP_TIMING", "1") != "0":
         try:
             progress.timing = load_sibling("steptiming").StepTiming()
@@ -366,7 +366,7 @@ def watch_progress() -> Progress:
     return progress
 
 
-def _said_first(progress: Progress, real_exit: Callable[[int], NoReturn]) -> Callable[..., NoReturn]:
+def _said_first(progress: ProgressHooks, real_exit: Callable[[int], NoReturn]) -> Callable[..., NoReturn]:
     """`os._exit` that first says the last steps and timing: a script that ends with it (to skip
     the interpreter's teardown, as jobs/train.py does) ends before entry.py's own last word."""
     def _exit(code: int) -> NoReturn:

@@ -18,7 +18,7 @@ from ddplaunch.sim.specs import render_slurm_spec, render_spec
 from ddplaunch.sim.state import (DEFAULT_PREFIX, DEFAULT_SUBNET, Fault, SimCluster, SimConfig, SimHost,
                                  default_state_dir, host_exec_argv, load_cluster)
 from ddplaunch.sim.statedir import check_state_dir, secure_state_dir
-from ddplaunch.sim.status import DaemonStatus, HostStatus, sim_status, slurm_status
+from ddplaunch.sim.survey import DaemonStatus, HostStatus, sim_status, slurm_status
 
 __all__ = ["DEFAULT_PREFIX", "DEFAULT_SUBNET", "RC_NOISE_STDERR", "RC_NOISE_STDOUT", "DaemonStatus",
            "DownResult", "Fault", "HostStatus", "Naming", "SimCluster", "SimConfig", "SimError", "SimHost",

@@ -19,7 +19,7 @@ from ddplaunch.sim.cluster import sim_down, sim_up
 from ddplaunch.sim.faults import sim_fault
 from ddplaunch.sim.proc import SimError, require_root
 from ddplaunch.sim.state import DEFAULT_PREFIX, DEFAULT_SUBNET, SimConfig, default_state_dir, load_cluster
-from ddplaunch.sim.status import sim_status, slurm_status
+from ddplaunch.sim.survey import sim_status, slurm_status
 
 
 class SimUsageError(click.ClickException):
