@@ -258,6 +258,24 @@ def test_wait_makes_the_newest_save_complete_on_disk(tier):
     assert not [p for p in (tier.durable / layout.step_name(5)).iterdir() if p.name.startswith(".tmp")]
 
 
+def test_what_a_killed_writer_left_in_the_durable_dir_is_cleaned(tier):
+    import subprocess
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    pid = int(dead.stdout)
+    left = tier.durable / layout.step_name(9) / f".tmp-part-0-{tier.host}-{pid}"
+    other_host = tier.durable / layout.step_name(8) / f".tmp-part-0-other-{pid}"
+    for d in (left, other_host):
+        d.mkdir(parents=True)
+        (d / layout.DATA).write_bytes(b"half")
+    checkpoint.save(_state(), 1)
+    checkpoint.wait(timeout=60)
+    assert not (tier.durable / layout.step_name(9)).exists()
+    assert other_host.exists()  # another host's writer may still be alive: not ours to judge
+    assert checkpoint.load().step == 1
+
+
 def test_wait_says_why_persisting_failed(tmp_path):
     (tmp_path / "a-file").write_text("")
     run = f"test-{uuid.uuid4().hex[:12]}"

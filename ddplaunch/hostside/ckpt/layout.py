@@ -233,6 +233,40 @@ def write_durable(durable: Path, step: int, part: int, parts: int, meta: bytes, 
     return final
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(durable: Path, tag: str) -> list[Path]:
+    """Removes what a killed writer of this host (`tag`) left in the durable dir: its `.tmp-` part
+    directories (never visible to a reader, but they hold the disk), and a step directory left empty
+    by them. Returns what it removed."""
+    removed = []
+    for step in durable_steps(durable):
+        step_dir = durable / step_name(step)
+        try:
+            names = os.listdir(step_dir)
+        except OSError:
+            continue
+        for name in names:
+            m = re.fullmatch(r"\.(?:tmp|old)-part-\d+-(.+)-(\d+)", name)
+            if m and m.group(1) == tag and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+                shutil.rmtree(step_dir / name, ignore_errors=True)
+                removed.append(step_dir / name)
+        try:
+            step_dir.rmdir()  # only when empty
+            removed.append(step_dir)
+        except OSError:
+            pass
+    return removed
+
+
 def durable_parts_complete(durable: Path, step: int) -> bool:
     """Whether every part a durable step's manifests name is there with its manifest (sizes and
     checksums are checked when it is read)."""

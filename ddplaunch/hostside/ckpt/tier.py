@@ -262,6 +262,10 @@ class Tier:
                 self._cond.notify_all()
 
     def _persist_loop(self) -> None:
+        try:
+            layout.clean_stale(self.config.durable, self.config.host)
+        except OSError:
+            pass  # a durable dir that is not there yet holds nothing stale
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._persist or (self._closing and not self._seal))
