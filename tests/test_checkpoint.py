@@ -108,6 +108,24 @@ def test_a_nested_state_comes_back_bitwise_from_ram_and_from_the_durable_dir(tie
     _assert_bitwise_equal(state, state_again)
 
 
+def test_nothing_saved_loads_none_and_a_state_without_tensors_round_trips(tier):
+    assert checkpoint.load() is None
+    assert checkpoint.wait(timeout=1) is None
+    checkpoint.save({"epoch": 3, "names": ["a", "b"]}, 3)
+    assert tuple(checkpoint.load()) == ({"epoch": 3, "names": ["a", "b"]}, 3)
+    assert checkpoint.wait(timeout=60) == 3
+
+
+def test_only_rank_0_saves_unless_all_ranks(tier, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert checkpoint.save(_state(), 1) is False
+    assert checkpoint.wait(timeout=1) is None and _ram_bytes(tier) == 0
+    assert checkpoint.save(_state(), 1, all_ranks=True) is True
+    assert checkpoint.load(all_ranks=True).step == 1
+    assert layout.ram_steps(layout.ram_part_dir(tier.ram_root, tier.run_id, tier.host, 1)) == [1]
+
+
 def test_load_reads_nothing_from_the_durable_dir_when_ram_has_the_newest(tier):
     checkpoint.save(_state(1), 1)
     checkpoint.save(_state(2), 2)
