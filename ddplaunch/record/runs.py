@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any, ClassVar, Optional, Union
 
@@ -107,10 +108,37 @@ Placement = Union[Local, InJob, OnHost]
 PLACEMENTS: dict[str, type] = {cls.KIND: cls for cls in (Local, InJob, OnHost)}
 
 
+@dataclass(frozen=True)
+class RecordedSpec:
+    """The spec a run runs, as its record keeps it: `ClusterSpec.redacted`'s data (secrets as
+    `<secret>`, `from_env` values by name) and the directory its relative paths are taken from.
+    Validated only when asked (`validated`): the record of a run whose backend was registered
+    from Python in another process still reads (`runs`, `status`)."""
+
+    data: dict[str, Any]
+    base_dir: str = "."
+
+    @classmethod
+    def of(cls, spec: ClusterSpec) -> "RecordedSpec":
+        return cls(spec.redacted(), spec.base_dir)
+
+    @property
+    def backend(self) -> str:
+        return str(self.data.get("backend", ClusterSpec.model_fields["backend"].default))
+
+    @cached_property
+    def validated(self) -> ClusterSpec:
+        """The spec as a `ClusterSpec` (secrets redacted).
+
+        Raises:
+            pydantic.ValidationError (a ValueError): not a valid spec here (its backend unknown).
+        """
+        return restored_spec(self.data, self.base_dir)
+
+
 @dataclass
 class RunRecord:
-    """A run's identity — its id, the spec it runs (secrets redacted: `<secret>`, `from_env`
-    names; its relative paths taken from the spec file's directory), where that spec came from,
+    """A run's identity — its id, the spec it runs (secrets redacted), where that spec came from,
     the hosts it was planned on, when it was handed over — and where its supervisor runs. Written
     once, never updated: what the run did, its state included, is its event log's
     (record/events.py), never the record's; the backend is the spec's."""
@@ -118,7 +146,7 @@ class RunRecord:
     run_id: str
     spec_path: str
     hosts: list[str]
-    spec: ClusterSpec
+    spec: RecordedSpec
     placement: Placement
     started_at: float = field(default_factory=time.time)
 
@@ -129,7 +157,7 @@ class RunRecord:
         the spec's)."""
         return cls(run_id=run_id, spec_path=str(spec_path),
                    hosts=[h.label for h in spec.hosts] if hosts is None else hosts,
-                   spec=restored_spec(spec.redacted(), spec.base_dir), placement=placement)
+                   spec=RecordedSpec.of(spec), placement=placement)
 
     @property
     def backend(self) -> str:
@@ -156,7 +184,7 @@ class RunRecord:
         The spec is written as `ClusterSpec.redacted` writes it, with the directory its relative
         paths are taken from (`base_dir`)."""
         self.make_dir()
-        data = {**to_data(self), "spec": self.spec.redacted(), "base_dir": self.spec.base_dir}
+        data = {**to_data(self), "spec": self.spec.data, "base_dir": self.spec.base_dir}
         write_private(self.dir / "record.json", json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -212,7 +240,7 @@ def _record(data: Any) -> RunRecord:
         raise ValueError("not a JSON object")
     if not isinstance(data.get("spec"), dict):
         raise ValueError("key 'spec' is missing or not an object")
-    return from_data(RunRecord, {**data, "spec": restored_spec(data["spec"], str(data.get("base_dir", ".")))})
+    return from_data(RunRecord, {**data, "spec": {"data": data["spec"], "base_dir": data.get("base_dir", ".")}})
 
 
 def list_runs() -> list[RunRecord]:

@@ -34,7 +34,7 @@ FOLLOW_POLL = 0.2
 
 def record_backend(record: RunRecord) -> Launcher[Any]:
     """The backend of a recorded run, configured from the record's (redacted) spec."""
-    return make_backend(record.spec, RunContext(record.run_id, record.dir, StopEvent()))
+    return make_backend(record.spec.validated, RunContext(record.run_id, record.dir, StopEvent()))
 
 
 def settle(record: RunRecord, backend: Optional[Launcher[Any]] = None) -> Optional[RunEnded]:
@@ -227,7 +227,7 @@ def down(record: RunRecord) -> list[str]:
     supervised = daemon.of_record(record)
     frozen = supervised is not None and supervised.frozen()
     if supervised is not None and not frozen:
-        grace = float(record.spec.job.stop_grace or 30)
+        grace = float(record.spec.validated.job.stop_grace or 30)
         gone = daemon.stop(supervised, grace)
         lines.append(f"supervisor (pid {supervised.pid}): " + ("stopped the run" if gone else
                      "still running after it was asked to stop; ending what is left on the hosts"))

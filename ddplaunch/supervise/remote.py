@@ -241,4 +241,4 @@ def host_of(record: RunRecord) -> SupervisorHost:
     """
     if not isinstance(record.placement, OnHost):
         raise ValueError(f"run {record.run_id} is not supervised on another host")
-    return SupervisorHost(record.spec)
+    return SupervisorHost(record.spec.validated)

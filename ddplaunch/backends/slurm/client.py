@@ -70,8 +70,9 @@ class SlurmJob:
         record = read_record(run_dir)
         if record is not None and isinstance(record.placement, InJob):
             job_id = record.placement.job_id
-            return cls(job_id, owned=True, slurm_conf=spec_conf(record.spec),
-                       output_path=job_output(record.spec, record.run_id).replace("%j", job_id)) if job_id else None
+            spec = record.spec.validated
+            return cls(job_id, owned=True, slurm_conf=spec_conf(spec),
+                       output_path=job_output(spec, record.run_id).replace("%j", job_id)) if job_id else None
         try:
             return cls(**json.loads((run_dir / "slurm.json").read_text()))
         except (OSError, ValueError, TypeError):
