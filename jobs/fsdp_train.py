@@ -86,7 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-name", default=os.environ.get("DDPLAUNCH_RUN_NAME", "default"))
     p.add_argument("--ckpt-dir", default=None,
-                   help="default: $DDPLAUNCH_CKPT_DIR, else checkpoints/<run name>-fsdp; "
+                   help="default: $DDPLAUNCH_CHECKPOINT_DIR (the spec's checkpoint.path), $DDPLAUNCH_CKPT_DIR, "
+                        "else checkpoints/<run name>-fsdp; "
                         "must be storage every rank can read (DCP writes one file per rank)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at the end")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
@@ -102,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="perturb this rank's gathered copy before hashing (tests the check)")
     p.add_argument("--dump-final", default=None, help="rank 0 torch.saves the full parameters here")
     args = p.parse_args(argv)
-    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CKPT_DIR") or \
+    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CHECKPOINT_DIR") or \
+        os.environ.get("DDPLAUNCH_CKPT_DIR") or \
         os.path.join("checkpoints", f"{args.run_name}-fsdp")
     return args
 

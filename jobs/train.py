@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-name", default=os.environ.get("DDPLAUNCH_RUN_NAME", "default"))
     p.add_argument("--ckpt-dir", default=None,
-                   help="default: $DDPLAUNCH_CKPT_DIR, else checkpoints/<run name>")
+                   help="default: $DDPLAUNCH_CHECKPOINT_DIR (the spec's checkpoint.path), $DDPLAUNCH_CKPT_DIR, "
+                        "else checkpoints/<run name>")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at epoch ends")
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--log-every", type=int, default=5)
@@ -98,7 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU milliseconds to spend per step (a heavier model's compute: slowed by a slow CPU)")
     p.add_argument("--corrupt-rank", type=int, default=None, help="perturb this rank's weights")
     args = p.parse_args(argv)
-    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CKPT_DIR") or \
+    args.ckpt_dir = args.ckpt_dir or os.environ.get("DDPLAUNCH_CHECKPOINT_DIR") or \
+        os.environ.get("DDPLAUNCH_CKPT_DIR") or \
         os.path.join("checkpoints", args.run_name)
     return args
 

@@ -26,7 +26,7 @@ from ddplaunch.plan.container import ContainerRun, container_run
 from ddplaunch.plan.emulation import Emulation
 from ddplaunch.plan.hostwords import CpuShare, GpuCount, HostPath
 from ddplaunch.spec.examples import example_path
-from ddplaunch.spec.model import ClusterSpec, HostSpec, parse_size
+from ddplaunch.spec.model import CHECKPOINT_DIR_WORD, ClusterSpec, HostSpec, parse_size
 
 #: Master ports are derived from the run id inside this range (below Linux's ephemeral range).
 PORT_RANGE = (20000, 32000)
@@ -243,7 +243,8 @@ def _program(run: PlanContext, stage: Stage, how: StageOptions) -> _Program:
     head = healthcheck_args(spec, run_id, how.pairwise) if how.inline_healthcheck else ["--no-healthcheck"]
     head += [] if spec.job.fast_exit else ["--finalize"]
     resume = spec.job.resume_args if how.recovery else []  # a relaunch tells the job to resume
-    args = [*head, "--", script, *(spec.job.args if run.job_args is None else run.job_args), *resume]
+    job_args = checkpoint_args(spec, [*(spec.job.args if run.job_args is None else run.job_args), *resume])
+    args = [*head, "--", script, *job_args]
     return _Program(in_run_dir(run_id, "entry.py"), args,
                     (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads))
 
@@ -425,5 +426,35 @@ def node_env(spec: ClusterSpec, run_id: str, stage: Stage, label: str,
     if spec.job.debug_collectives and stage is Stage.JOB:
         # PyTorch checks that every rank calls the same collective with matching shapes
         env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    env.update(checkpoint_env(spec))
     env.update(user_env)  # the user's values win
     return env
+
+
+def checkpoint_env(spec: ClusterSpec) -> dict[str, str]:
+    """The `checkpoint:` section as the tier's environment (hostside/ckpt/config.py); empty without one."""
+    ckpt, where, durable = spec.checkpoint, spec.checkpoint_dir(), spec.checkpoint_durable()
+    if ckpt is None or where is None or durable is None:
+        return {}
+    env = {"DDPLAUNCH_CHECKPOINT_DIR": where, "DDPLAUNCH_CHECKPOINT_DURABLE": durable,
+           "DDPLAUNCH_CHECKPOINT_KEEP": str(ckpt.keep)}
+    limit = ckpt.memory_limit_bytes
+    if limit is not None:  # None: no limit but the tmpfs's
+        env["DDPLAUNCH_CHECKPOINT_MEMORY_LIMIT"] = str(limit)
+    return env
+
+
+def checkpoint_args(spec: ClusterSpec, args: list[str]) -> list[str]:
+    """The job's arguments with `{checkpoint_dir}` replaced by the job's checkpoint dir (each stays
+    one word: the renderers quote it).
+
+    Raises:
+        PlanError: an argument names `{checkpoint_dir}` and the spec has no `checkpoint:` section.
+    """
+    where = spec.checkpoint_dir()
+    if where is None:
+        if any(CHECKPOINT_DIR_WORD in a for a in args):
+            raise PlanError(f"job arguments: {CHECKPOINT_DIR_WORD} names the checkpoint: section's path; "
+                            "add a checkpoint: section with a path")
+        return args
+    return [a.replace(CHECKPOINT_DIR_WORD, where) for a in args]

@@ -10,6 +10,7 @@ cannot honour, is the registry's (spec/registry.py).
 from __future__ import annotations
 
 import collections
+import os
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional, Union
@@ -18,13 +19,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from ddplaunch.errors import SpecError
 from ddplaunch.spec import registry
+from ddplaunch.spec.checkpoint import CHECKPOINT_DIR_WORD, CheckpointSpec, CheckpointTier
 from ddplaunch.spec.hostlist import expand_hosts
 from ddplaunch.spec.values import (SECRET_SHOWN, Arg, EnvName, HostAddr, HostName, Interpreter, Line, Mount,
                                    Runtime, SbatchOption, SlurmName, SlurmNames, SlurmTime, UserEnvName, UserName,
-                                   is_secret_name, is_secret_value)
+                                   is_secret_name, is_secret_value, parse_size)
 from ddplaunch.spec.yamlsafe import show
 
-SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+__all__ = ["CHECKPOINT_DIR_WORD", "CheckpointSpec", "CheckpointTier", "ClusterSpec", "parse_size"]
 
 # --------------------------------------------------------------------------- the model
 
@@ -326,6 +328,7 @@ class ClusterSpec(_Strict):
     stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     container: Optional[ContainerSpec] = None
+    checkpoint: Optional[CheckpointSpec] = None
     sync: list[Line] = Field(default_factory=list)
     # Not a YAML key: the directory of the spec file, against which relative paths resolve.
     base_dir: str = Field(default=".", exclude=True)
@@ -360,7 +363,32 @@ class ClusterSpec(_Strict):
                 not registry.registration(self.backend).allocates:
             raise ValueError(f"recovery.spares: backend {self.backend!r} allocates no nodes: list the spare "
                              "hosts by name or address, as under hosts:")
+        self._checkpoint_words()
         return self
+
+    def _checkpoint_words(self) -> None:
+        """`{checkpoint_dir}` only with a `checkpoint:` section, whose variables env must not set."""
+        if self.checkpoint is None:
+            for key in ("args", "resume_args"):
+                if any(CHECKPOINT_DIR_WORD in a for a in getattr(self.job, key)):
+                    raise ValueError(f"job.{key}: {CHECKPOINT_DIR_WORD} names the checkpoint: section's "
+                                     "path; add a checkpoint: section with a path")
+            return
+        taken = sorted(n for n in self.env if n.upper().startswith("DDPLAUNCH_CHECKPOINT_"))
+        if taken:
+            raise ValueError(f"env.{taken[0]}: set from the checkpoint: section; set it there "
+                             "(path, durable, keep, memory_limit) instead")
+
+    def checkpoint_dir(self) -> Optional[str]:
+        """The job's checkpoint dir on the hosts (`checkpoint.path` against workdir), or None."""
+        return None if self.checkpoint is None else os.path.join(self.workdir_path, self.checkpoint.path)
+
+    def checkpoint_durable(self) -> Optional[str]:
+        """The durable dir on the hosts (`checkpoint.durable` against workdir, default the job's
+        dir), or None without a `checkpoint:` section."""
+        if self.checkpoint is None:
+            return None
+        return os.path.join(self.workdir_path, self.checkpoint.durable or self.checkpoint.path)
 
     def nproc_of(self, host: HostSpec) -> Union[int, str]:
         """The processes on `host`: its own `nproc`, else `nproc_per_node`."""
@@ -426,21 +454,6 @@ class ClusterSpec(_Strict):
         data["env"] = {k: {"from_env": v.from_env} if v.from_env is not None
                        else SECRET_SHOWN if k in secret else v.value for k, v in self.env.items()}
         return data
-
-
-def parse_size(size: Union[int, str]) -> int:
-    """Bytes from `4096`, `'64K'`, `'1M'` or `'2G'`.
-
-    Raises:
-        ValueError: for anything else.
-    """
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    text = str(size).strip().upper().removesuffix("B").removesuffix("I")
-    num, suffix = (text[:-1], text[-1]) if text and text[-1] in "KMG" else (text, "")
-    if not num.isascii() or not num.isdigit() or len(num) > 15 or int(num) == 0:
-        raise ValueError(f"size {show(repr(size), 60)} is not a positive byte count like 4096, 64K, 1M or 1G")
-    return int(num) * SIZE_SUFFIXES[suffix]
 
 
 def summarize_problems(messages: list[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Union
 
 from pydantic import AfterValidator
 
@@ -189,3 +189,21 @@ RUNTIMES: dict[Runtime, RuntimeTraits] = {
 }
 #: The runtimes that run a container per node (every backend can run them).
 PER_NODE_RUNTIMES = tuple(r for r, t in RUNTIMES.items() if not t.in_step)
+
+
+SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes from `4096`, `'64K'`, `'1M'` or `'2G'`.
+
+    Raises:
+        ValueError: for anything else.
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip().upper().removesuffix("B").removesuffix("I")
+    num, suffix = (text[:-1], text[-1]) if text and text[-1] in "KMG" else (text, "")
+    if not num.isascii() or not num.isdigit() or len(num) > 15 or int(num) == 0:
+        raise ValueError(f"size {show(repr(size), 60)} is not a positive byte count like 4096, 64K, 1M or 1G")
+    return int(num) * SIZE_SUFFIXES[suffix]
