@@ -4,6 +4,9 @@ arguments. Pure: nothing runs."""
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import textwrap
 from pathlib import Path
 
@@ -11,7 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from ddplaunch.cli import cli
+from ddplaunch.diagnose.preflight import evaluate, probe_command, render_table
 from ddplaunch.errors import PlanError
+from ddplaunch.hostside.probe import durable_problem
 from ddplaunch.spec.load import load_spec, load_spec_data
 from ddplaunch.plan.launch import PlanContext, StageOptions, Stage, make_plan
 from ddplaunch.spec.model import CheckpointTier
@@ -121,3 +126,54 @@ def test_reference_spec_with_the_section_uncommented_loads(tmp_path):
     (tmp_path / "train.py").write_text("")
     spec = load_spec(path)
     assert spec.checkpoint is not None and spec.checkpoint.durable == "/shared/ckpt"
+
+
+# ---------------------------------------------------------------- pre-flight: the durable dir
+
+def _facts(**kw):
+    base = {"hostname": "h", "python": "3.11.7", "executable": "/venv/bin/python", "torch": "2.13.0",
+            "cuda": None, "nccl": None, "gpus": None, "gpu_procs": [], "leftovers": {},
+            "master_ips": ["10.0.0.1"], "route_ip": "10.0.0.2", "route_iface": "eth1", "workdir_ok": True,
+            "script_ok": True, "disk_free_gb": 50.0, "port_busy": None, "port_error": None, "time": 1000.0}
+    return {**base, **kw}
+
+
+def test_preflight_fails_where_the_durable_dir_is_missing_or_unwritable():
+    spec = load_spec_data({**SSH, "hosts": [{"addr": "10.0.0.1", "name": "a"}, {"addr": "10.0.0.2", "name": "b"},
+                                            {"addr": "10.0.0.3", "name": "c"}],
+                           "checkpoint": {"path": "ck", "durable": "/shared/ckpt"}})
+    raw = {"a": _facts(durable_problem=None), "b": _facts(durable_problem="missing"),
+           "c": _facts(durable_problem="not writable (Read-only file system)")}
+    report = evaluate(spec, raw, launcher_time=1000.0, port=None)
+    assert report.bad_hosts == ["b", "c"]
+    assert report.hosts[0].checks["checkpoint"].ok is True
+    table = render_table(report)
+    assert ("b (10.0.0.2): checkpoint: durable dir /shared/ckpt missing -> fix: create it on every host "
+            "(a shared file system), or fix checkpoint.durable") in table
+    assert ("c (10.0.0.3): checkpoint: durable dir /shared/ckpt not writable (Read-only file system) -> fix: "
+            "make it writable for the run's user, or point checkpoint.durable elsewhere") in table
+    # no durable dir named (or no section): nothing probed, no column
+    plain = evaluate(load_spec_data(SSH), {"n1": _facts(), "n2": _facts()}, launcher_time=1000.0, port=None)
+    assert all("checkpoint" not in h.checks for h in plain.hosts) and "checkpoint" not in render_table(plain)
+
+
+def test_probe_asks_for_the_durable_dir_only_when_one_is_named():
+    def probe_args(data: dict) -> dict:
+        spec = load_spec_data(data)
+        command, _ = probe_command(spec, spec.hosts[0], "r1", None, 8)
+        return json.loads(shlex.split(command)[-1])
+    assert probe_args({**SSH, "checkpoint": {"path": "ck", "durable": "dur"}})["durable"] == "/srv/my work/dur"
+    assert "durable" not in probe_args({**SSH, "checkpoint": {"path": "ck"}})
+    assert "durable" not in probe_args(SSH)
+
+
+def test_probe_says_why_a_durable_dir_cannot_take_a_save(tmp_path):
+    assert durable_problem(str(tmp_path)) is None
+    assert list(tmp_path.iterdir()) == []  # its trial file is gone
+    assert durable_problem(str(tmp_path / "nope")) == "missing"
+    (tmp_path / "file").write_text("")
+    assert durable_problem(str(tmp_path / "file")) == "not a directory"
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        assert (durable_problem(str(locked)) or "").startswith("not writable (")

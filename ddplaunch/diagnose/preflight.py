@@ -68,6 +68,8 @@ def probe_command(spec: ClusterSpec, host: HostSpec, run_id: str, port: Optional
             "script": None if is_example(spec.job.script) or spec.synced(spec.job.script) else spec.job.script,
             "need_gpus": not emulated and (spec.dist_backend == "nccl" or spec.nproc_of(host) == "auto"),
             "probe_s": port_window(spec, parallel, expect)}
+    if spec.checkpoint is not None and spec.checkpoint.durable is not None:
+        args["durable"] = spec.checkpoint_durable()  # the job's own dir (the default) it makes itself
     if not any(rendezvous_addr(h) == master for h in spec.hosts) and host is spec.hosts[0]:
         args["listen"] = True  # master.addr is an alias of the first host
     image = spec.container if spec.container is not None and not RUNTIMES[spec.container.runtime].in_step else None
@@ -153,6 +155,8 @@ def evaluate(spec: ClusterSpec, raw: Mapping[str, HostFacts], launcher_time: Uni
         rep.checks["workdir"] = (Check(True, "ok") if f["script_ok"] else Check(
             False, f"{spec.workdir_path}/{spec.job.script} missing" if f["workdir_ok"]
             else f"workdir {spec.workdir_path} missing", "create it or list the files under `sync:`"))
+        if "durable_problem" in f:
+            rep.checks["checkpoint"] = durable_check(spec, f.get("durable_problem"))
         if spec.container is not None:
             _in_container(spec, rep)
     _versions(hosts)
@@ -160,6 +164,19 @@ def evaluate(spec: ClusterSpec, raw: Mapping[str, HostFacts], launcher_time: Uni
     for rep in hosts:
         rep.checks = {name: rep.checks[name] for name in CHECKS if name in rep.checks}
     return PreflightReport(hosts=hosts, socket_ifname=ifname)
+
+
+def durable_check(spec: ClusterSpec, problem: Optional[str]) -> Check:
+    """The checkpoint's durable dir on one host: it must exist and take a file, or the first save
+    (or the background persist) fails mid-run."""
+    where = spec.checkpoint_durable()
+    if problem is None:
+        return Check(True, "durable dir writable")
+    inside = " (mount it into the container: container.mounts)" if spec.container is not None else ""
+    fix = (f"create it on every host (a shared file system){inside}, or fix checkpoint.durable"
+           if problem == "missing" else
+           f"make it writable for the run's user{inside}, or point checkpoint.durable elsewhere")
+    return Check(False, f"durable dir {where} {problem}", fix)
 
 
 def _probed(spec: ClusterSpec, rep: HostReport, h: HostSpec) -> bool:

@@ -15,6 +15,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -159,6 +160,22 @@ def connect(master: str, port: int, deadline: float, me: str) -> str | None:
     return f"cannot reach {master}:{port} over TCP: {getattr(last, 'strerror', None) or last}"
 
 
+def durable_problem(path: str) -> str | None:
+    """Why the checkpoint's durable dir cannot take a save here (None: it can): missing, not a
+    directory, or a file cannot be created in it (tried: permissions, a read-only or full mount)."""
+    if not os.path.exists(path):
+        return "missing"
+    if not os.path.isdir(path):
+        return "not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ddplaunch-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return f"not writable ({err.strerror or err})"
+    return None
+
+
 def main() -> None:
     nonce, args = sys.argv[1], json.loads(sys.argv[2])
     out: dict[str, Any] = {"hostname": socket.gethostname(), "python": sys.version.split()[0],
@@ -188,6 +205,8 @@ def main() -> None:
     out["disk_free_gb"] = shutil.disk_usage(workdir if out["workdir_ok"] else "/").free / 1e9
     out["workdir_writable"] = out["workdir_ok"] and os.access(workdir, os.W_OK)
     out["uid"] = os.getuid()
+    if args.get("durable"):
+        out["durable_problem"] = durable_problem(args["durable"])
     try:  # what NCCL and DataLoader workers share memory through (a container's may be tiny)
         shm = os.statvfs("/dev/shm")
         out["shm_bytes"] = shm.f_blocks * shm.f_frsize

@@ -15,7 +15,7 @@ from ddplaunch.record.codec import from_data
 from ddplaunch.record.probefacts import HostFacts
 
 CHECKS = ("reach", "image", "python", "torch", "versions", "gpus", "leftovers", "master_dns", "iface", "port",
-          "clock", "disk", "workdir", "shm")
+          "clock", "disk", "workdir", "checkpoint", "shm")
 
 
 class Gate(StrEnum):

@@ -51,4 +51,6 @@ class HostFacts(TypedDict, total=False):
     disk_free_gb: float
     workdir_writable: bool
     uid: int
+    #: why checkpoint.durable cannot take a save (None: it can); absent without one in the spec
+    durable_problem: Optional[str]
     shm_bytes: Optional[int]
