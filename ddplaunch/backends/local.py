@@ -38,6 +38,9 @@ class LocalBackend(ShellLauncher):
 
     def __init__(self, spec: ClusterSpec, run: RunContext):
         super().__init__(spec)
+        #: the run whose checkpoints `close` frees from this machine's RAM: set once this backend
+        #: launched a stage of a spec with a `checkpoint:` section
+        self._ckpt_run: Optional[str] = None
 
     def port_free(self, addr: str, port: int) -> bool:
         with socket.socket() as s:
@@ -51,6 +54,8 @@ class LocalBackend(ShellLauncher):
     def launch(self, request: ShellRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
         (node,) = plan.nodes
+        if self.spec.checkpoint is not None:
+            self._ckpt_run = plan.run_id
         run_dir = Path.home() / HOST_RUN_ROOT / plan.run_id
         for d in reversed([run_dir, *run_dir.parents][:len(Path(HOST_RUN_ROOT).parts) + 1]):
             d.mkdir(exist_ok=True, mode=0o700)  # ~/.ddplaunch, runs, the run: 0700 from the start
@@ -68,7 +73,10 @@ class LocalBackend(ShellLauncher):
         return follow(_LocalStage(plan, proc, lines, run_dir), plan, lines, stop, stop_grace=self.spec.job.stop_grace)
 
     def close(self) -> None:
-        pass
+        """The run is over: its checkpoints leave this machine's RAM, once nothing of it is left."""
+        if self._ckpt_run is not None and not run_processes(self._ckpt_run):
+            reaper.free_checkpoints(self._ckpt_run)
+        self._ckpt_run = None
 
     def probe(self, command: CommandFor, timeout: float = 30,
               hosts: Optional[list[HostSpec]] = None) -> list[HostResult]:
@@ -91,6 +99,8 @@ class LocalBackend(ShellLauncher):
         reaper.reap(run_id)
         reaper.clean(run_id)
         left = sorted(run_processes(run_id))
+        if not left:
+            reaper.free_checkpoints(run_id)
         return [f"localhost: {describe_reap({'before': before, 'left': left, 'containers': containers})}"]
 
 

@@ -212,17 +212,21 @@ class ShellLauncher:
 
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False,
-                   clean: bool = False, containers: Optional[str] = None, now: bool = False) -> tuple[str, str]:
+                   clean: bool = False, containers: Optional[str] = None, now: bool = False,
+                   free_checkpoints: bool = False) -> tuple[str, str]:
     """(command, nonce) of the reaper for `run_id`: optionally SIGTERM the pids in the run's pid
     files first (each checked to be the run's), then (with `kill`) remove the run's `containers`
     (a runtime: docker, podman) and end whatever of the run is left (`now`: SIGKILL at once, no
     grace after a SIGTERM), then (with `clean`, once nothing of it is left) remove what could hold
-    its output or its environment: torchrun's per-rank logs and environment files."""
+    its output or its environment: torchrun's per-rank logs and environment files; with
+    `free_checkpoints` (the run's end, `down`) also its checkpoints in the host's RAM."""
     args: list[str] = [run_id]
     if kill:
         args += ["--kill", "--now"] if now else ["--kill"]
     if clean:
         args.append("--clean")
+    if free_checkpoints:
+        args.append("--free-checkpoints")
     if containers:
         args += ["--containers", containers]
     if term_pid_files:

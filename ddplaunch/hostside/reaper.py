@@ -1,6 +1,7 @@
 """End every process of one run on this host (see procs.py for which processes those are).
 
-Usage: `python - RUN_ID [--term PIDFILE...] [--kill [--now]] [--clean] [--containers RUNTIME]` with
+Usage: `python - RUN_ID [--term PIDFILE...] [--kill [--now]] [--clean] [--free-checkpoints]
+[--containers RUNTIME]` with
 procs.py + this source on stdin or `-c`. `--term`: SIGTERM the pids recorded in these files
 (torchrun stops its workers) — each pid only after checking it is the run's; a stopped one (a frozen
 host's: it cannot act on SIGTERM) is killed, with every stopped process of the run here. `--containers`
@@ -9,7 +10,10 @@ the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grac
 whatever of the run is left (`--now`: SIGKILL at once, for processes that had their SIGTERM).
 `--clean`: then remove what of the run's directory may hold what the job printed or its
 environment (torchrun's per-rank logs, environment files): the launcher's log has every line,
-masked. Prints one answer line: `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
+masked. `--free-checkpoints`: then (once nothing of the run is left) remove the run's checkpoints
+from this host's RAM (hostside/ckpt/: its memory tier): at the run's end and at `down`, never
+between stages (a relaunch loads from there). Prints one answer line:
+`DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
 
 import json
@@ -26,6 +30,9 @@ except ImportError:  # sent to a host as one program: procs.py's source comes fi
     pass
 
 GRACE = 5.0
+#: Where the checkpoint memory tier keeps a run's versions: hostside/ckpt/layout.py's ram_base
+#: (this program is sent alone: the path is spelled here too, and a test holds them equal).
+CKPT_RAM = "/dev/shm/ddplaunch-ckpt-{uid}"
 
 
 def term_pidfiles(run_id: str, paths: list[str]) -> list[int]:
@@ -88,6 +95,18 @@ def clean(run_id: str) -> None:
                 pass
 
 
+def free_checkpoints(run_id: str, ram: str = CKPT_RAM) -> bool:
+    """Remove the run's checkpoints from this host's RAM (every host's part this machine holds);
+    whether there were any. `run_id` is one path component (the run ids ddplaunch makes are)."""
+    if not run_id or "/" in run_id or run_id in (".", ".."):
+        return False
+    path = os.path.join(ram.format(uid=os.getuid()), run_id)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
 def remove_containers(run_id: str, runtime: str | None) -> list[str]:
     """Remove (stopping them) the containers of this run and this user; their ids."""
     if runtime not in ("docker", "podman") or shutil.which(runtime) is None:
@@ -112,11 +131,12 @@ def wait_gone(run_id: str, pids: list[int], timeout: float) -> None:
 def main(argv: list[str]) -> None:
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
     kill, tidy, now = "--kill" in rest, "--clean" in rest, "--now" in rest
+    free = "--free-checkpoints" in rest
     runtime = rest[rest.index("--containers") + 1] if "--containers" in rest[:-1] else None
     if runtime is not None:
         rest = [a for a in rest if a not in ("--containers", runtime)]
     files = rest[rest.index("--term") + 1:] if "--term" in rest else []
-    files = [f for f in files if f not in ("--kill", "--clean", "--now")]
+    files = [f for f in files if f not in ("--kill", "--clean", "--now", "--free-checkpoints")]
     before = sorted(run_processes(run_id))
     sent = term_pidfiles(run_id, files)
     if sent and not now:
@@ -127,8 +147,9 @@ def main(argv: list[str]) -> None:
     left = sorted(run_processes(run_id))
     if tidy and not left:
         clean(run_id)
+    freed = free and not left and free_checkpoints(run_id)
     print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left,
-                                                     "containers": containers}), flush=True)
+                                                     "containers": containers, "freed": freed}), flush=True)
 
 
 if __name__ == "__main__":

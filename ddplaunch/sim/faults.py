@@ -4,17 +4,21 @@ The kernel here has no netem, so a "slow link" is a `tbf` rate limit on both leg
 host's veth (egress in the host and egress on the bridge side, i.e. both directions).
 A crash is what a machine that loses power looks like from the network: its link goes down
 (no RST for anyone's connection) and every process of the host is SIGKILLed, its sshd and slurmd
-too. Every fault is recorded in the state file so `sim status` and `--clear` know about it.
+too; and what it held in RAM is gone: its part of the checkpoint memory tier (hostside/ckpt/),
+which the sim hosts share /dev/shm for, is removed. Every fault is recorded in the state file so `sim status` and `--clear` know about it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
 
+from ddplaunch.hostside.ckpt.config import RAM_ROOT
+from ddplaunch.hostside.ckpt.layout import safe_component
 from ddplaunch.sim import cgroups, slurm, sshd
 from ddplaunch.sim.netns import NETNS_DIR, netns_pids
 from ddplaunch.sim.proc import SimError, require_root, run, stop_pids
@@ -39,7 +43,8 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         rate: rate-limit both directions of the host's link, e.g. "1gbit", "100mbit".
         down: set both legs of the host's link down (connections to it time out).
         sshd_stop: stop the host's sshd listener (by its recorded PID).
-        crash: the link down, then SIGKILL to every process in the host's namespace.
+        crash: the link down, then SIGKILL to every process in the host's namespace, and its part of
+            the checkpoint memory tier removed (`wipe_memory_tier`): a power loss.
         cut_training: drop every packet between the host and the other hosts except those of
             sshd and slurmd (a broken training fabric while the management network answers;
             the launcher's own traffic is untouched).
@@ -70,6 +75,7 @@ def sim_fault(target: Path | str | SimCluster, host: str, *, rate: str | None = 
         elif crash:
             _set_link(cluster, h, "down")
             _kill_all(h)
+            wipe_memory_tier(h.name)
             h.sshd_pid, h.fault.crashed, h.fault.down = None, True, True
             if cluster.slurm is not None:
                 cluster.slurm.slurmd_pids.pop(h.name, None)
@@ -156,6 +162,23 @@ def _kill_all(h: SimHost) -> None:
                 pass
         time.sleep(0.05)
     raise SimError(f"{h.name}: processes keep appearing in namespace {h.ns}: {netns_pids(h.ns)[:10]}")
+
+
+def wipe_memory_tier(host: str, ram_root: Path = RAM_ROOT) -> list[Path]:
+    """What a power loss does to `host`'s RAM: its part of the checkpoint memory tier, of every
+    run and every user (`<ram_root>/ddplaunch-ckpt-<uid>/<run>/<host>/`), removed; the parts other
+    hosts hold on this machine are left. Returns the directories removed."""
+    safe_component(host, "host")
+    removed = []
+    for base in sorted(ram_root.glob("ddplaunch-ckpt-*")):
+        if not base.is_dir() or base.is_symlink():
+            continue
+        for run_dir in sorted(base.iterdir()):
+            part = run_dir / host
+            if run_dir.is_dir() and not run_dir.is_symlink() and part.is_dir() and not part.is_symlink():
+                shutil.rmtree(part, ignore_errors=True)
+                removed.append(part)
+    return removed
 
 
 def _clear(cluster: SimCluster, h: SimHost) -> None:

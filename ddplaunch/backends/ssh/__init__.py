@@ -60,6 +60,9 @@ class SshBackend(ShellLauncher):
         self.routes = resolve_routes(spec, [*spec.hosts, *super().spares()])
         self.connector = Connector(spec, self.routes)
         self._synced: set[str] = set()
+        #: the run whose checkpoints `close` frees from the hosts' RAM: set once this backend
+        #: launched a stage of a spec with a `checkpoint:` section (None: none, or freed already)
+        self._ckpt_run: Optional[str] = None
         #: Lost hosts asked to end the run's processes until they answer (or their lease ran out).
         self.fence = Fence(spec.supervisor.lease + spec.job.stop_grace + 30)
 
@@ -75,8 +78,25 @@ class SshBackend(ShellLauncher):
         return self.connector.connect(host.label)
 
     def close(self) -> None:
+        """The run is over: its checkpoints are freed from the RAM of every host still connected
+        (with a `checkpoint:` section; `down` frees them on every host in any case)."""
+        if self._ckpt_run is not None:
+            self._free_checkpoints(self._ckpt_run)
         self.fence.close()
         self.connector.close()
+
+    def _free_checkpoints(self, run_id: str) -> None:
+        """One reaper round on the connected hosts that only frees the run's checkpoint RAM, and
+        only where nothing of the run is left (a lost host's RAM went with it, or `down` frees it)."""
+        self._ckpt_run = None
+        live = self.connector.connected()
+        hosts = [h for h in [*self.spec.hosts, *super().spares()] if h.label in live]
+
+        def free(host: HostSpec) -> None:
+            command, _ = reaper_command(tool_python(self.spec, host), run_id, kill=False, free_checkpoints=True)
+            self._exec(host, command, timeout=20)
+        if hosts:
+            self._each(free, hosts)
 
     def hosts(self, allocate: bool = True) -> list[HostSpec]:
         return self._reachable(list(self.spec.hosts), allocate)
@@ -190,6 +210,8 @@ class SshBackend(ShellLauncher):
         are there, and the stage starts only when it admits every node's answer (None: it did
         not, every session ended before anything started)."""
         plan = request.plan
+        if self.spec.checkpoint is not None:
+            self._ckpt_run = plan.run_id
         hosts = [n.host for n in plan.nodes if n.host is not None]
         for host in hosts:
             lines.state(host.label, NodeState.NOT_STARTED)
@@ -285,7 +307,9 @@ class SshBackend(ShellLauncher):
     def down(self, record: RunRecord) -> list[str]:
         """Every host the run could have used, its spares too (one may have replaced a lost host)."""
         lines = []
-        for host, left, err in self._each(lambda h: self._reap(h, record.run_id, term_pid_files=True),
+        self._ckpt_run = None  # freed below, with the rest of the run
+        for host, left, err in self._each(lambda h: self._reap(h, record.run_id, term_pid_files=True,
+                                                               free_checkpoints=True),
                                           [*self.spec.hosts, *super().spares()]):
             lines.append(f"{host.label}: {err}" if err else f"{host.label}: {left}")
         self.close()
@@ -382,9 +406,11 @@ class SshBackend(ShellLauncher):
             self.fence.add(host.label, functools.partial(self._reap, host, run_id))
         self._each(lambda h: self._reap(h, run_id, now=now), hosts)
 
-    def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False, now: bool = False) -> str:
+    def _reap(self, host: HostSpec, run_id: str, term_pid_files: bool = False, now: bool = False,
+              free_checkpoints: bool = False) -> str:
         command, nonce = reaper_command(tool_python(self.spec, host), run_id, kill=True, term_pid_files=term_pid_files,
-                                        clean=True, containers=runtime_of(self.spec), now=now)
+                                        clean=True, containers=runtime_of(self.spec), now=now,
+                                        free_checkpoints=free_checkpoints)
         _, out = self._exec(host, command, timeout=45)
         return describe_reap(parse_answer(out, nonce))
 

@@ -207,6 +207,11 @@ class Connector:
         for conn in gone:  # the transport's own thread ends when its socket closes
             threading.Thread(target=conn.close, daemon=True).start()
 
+    def connected(self) -> set[str]:
+        """The labels of the hosts with an open connection (a lost host's was dropped)."""
+        with self._lock:
+            return {label for label, conn in self._conns.items() if conn.is_connected}
+
     def close(self) -> None:
         with self._lock:
             conns = list(self._conns.values()) + list(self._jumps.values())
