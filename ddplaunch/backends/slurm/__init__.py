@@ -47,6 +47,9 @@ class SlurmBackend:
         self.client = SlurmClient(str(spec.resolve(spec.slurm.conf)) if spec.slurm.conf else None)
         self.alloc = Allocation(spec, self.client, run)
         self._slurmd_port: Optional[int] = None
+        #: the run whose checkpoints `close` frees from the nodes' RAM: set once this backend
+        #: launched a stage of a spec with a `checkpoint:` section (None: none, or freed already)
+        self._ckpt_run: Optional[str] = None
 
     # ------------------------------------------------------------------ the Launcher contract
 
@@ -76,6 +79,8 @@ class SlurmBackend:
 
     def launch(self, request: StepRequest, lines: StageLines, stop: StopEvent) -> StageResult:
         plan = request.plan
+        if self.spec.checkpoint is not None:
+            self._ckpt_run = plan.run_id
         env = dict(request.env)
         if request.upload:
             bundle = stage_bundle([Path(src).read_bytes() for src in request.staged()])
@@ -132,6 +137,17 @@ class SlurmBackend:
         return self.cancel(record)
 
     def close(self) -> None:
+        """The run is over: its checkpoints leave the RAM of the nodes that still answer (one step,
+        with a `checkpoint:` section), then the allocation ddplaunch made ends."""
+        if self._ckpt_run is not None:
+            run_id, self._ckpt_run = self._ckpt_run, None
+            nodes = [self.alloc.host(n) for n in self.alloc.order if n not in self.alloc.unreachable]
+            command = reaper_command(tool_python(self.spec, None), run_id, kill=False, free_checkpoints=True)[0]
+            try:
+                if nodes:
+                    self.probe(lambda h: command, timeout=20, hosts=nodes)
+            except BackendError:
+                pass  # the allocation is gone (its nodes' RAM with it, where Slurm cleans /dev/shm)
         self.alloc.release()
 
     # ------------------------------------------------------------------ short commands as steps
