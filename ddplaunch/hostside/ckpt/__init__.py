@@ -20,8 +20,14 @@ Where it lives: `layout.py` (paths, 0600/0700, manifests, the careful durable wr
 (a state as one flat buffer plus a small record), `tier.py` (save, the sealer and persister
 threads, keep/memory_limit/ENOSPC), `reader.py` (load). RAM paths hold the uid, run id and host:
 /dev/shm/ddplaunch-ckpt-<uid>/<run>/<host>/part-<R>/v-<step>/, so two runs, or two sim hosts on
-one machine, never share one. `free(run_id)` removes a run's RAM (the launcher calls it at run end
-and at `down`); at interpreter exit the newest complete RAM version is made durable first.
+one machine, never share one. `free(run_id)` removes a run's RAM; at interpreter exit the newest
+complete RAM version is made durable first.
+
+The launcher: the spec's `checkpoint:` section (spec/checkpoint.py) is planned into every rank's
+environment (`config.py`'s variables; plan/launch.py `checkpoint_env`); the pre-flight fails a host
+where `durable` is missing or not writable; the reaper (hostside/reaper.py `--free-checkpoints`,
+the same path spelled there) removes a run's RAM at its end (the backend's close) and at `down`,
+never between stages; `sim fault HOST --crash` empties that host's part (sim/faults.py).
 
 Designed for what comes next (not built yet):
 - Buddy replication: a replica is one more RAM version directory written under the buddy's own
@@ -30,9 +36,8 @@ Designed for what comes next (not built yet):
   `Source(Where.MEMORY, buddy, path)`, and the agreement in `reader._agreed` already loads the newest
   step that every rank can read. The sealer's manifest is the hand-off point: a version without one
   is never copied, persisted or loaded.
-- The launcher: the spec's `checkpoint:` section becomes the environment in `config.py`; the
-  supervisor calls `free(run_id)` at run end and at `down`, and its agent can finish persisting a
-  sealed RAM version left by a killed process with `layout.write_durable` (the same careful write).
+- The supervisor's agent finishing the persist of a sealed RAM version left by a killed process,
+  with `layout.write_durable` (the same careful write), before the run's RAM is freed.
 - Unmodified scripts: a memory-backed job dir is this layout's RAM side seen through the job's own
   files; completeness is then the job's own rename/marker instead of our manifest.
 """
