@@ -9,7 +9,11 @@ jobs/train.py on them, 1 rank each, every step spending 40 ms of CPU (`--burn-ms
              (the rank whose step time is 15 % above the median, over the same steps, read from the
              same runs' timing events) names: in DDP every rank's step lasts as long as the
              slowest's, so it names nobody, or a host at random.
-  healthy    the same job never slowed, `--healthy-s` seconds: stragglers named (must be none).
+  healthy    the same job never slowed, `--healthy-s` seconds, disturbed as a shared machine is
+             (issue #55), every `--disturb-every` seconds (0: never): a burst of load on the whole
+             machine (2 processes spinning for 8 s on the 2 cores), then, half a period later, one
+             host's rank paused for 2 s (SIGSTOP: a GC, a checkpoint, the page cache), the host
+             taken in turn. Counted: the verdicts (every one a false positive), per host-hour.
   eviction   `--evictions` runs per backend (`--evict-on ssh,slurm`) with `recovery.evict_stragglers`
              and a spare, 3 ranks (SSH: hosts 0-2, host 3 the spare; Slurm: its own 3-node sim, 2
              nodes and a count of 1 spare), a checkpoint every 25 steps: once rank 0 printed step 80
@@ -22,19 +26,26 @@ jobs/train.py on them, 1 rank each, every step spending 40 ms of CPU (`--burn-ms
 The slices (percent of one CPU) are for a 2-core machine where the 4 ranks share the cores (each
 gets about half a CPU while computing): the slowdown they cause is what the table reports.
 Needs root; tears its sim down at the end.
-Usage: .venv/bin/python bench/stragglers.py [--trials 5] [--healthy-s 120] [--evictions 3]
-       [--evict-on ssh,slurm] [--json out.json]
+The verdicts' precision (as Greyhound and Mycroft report theirs) is over every verdict of the
+bench: the slowed host named in a detection or eviction trial is a true one; any other host named
+there, and any host named in the healthy run, a false one. Recall: the trials whose slowed host
+was named.
+Usage: .venv/bin/python bench/stragglers.py [--trials 5] [--healthy-s 120] [--disturb-every 60]
+       [--evictions 3] [--evict-on ssh,slurm] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -45,13 +56,16 @@ sys.path.insert(0, str(ROOT))
 from ddplaunch.record.events import StepWindow, StragglerNamed, read_events  # noqa: E402
 from ddplaunch.sim import SimConfig, sim_down, sim_up  # noqa: E402
 from ddplaunch.sim.faults import sim_fault  # noqa: E402
+from ddplaunch.sim.netns import netns_pids  # noqa: E402
 
 PREFIX, SUBNET = "dst", "10.213.61.0/24"
 SLURM_PREFIX, SLURM_SUBNET = "dsv", "10.213.62.0/24"
 #: The eviction trials' slowdown starts once rank 0 printed this step (its pace before is measured up to it).
 SLOWED_AT = 80
 VICTIM = 2
-LEVELS = {"25% of a CPU": 25, "36% of a CPU": 36}
+#: The slowed host's CPU slices (percent of one CPU), `--levels` (on a machine that other work
+#: keeps busy every process gets less than a quarter of a CPU: there only a thinner slice slows).
+LEVELS = (25, 36)
 STEP_TIME_RE = re.compile(r"\[\S+:0\] step=(\d+) ")
 
 
@@ -119,20 +133,83 @@ def detection(cluster, tmp: Path, level: str, quota: int, trial: int) -> dict:
         proc.communicate(timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
     found = [e.straggler for e in events if isinstance(e, StragglerNamed)]
-    return {"level": level, "quota": quota, "trial": trial, "named_s": named_s,
+    return {"level": level, "quota": quota, "trial": trial, "named_s": named_s, "named_all": [f.host for f in found],
             "host": found[0].host if found else None, "right": bool(found and found[0].host == victim),
             "slowdown": found[0].slowdown if found else None, "naive": naive(events, 30), "line": line.strip()}
 
 
-def healthy(cluster, tmp: Path, seconds: float) -> dict:
+def healthy(cluster, tmp: Path, seconds: float, disturb_every: float) -> dict:
+    """The job never slowed for `seconds`, disturbed every `disturb_every` seconds (see the module's
+    doc): the hosts named (each a false positive) and what was done to the machine when."""
     run_id = "bst-healthy"
     proc = up(spec_text(cluster, tmp, 400000, True), tmp, run_id)
+    read_until(proc, "step=30 ", 300)  # training runs: the run's time counts from here
+    done, disturbed = threading.Event(), []
+    worker = threading.Thread(target=_disturb, args=(cluster, disturb_every, done, disturbed), daemon=True)
+    if disturb_every > 0:
+        worker.start()
+    ran = time.monotonic()
     time.sleep(seconds)
+    done.set()
+    if worker.is_alive():
+        worker.join()  # a burst or a pause under way ends first
+    ran = time.monotonic() - ran
     proc.send_signal(2)
-    out, _ = proc.communicate(timeout=120)
+    proc.communicate(timeout=120)
     events = read_events(tmp / "state" / "runs" / run_id)
     steps = max((e.last for e in events if isinstance(e, StepWindow)), default=0)
-    return {"seconds": seconds, "steps": steps, "named": [e.straggler.host for e in events if isinstance(e, StragglerNamed)]}
+    named = [e.straggler for e in events if isinstance(e, StragglerNamed)]
+    return {"seconds": ran, "steps": steps, "hosts": len(cluster.hosts), "disturbed": disturbed,
+            "named": [s.host for s in named], "verdicts": [s.describe() for s in named]}
+
+
+def _disturb(cluster, every: float, done: threading.Event, said: list) -> None:
+    """Every `every` s: a burst of load on the whole machine (2 spinning processes, 8 s); half a
+    period later one host's ranks stopped for 2 s (the hosts in turn)."""
+    turn = 0
+    while not done.wait(every / 2):
+        spin = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 8: pass"
+        burst = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+        said.append(["burst", "the whole machine, 8 s", time.monotonic()])
+        for p in burst:
+            p.wait()
+        if done.wait(every / 2):
+            return
+        host = cluster.hosts[turn % len(cluster.hosts)]
+        turn += 1
+        ranks = [pid for pid in netns_pids(host.ns) if _is_rank(pid)]
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(2)
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
+        said.append(["pause", f"{host.name}: {len(ranks)} rank(s) stopped 2 s", time.monotonic()])
+
+
+def _is_rank(pid: int) -> bool:
+    """A training rank (torchrun's worker: LOCAL_RANK in its environment), not its agent or sshd."""
+    try:
+        return b"LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def precision(results: dict) -> dict:
+    """Every verdict of the bench, true or false (see the module's doc), its precision, and recall."""
+    true = false = trials = found = 0
+    for r in results["detection"]:
+        trials += 1
+        found += r["right"]
+        true += r["right"]
+        false += len(r["named_all"]) - r["right"]
+    for r in results["eviction"]:
+        trials += 1
+        found += r["victim"] in r["named"]
+        true += r["victim"] in r["named"]
+        false += len([h for h in r["named"] if h != r["victim"]])
+    false += len(results.get("healthy", {}).get("named", []))
+    return {"true": true, "false": false, "precision": true / (true + false) if true + false else None,
+            "trials": trials, "recall": found / trials if trials else None}
 
 
 def eviction(cluster, tmp: Path, backend: str, trial: int) -> dict:
@@ -221,7 +298,7 @@ def _detection_table(detection: list) -> None:
     print("\n| slowdown (CPU slice) | named after (median, max) | right host | slowdown reported (median) | "
           "naive step-time detector named |")
     print("|---|---|---|---|---|")
-    for level in LEVELS:
+    for level in sorted({r["level"] for r in detection}, key=lambda name: int(name.split("%")[0])):
         rs = [r for r in detection if r["level"] == level]
         named = [r["named_s"] for r in rs if r["named_s"] is not None]
         slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
@@ -235,12 +312,15 @@ def _detection_table(detection: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="the slowed host's CPU slices, percent")
     ap.add_argument("--healthy-s", type=float, default=120)
+    ap.add_argument("--disturb-every", type=float, default=60, help="seconds; 0: the healthy run undisturbed")
     ap.add_argument("--overhead-pairs", type=int, default=3)
     ap.add_argument("--evictions", type=int, default=0, help="eviction trials per backend")
     ap.add_argument("--evict-on", default="ssh", help="backends of the eviction trials: ssh, slurm or both")
     ap.add_argument("--json")
     args = ap.parse_args()
+    levels = [int(q) for q in args.levels.split(",") if q.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="ddpl-strag-"))
     cluster = sim_up(SimConfig(n_hosts=4, prefix=PREFIX, subnet=SUBNET, state_dir=tmp / "sim", workdir=ROOT,
                                nproc_per_node=1))
@@ -258,7 +338,8 @@ def main() -> None:
                       f"pace {r['pace']}", flush=True)
                 results["eviction"].append(r)
         for trial in range(args.trials):
-            for level, quota in (LEVELS.items() if trial % 2 == 0 else reversed(LEVELS.items())):
+            for quota in (levels if trial % 2 == 0 else levels[::-1]):
+                level = f"{quota}% of a CPU"
                 r = detection(cluster, tmp, level, quota, trial)
                 print(f"  {level} trial {trial}: named {r['named_s']}s host {r['host']} slowdown {r['slowdown']} "
                       f"naive: {r['naive']}", flush=True)
@@ -267,7 +348,7 @@ def main() -> None:
             for timing in ((True, False) if n % 2 == 0 else (False, True)):
                 results["overhead"]["on" if timing else "off"].append(step_time(cluster, tmp, timing, n))
         if args.healthy_s > 0:
-            results["healthy"] = healthy(cluster, tmp, args.healthy_s)
+            results["healthy"] = healthy(cluster, tmp, args.healthy_s, args.disturb_every)
     finally:
         sim_down(tmp / "sim")
         if slurm is not None:
@@ -283,7 +364,16 @@ def main() -> None:
         _eviction_table(results["eviction"])
     h = results.get("healthy")
     if h:
-        print(f"healthy run of {h['seconds']:.0f} s ({h['steps']} steps): stragglers named: {h['named'] or 'none'}")
+        hours = h["seconds"] * h["hosts"] / 3600
+        kinds = [d[0] for d in h["disturbed"]]
+        print(f"healthy run of {h['seconds']:.0f} s ({h['steps']} steps; {kinds.count('burst')} bursts of load, "
+              f"{kinds.count('pause')} rank pauses): false verdicts {len(h['named'])} "
+              f"({len(h['named']) / hours:.1f} per host-hour)"
+              + "".join(f"\n  {v}" for v in h["verdicts"]))
+    p = results["precision"] = precision(results)
+    if p["true"] + p["false"]:
+        print(f"verdicts: {p['true']} true, {p['false']} false: precision {p['precision']:.0%}; recall "
+              f"{p['recall']:.0%} of {p['trials']} slowed trials")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
