@@ -200,7 +200,7 @@ def test_events_hold_values_and_text_only_to_be_shown_as_it_is():
 
     from ddplaunch.record.events import KINDS
 
-    names = {"run_id", "backend", "host", "hosts", "supervisor_host", "master", "gate"}
+    names = {"run_id", "backend", "host", "hosts", "supervisor_host", "master", "gate", "job_id", "output_path"}
     shown_as_is = {("shown", "text"), ("requested", "text"), ("not-recovered", "why"), ("spare-dropped", "why"),
                    ("run-ended", "error")}
     texts = []

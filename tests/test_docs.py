@@ -92,9 +92,7 @@ def test_readme_plan_line_is_what_the_dry_run_prints(tmp_path):
 #: code (or the doc) to match: the memories beside the event log, a "pure" package that starts a
 #: thread. Asserted to be exactly what the checks find, so an entry that becomes true fails the
 #: test until it is removed here: empty it as the work lands, and keep it empty.
-KNOWN_FALSE = {
-    "backends/slurm/client.py writes slurm.json into a run's directory; the run's memory does not name it",
-}
+KNOWN_FALSE: set[str] = set()
 
 
 def test_the_architecture_doc_names_only_modules_that_exist():

@@ -1,10 +1,12 @@
 """The Slurm job a run uses (backends/slurm/client.py `SlurmJob`), read back the way `status`,
-`logs` and `down` read it: a detached run's is its record's placement (never a second file), an
-attached run's allocation is the one its backend saved."""
+`logs` and `down` read it, from the run's memory alone: a detached run's is its record's
+placement, an attached run's allocation the one its backend said in the event log; no file of
+its own."""
 
 from __future__ import annotations
 
 from ddplaunch.backends.slurm.client import SlurmJob
+from ddplaunch.record.events import Allocated, EventLog
 from ddplaunch.record.runs import InJob, Local, RunRecord
 from ddplaunch.spec.load import load_spec
 
@@ -35,10 +37,12 @@ def test_a_job_the_scheduler_refused_is_none(tmp_path, monkeypatch):
     assert SlurmJob.load(record.dir) is None
 
 
-def test_an_attached_runs_allocation_is_the_one_its_backend_saved(tmp_path, monkeypatch):
+def test_an_attached_runs_allocation_is_the_one_its_backend_said(tmp_path, monkeypatch):
     record = _record(tmp_path, monkeypatch, Local.this_process())
     assert SlurmJob.load(record.dir) is None
-    saved = SlurmJob("7", owned=False, slurm_conf=None)
-    saved.save(record.dir)
-    assert SlurmJob.load(record.dir) == saved
-    assert oct((record.dir / "slurm.json").stat().st_mode & 0o777) == "0o600"
+    log = EventLog(record.dir)
+    log.append(Allocated("7", owned=True, output_path="/out/r1-7.out"))
+    log.close()
+    assert SlurmJob.load(record.dir) == SlurmJob("7", owned=True, slurm_conf=str(tmp_path / "conf" / "slurm.conf"),
+                                                 output_path="/out/r1-7.out")
+    assert sorted(p.name for p in record.dir.iterdir()) == ["events.jsonl", "record.json"]

@@ -13,13 +13,14 @@ by `backends.make_backend`, from its registration (spec/registry.py).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, TypeVar, runtime_checkable
 
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
+from ddplaunch.record.events import Event
 from ddplaunch.record.results import RunState, StageResult
 from ddplaunch.record.runs import InJob, RunRecord
 from ddplaunch.spec.model import HostSpec
@@ -74,14 +75,20 @@ class HostResult(NamedTuple):
 CommandFor = Callable[[HostSpec], str]
 
 
+def _unheard(event: Event) -> None:
+    """A backend's word for the run's event log, made where no run is logged (dry run, `status`)."""
+
+
 @dataclass(frozen=True)
 class RunContext:
-    """The run a backend is made for: its id, its record's directory (Slurm keeps its allocation
-    there) and the event that ends it (waiting for an allocation stops on it)."""
+    """The run a backend is made for: its id, its record's directory, the event that ends it
+    (waiting for an allocation stops on it), and where the backend says what only it knows (the
+    run's event log: Slurm's allocation, `Allocated`)."""
 
     run_id: str
     run_dir: Path
     stop: StopEvent
+    say: Callable[[Event], None] = field(default=_unheard)
 
 
 class Request(Protocol):

@@ -240,6 +240,18 @@ class SpareDropped(_Event):
 
 
 @dataclass
+class Allocated(_Event):
+    """The scheduler's job whose nodes an attached run's stages run on: the allocation submitted
+    for the run (`owned`: it ends with the run; its output at `output_path`), or the one its
+    supervisor runs inside. (A detached run's job is its record's placement: record/runs.InJob.)"""
+
+    KIND: ClassVar[str] = "allocated"
+    job_id: str
+    owned: bool
+    output_path: Optional[str] = None
+
+
+@dataclass
 class Requeued(_Event):
     """The scheduler took the allocation away and gave it back: every stage runs again."""
 
@@ -261,13 +273,14 @@ class RunEnded(_Event):
 
 
 Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
-              HostsExcluded, SparesRejected, Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, StepWindow, RanksSilent,
-              RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, Requeued, RunEnded]
+              HostsExcluded, SparesRejected, Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered,
+              StepWindow, RanksSilent, RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, Allocated, Requeued,
+              RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
 DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, SparesRejected,
            Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, RanksSilent, HostQuiet,
-           StragglerNamed, SpareDropped, Requeued, RunEnded)
+           StragglerNamed, SpareDropped, Allocated, Requeued, RunEnded)
 
 
 def to_line(event: Event) -> str:

@@ -17,10 +17,10 @@ from typing import Iterable, Optional
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.diagnosis import Gate, HealthVerdict, Localization, PreflightReport
-from ddplaunch.record.events import (Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized, NotRecovered,
-                                     PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted, RecoveryUpdated, Replanned,
-                                     Requested, Requeued, RunEnded, RunStarted, SpareDropped, SparesRejected, StageEnded,
-                                     StageStarted, StepWindow, StragglerNamed)
+from ddplaunch.record.events import (Allocated, Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized,
+                                     NotRecovered, PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted,
+                                     RecoveryUpdated, Replanned, Requested, Requeued, RunEnded, RunStarted, SpareDropped,
+                                     SparesRejected, StageEnded, StageStarted, StepWindow, StragglerNamed)
 from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import RunState, StageResult
 
@@ -79,6 +79,8 @@ class RunView:
     #: the ranks each host's agent says cannot run now (host -> rank -> process state)
     frozen: dict[str, dict[str, str]] = field(default_factory=dict)
     requeues: int = 0
+    #: the scheduler's job an attached run's stages run on
+    allocation: Optional[Allocated] = None
     ended: Optional[RunEnded] = None
     #: a dry run's text (`ddplaunch.up(..., dry_run=True)`): nothing ran
     dry_run: Optional[str] = None
@@ -150,6 +152,8 @@ class RunView:
             self.quiet += [] if event.host in self.quiet else [event.host]
         elif isinstance(event, Requeued):
             self.requeues, self._try_start = event.restart, len(self.launches)
+        elif isinstance(event, Allocated):
+            self.allocation = event
         elif isinstance(event, RunEnded):
             self.ended = event
 

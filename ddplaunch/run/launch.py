@@ -181,7 +181,8 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None, s
             console.note(f"run {record.run_id}: {spec.backend} backend, {procs}; record in {record.dir}")
             for note in begun.notes:
                 console.note(note)
-            with contextlib.closing(make_backend(spec, RunContext(record.run_id, record.dir, stop))) as backend:
+            context = RunContext(record.run_id, record.dir, stop, say=events.append)  # Slurm says its allocation
+            with contextlib.closing(make_backend(spec, context)) as backend:
                 RunLoop(RunSession(spec, backend, opts, console, stop, record.run_id, record.dir, events, view)).run()
     except BaseException as err:
         interrupted = isinstance(err, KeyboardInterrupt)

@@ -21,6 +21,7 @@ from ddplaunch.backends.contract import RunContext
 from ddplaunch.backends.slurm.client import POLL_INTERVAL, SlurmClient, SlurmJob, describe_sbatch_error, job_output
 from ddplaunch.backends.slurm.render import allocation_request
 from ddplaunch.errors import BackendError, PlanError
+from ddplaunch.record.events import Allocated
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 #: Job states in which an allocation will never run (again).
@@ -106,11 +107,11 @@ class Allocation:
             raise PlanError(f"hosts {', '.join(missing)} are not in this allocation "
                             f"(SLURM_JOB_ID={self.inside}: {', '.join(names)})")
         self.job = self.job or SlurmJob(job_id=self.inside, owned=False, slurm_conf=self.client.conf)
-        saved = SlurmJob.load(self.run.run_dir)
-        # a dry run writes nothing; a detached run's supervisor keeps what `up --detach` recorded
-        # (the job is the run's own: `down` cancels it whole)
-        if record and (saved is None or saved.job_id != self.inside):
-            self.job.save(self.run.run_dir)
+        known = SlurmJob.load(self.run.run_dir)
+        # a dry run says nothing; a detached run's job is its record's (the job is the run's own:
+        # `down` cancels it whole)
+        if record and (known is None or known.job_id != self.inside):
+            self.run.say(Allocated(self.inside, owned=False))
         return names
 
     def _own_nodes(self) -> list[str]:
@@ -130,7 +131,7 @@ class Allocation:
             raise BackendError(f"sbatch printed no job id: {proc.stdout.strip()!r} {proc.stderr.strip()!r}")
         self.job = SlurmJob(job_id=job_id, owned=True, slurm_conf=self.client.conf,
                             output_path=self.output_path().replace("%j", job_id))
-        self.job.save(self.run.run_dir)
+        self.run.say(Allocated(job_id, owned=True, output_path=self.job.output_path))
 
     def _wait_running(self) -> dict[str, str]:
         """Wait until the allocation runs (again, after a requeue); `scontrol show job` of it."""

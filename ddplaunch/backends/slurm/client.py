@@ -1,20 +1,21 @@
 """Slurm's client commands (sbatch, srun, squeue, scontrol, scancel), each with a timeout, and
-the job a run uses (`SlurmJob`): a detached run's is read from its record, an attached run's
-allocation from `slurm.json`. `SLURM_CONF` comes from `slurm.conf` in the spec."""
+the job a run uses (`SlurmJob`), read from the run's memory: a detached run's from its record, an
+attached run's allocation from its event log (`Allocated`). `SLURM_CONF` comes from `slurm.conf`
+in the spec."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 from ddplaunch.errors import BackendError
-from ddplaunch.record.runs import InJob, read_record, write_private
+from ddplaunch.record.runs import InJob, read_record
+from ddplaunch.record.snapshot import read_view
 from ddplaunch.spec.model import ClusterSpec
 
 #: Timeout of each Slurm client command.
@@ -47,10 +48,9 @@ def spec_conf(spec: ClusterSpec) -> Optional[str]:
 
 @dataclass
 class SlurmJob:
-    """The Slurm job a run uses. A detached run's is its record's (`InJob` in `record.json`: the
-    job its supervisor runs in, submitted by ddplaunch), read from the record and never written
-    again; an attached run's allocation — the one it submitted, or the one it runs inside — is
-    written by the backend as `runs/<id>/slurm.json` once it has it."""
+    """The Slurm job a run uses: a detached run's is its record's (`InJob` in `record.json`: the
+    job its supervisor runs in, submitted by ddplaunch); an attached run's allocation — the one
+    it submitted, or the one it runs inside — is the backend's `Allocated` event in its log."""
 
     job_id: str
     #: ddplaunch submitted it (and cancels it when the run ends), rather than running inside it.
@@ -58,25 +58,21 @@ class SlurmJob:
     slurm_conf: Optional[str] = None
     output_path: Optional[str] = None
 
-    def save(self, run_dir: Path) -> None:
-        """Write an attached run's allocation (`slurm.json`, 0600)."""
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_private(run_dir / "slurm.json", json.dumps(asdict(self), indent=2, sort_keys=True))
-
     @classmethod
     def load(cls, run_dir: Path) -> Optional["SlurmJob"]:
         """The run's job: the one its record names when it was detached (None before it was
-        submitted), else the allocation saved in `slurm.json` (None: none saved)."""
+        submitted), else the allocation its event log names (None: none yet)."""
         record = read_record(run_dir)
         if record is not None and isinstance(record.placement, InJob):
             job_id = record.placement.job_id
             spec = record.spec.validated
             return cls(job_id, owned=True, slurm_conf=spec_conf(spec),
                        output_path=job_output(spec, record.run_id).replace("%j", job_id)) if job_id else None
-        try:
-            return cls(**json.loads((run_dir / "slurm.json").read_text()))
-        except (OSError, ValueError, TypeError):
+        held = read_view(run_dir).allocation
+        if held is None:
             return None
+        return cls(held.job_id, held.owned, spec_conf(record.spec.validated) if record is not None else None,
+                   held.output_path)
 
 
 class SlurmClient:
