@@ -27,7 +27,7 @@ from ddplaunch.record.events import Event, RunEnded
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, OnHost, check_run_id, load_run, new_run_id
 from ddplaunch.record.view import RunView
-from ddplaunch.run import launch
+from ddplaunch.run import begin
 from ddplaunch.spec.load import load_spec as _load_file, load_spec_data
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise import commands, daemon
@@ -160,8 +160,8 @@ def _run(spec: SpecLike, job_args: Optional[Sequence[str]], dry_run: bool, strea
     loaded = load_spec(spec)
     if dry_run:
         opts.run_id = opts.run_id or new_run_id(loaded.name)
-        return RunView.of_dry_run(opts.run_id, launch.dry_run(loaded, opts))
-    return launch.run_here(loaded, _spec_path(spec), opts, stream=stream)
+        return RunView.of_dry_run(opts.run_id, begin.dry_run(loaded, opts))
+    return begin.run_here(loaded, _spec_path(spec), opts, stream=stream)
 
 
 def _options(job_args: Optional[Sequence[str]], options: dict[str, Any], healthcheck_only: bool) -> UpOptions:

@@ -111,7 +111,7 @@ def check(spec: str, dry_run: bool, as_json: bool, exclude: tuple[str, ...], ver
 
 
 def _launch(spec_path: str, opts: Any, dry_run: bool, as_json: bool) -> None:
-    from ddplaunch.run.launch import dry_run as dry_run_text
+    from ddplaunch.run.begin import dry_run as dry_run_text
     from ddplaunch.spec.load import load_spec
     from ddplaunch.supervise.follow import foreground
     from ddplaunch.supervise.handover import hand_over, handed_line
@@ -135,7 +135,7 @@ def validate(spec: str) -> None:
 
     from ddplaunch.spec.load import load_spec
 
-    from ddplaunch.run.launch import before_stages
+    from ddplaunch.run.begin import before_stages
 
     loaded = load_spec(spec)
     click.echo(f"{spec}: ok ({loaded.backend}, {len(loaded.hosts)} host(s), "

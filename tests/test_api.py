@@ -17,7 +17,7 @@ from ddplaunch.record.events import Event, EventLog, RunEnded, RunStarted
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import Local, RunRecord, load_run
 from ddplaunch.report.status import shown_state
-from ddplaunch.run.launch import dry_run
+from ddplaunch.run.begin import dry_run
 from ddplaunch.supervise.commands import supervisor_alive, view_of
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from tests.goldens import GOLDEN, ROOT, check_golden
 #: handed to its supervisor takes, the workdir among them: the checkout's path would vary it).
 WORKDIR = Path("/srv/work")
 #: Where the fresh run id of a `check` is made.
-NEW_RUN_ID = "ddplaunch.run.launch.new_run_id"
+NEW_RUN_ID = "ddplaunch.run.begin.new_run_id"
 
 SSH_HOSTS = """name: golden
 backend: ssh

@@ -20,7 +20,7 @@ from ddplaunch.record.results import NodeState, RunState
 from ddplaunch.record.runs import run_dir
 from ddplaunch.record.view import RunView
 from ddplaunch.report.summary import summarize, summary_json
-from ddplaunch.run.launch import run_here
+from ddplaunch.run.begin import run_here
 from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 

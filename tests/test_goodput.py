@@ -123,7 +123,7 @@ def test_runs_goodput_lists_each_ended_run_and_their_total(tmp_path, monkeypatch
 
     from ddplaunch.cli import cli
     from ddplaunch.plan.stages import UpOptions
-    from ddplaunch.run.launch import run_here
+    from ddplaunch.run.begin import run_here
     from ddplaunch.spec.load import load_spec
     from tests.fakes import FakeScript, fake_registered, fake_spec
 

@@ -13,7 +13,7 @@ import pytest
 
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.run.hangwatch import Pace
-from ddplaunch.run.launch import run_here
+from ddplaunch.run.begin import run_here
 from ddplaunch.spec.load import load_spec
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 

@@ -11,7 +11,7 @@ from ddplaunch.backends.shell import HEARTBEAT_LOOP, env_text, render_plan, shel
 from ddplaunch.plan.hostwords import HostPath
 from ddplaunch.plan.launch import PORT_RANGE, PlanContext, Stage, derive_port, make_plan
 from ddplaunch.plan.stages import UpOptions
-from ddplaunch.run.launch import dry_run
+from ddplaunch.run.begin import dry_run
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 from tests.timing import no_hang

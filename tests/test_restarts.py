@@ -17,7 +17,7 @@ from ddplaunch.hostside.payloads import RankFailed
 from ddplaunch.plan.launch import Stage
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.results import FAILED, OK, NodeOutcome, Progress, StageResult, job_failure
-from ddplaunch.run.launch import run_here
+from ddplaunch.run.begin import run_here
 from ddplaunch.run.recovery import NO_PROGRESS, RecoveryBudget
 from ddplaunch.spec.load import load_spec
 from ddplaunch.spec.model import HostSpec, RecoverySpec

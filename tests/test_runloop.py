@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from ddplaunch.cli import cli
 from ddplaunch.errors import PlanError, SpecError
 from ddplaunch.plan.stages import UpOptions
-from ddplaunch.run.launch import run_here
+from ddplaunch.run.begin import run_here
 from ddplaunch.spec.load import load_spec
 from ddplaunch.backends.contract import Admitted
 from ddplaunch.record.diagnosis import Gate

@@ -3,7 +3,7 @@
 A host a run named lost (crashed, frozen, cut off), failed the health check, or evicted as a
 straggler is recorded with its cause, the run and the time, in one JSON file (`$DDPLAUNCH_HOME/
 host-health.json` by default; `recovery.host_health_file` names a team's shared one). The next
-`up` skips a recorded host, or refuses to start with it (run/launch.py), until the entry expires
+`up` skips a recorded host, or refuses to start with it (run/begin.py), until the entry expires
 (`recovery.remember_bad_hosts` seconds), `ddplaunch hosts clear HOST` readmits it, or a `ddplaunch
 check` that passes on it does. Writers take an exclusive lock on a sidecar file and replace the
 file whole, so concurrent runs (a team's) never lose or tear an entry. Data and file I/O only.

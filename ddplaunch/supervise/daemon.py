@@ -3,7 +3,7 @@
 `start_daemon` forks it as a daemon (its own session, no terminal, its standard streams on
 /dev/null, a second fork so it can never take a terminal back) and returns once it has taken the
 run: the run's record places its supervisor in it (`Local`) and its event log (record/events.py)
-is open. It runs the one run loop (`run/launch.run_begun`: pre-flight, gates, the job, watcher,
+is open. It runs the one run loop (`run/begin.run_begun`: pre-flight, gates, the job, watcher,
 recovery, teardown) and appends everything the run establishes to the event log; whoever started
 it follows that log (supervise/follow.py) and may go away — a closed terminal, a SIGKILLed
 `ddplaunch up` — without ending the run. SIGTERM or
@@ -31,7 +31,7 @@ from ddplaunch.errors import EXIT_FAILURE, BackendError, DdplaunchError
 from ddplaunch.plan.handoff import SUPERVISE_ENV, HandedOver, decode_run
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.runs import Local, RunRecord, process_start_time, run_dir
-from ddplaunch.run import launch
+from ddplaunch.run import begin
 from ddplaunch.spec.model import ClusterSpec
 
 #: Seconds `start_daemon` waits for the supervisor to take the run (record and log written) before
@@ -92,7 +92,7 @@ def start_daemon(spec: ClusterSpec, spec_path: str, opts: UpOptions) -> Supervis
         spec: the validated spec; spec_path: where it came from (the record says); opts: the
             command line's additions.
     Raises:
-        PlanError: what `launch.begin` refuses (bad --run-id or --exclude; nothing recorded).
+        PlanError: what `begin.begin` refuses (bad --run-id or --exclude; nothing recorded).
         BackendError: the supervisor did not take the run within TAKE_TIMEOUT seconds.
     """
     read_fd, write_fd = os.pipe()
@@ -153,7 +153,7 @@ def _supervise(spec: ClusterSpec, spec_path: str, opts: UpOptions, answer_fd: in
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         _detach_streams(keep=answer_fd)
         try:
-            begun = launch.begin(spec, spec_path, opts)
+            begun = begin.begin(spec, spec_path, opts)
         except DdplaunchError as err:
             _answer(answer_fd, {"error": str(err), "type": type(err).__name__})
             os._exit(err.exit_code)
@@ -163,7 +163,7 @@ def _supervise(spec: ClusterSpec, spec_path: str, opts: UpOptions, answer_fd: in
         _answer(answer_fd, {"run_id": begun.record.run_id, "pid": os.getpid(),
                             "start": process_start_time(os.getpid())})
         with open(os.devnull, "w") as nowhere:  # the screen is the event log's; its follower renders the summary
-            code = launch.run_begun(begun, opts, stream=nowhere, summary=False).exit_code
+            code = begin.run_begun(begun, opts, stream=nowhere, summary=False).exit_code
     except DdplaunchError as err:  # told in the event log's RunEnded; the attached side prints it
         code = err.exit_code
     except BaseException:  # a defect: its traceback for the supervisor log
@@ -221,8 +221,8 @@ def supervise_here(environ: MutableMapping[str, str]) -> int:
     (or a requeued job's first try wrote it), is taken over; the hand-over leaves the environment
     before any stage starts."""
     run = handed_over(environ)
-    begun = launch.begin(run.spec, run.spec_path, run.opts, take_over=True)
-    return launch.run_begun(begun, run.opts, stream=sys.stdout).exit_code
+    begun = begin.begin(run.spec, run.spec_path, run.opts, take_over=True)
+    return begin.run_begun(begun, run.opts, stream=sys.stdout).exit_code
 
 
 def supervise_daemon(environ: MutableMapping[str, str]) -> Supervised:

@@ -21,7 +21,7 @@ from ddplaunch.record.events import EventLog, Requested, RunEnded
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, Local, OnHost, RunRecord, load_run, run_dir
 from ddplaunch.run.hostmemory import skip_recorded
-from ddplaunch.run.launch import detached_request, prepared
+from ddplaunch.run.begin import detached_request, prepared
 from ddplaunch.spec.model import ClusterSpec
 from ddplaunch.supervise.daemon import start_daemon
 

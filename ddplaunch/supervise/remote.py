@@ -33,7 +33,7 @@ from ddplaunch.plan.handoff import encode_run, supervisor_opts
 from ddplaunch.plan.shellword import word
 from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.runs import OnHost, RunRecord
-from ddplaunch.run.launch import prepared
+from ddplaunch.run.begin import prepared
 from ddplaunch.spec.model import ClusterSpec
 
 #: Seconds the supervisor's host may take to answer the hand-over (it forks the supervisor and
