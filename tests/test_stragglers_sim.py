@@ -81,13 +81,16 @@ def test_a_slurm_node_slowed_mid_training_is_named(slurm_cluster, tmp_path, kind
 
 
 def _slowed_host_is_named(cluster, spec: Path, tmp_path: Path, run_id: str) -> None:
-    """Node 2's host slowed to 15 % of one CPU once training passed step 100: named (host, rank,
+    """Node 2's host slowed to 15 % of one CPU once training passed step 60: named (host, rank,
     slowdown) on screen, in the event log, the record and the summary, and no other host."""
     hosts = [h.name for h in cluster.hosts]
     slow = hosts[2]
     proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
     try:
-        head = read_until(proc, "step=100 ", timeout=300)  # judged healthy from step 80 on
+        # judged healthy in its first two windows (steps 21-60); a healthy run naming nobody for
+        # minutes is bench/stragglers.py's (a window or two more here proves no more: nobody is
+        # named before MIN_SLOW_S of slow steps)
+        head = read_until(proc, "step=60 ", timeout=300)
         assert not [line for line in head if "straggler" in line], "".join(head)[-3000:]
         sim_fault(cluster, slow, slow=15)
         slowed_at = time.monotonic()
