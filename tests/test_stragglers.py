@@ -54,7 +54,7 @@ def test_the_rank_that_waits_least_is_named_though_every_step_time_is_equal():
     assert (found.host, found.ranks) == ("h2", [2, 3])
     assert abs(found.slowdown - 0.5) < 0.01
     assert abs(found.peers_wait_s - 0.060) < 0.001 and abs(found.compute_s - 0.150) < 0.001
-    assert step == named_at(0.160)  # slow in three windows in a row and for MIN_SLOW_S, then named: once
+    assert step == named_at(0.160)  # slow in IN_A_ROW windows in a row and for MIN_SLOW_S, then named: once
     assert "h2 (ranks 2, 3) computes 50% slower than its peers since step" in found.describe()
 
 
@@ -102,17 +102,18 @@ def test_a_slowdown_under_the_threshold_names_nobody():
     assert _feed(watch, range(1, 200), compute) == []
 
 
-def test_a_slowdown_shorter_than_three_windows_names_nobody():
-    watch = judged()
+def test_a_slowdown_shorter_than_its_windows_in_a_row_or_min_slow_s_names_nobody():
+    """Slow in IN_A_ROW windows in a row that hold MIN_SLOW_S of steps: named; in one window fewer
+    (its steps long enough), or in as many windows of steps too short to hold MIN_SLOW_S: nobody."""
     healthy = {r: 0.100 for r in HOSTS}
-    _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
-    burst = range(WARMUP + WINDOW + 1, WARMUP + (IN_A_ROW + 1) * WINDOW + 1)
-    assert _feed(watch, burst, healthy | {0: 0.3, 1: 0.3}) != []  # three windows: named
-    watch = judged()
-    _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
-    short = range(WARMUP + WINDOW + 1, WARMUP + IN_A_ROW * WINDOW + 1)
-    assert _feed(watch, short, healthy | {0: 0.3, 1: 0.3}) == []
-    assert _feed(watch, range(short.stop, 300), healthy) == []
+    for slow, windows, holds, named in ((0.4, IN_A_ROW, True, True), (0.8, IN_A_ROW - 1, True, False),
+                                        (0.2, IN_A_ROW, False, False)):
+        assert (windows * WINDOW * (slow + 0.01) >= MIN_SLOW_S) == holds  # the steps' seconds
+        watch = judged()
+        _feed(watch, range(1, WARMUP + WINDOW + 1), healthy)
+        burst = range(WARMUP + WINDOW + 1, WARMUP + (windows + 1) * WINDOW + 1)
+        assert bool(_feed(watch, burst, healthy | {0: slow, 1: slow})) == named, (slow, windows)
+        assert _feed(watch, range(burst.stop, burst.stop + 200), healthy) == []
 
 
 def test_a_host_is_judged_against_its_own_level_when_training_started():

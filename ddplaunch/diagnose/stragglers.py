@@ -22,7 +22,7 @@ same number of the other hosts (their median). A host is slow in a window when i
 - and waited for: its peers wait at least WAIT_SHARE (half) of its extra compute a step (a rank
   "slower" that nobody waits for is the windows' statistics, not a straggler).
 
-It is named once slow in IN_A_ROW (3) windows in a row that hold MIN_SLOW_S (15 s) of steps: a
+It is named once slow in IN_A_ROW (2) windows in a row that hold MIN_SLOW_S (15 s) of steps: a
 rank held back by a shared core or a burst of load on the machine for a few seconds, or paused
 by a GC or a checkpoint, is no straggler (issue #55: a healthy host named after 5 s of a busy
 machine). O(hosts) a window beside reading the parts, nothing per rank per second. Pure: fed with
@@ -45,9 +45,11 @@ from ddplaunch.record.incidents import Straggler
 
 #: How much slower than its peers a host's ranks compute before it is named (documented default).
 THRESHOLD = 0.15
-#: Steps per window, and the windows in a row a host must be slow in before it is named.
+#: Steps per window, and the windows in a row a host must be slow in before it is named (with
+#: MIN_SLOW_S: a second window confirms the first; where a slow host's steps are long, as on a
+#: busy machine, three windows of 20 were 36 s of ~600 ms steps).
 WINDOW = 20
-IN_A_ROW = 3
+IN_A_ROW = 2
 #: Steps left out at the start of a launch (the first steps build buckets, warm caches, and the
 #: ranks' start-up work lingers: on a busy machine rank 0 ran ~25 % slower for its first 25 steps).
 WARMUP = 20
@@ -57,10 +59,10 @@ NOISE_FACTOR = 3.0
 #: How many of a host's recent windows (those it was not slow in) make its level (see above).
 LEVEL_WINDOWS = 50
 #: Seconds of its steps a host must also be slow for before it is named: with steps of a few
-#: milliseconds three windows are a fraction of a second, and a rank that a shared core held back
+#: milliseconds two windows are a fraction of a second, and a rank that a shared core held back
 #: that long (a Lightning job's 7 ms steps on the sim: 49 % "slower" for 0.4 s), or a burst of
 #: load on the machine for several seconds, is no straggler. A host at a quarter of its CPU makes
-#: every step slow: its three windows take ~15 s on the sim, past this bar already.
+#: every step slow: three of its windows took ~15 s on a quiet sim, two 24 s on a busy one.
 MIN_SLOW_S = 15.0
 #: A slow window must also be sure: the host's compute over its peers' by this many standard
 #: errors of the difference (the steps' own spread within the window, fold.py), ...
