@@ -18,7 +18,7 @@ import yaml
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
 from tests.simfixture import slurm_nodes_idle
-from tests.ssh_util import ROOT, ddplaunch, poll, popen_ddplaunch, read_until, run_processes, wait_for
+from tests.ssh_util import ROOT, ddplaunch, poll, popen_ddplaunch, read_until, run_processes, run_pythons, wait_for
 from tests.timing import no_hang
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -98,6 +98,8 @@ def test_dead_host_named_before_anything_starts(bed, tmp_path):
     assert proc.returncode == 1, out[-3000:]
     where = rf"{bad.name} \(\S+\)" if backend == "ssh" else bad.name  # a Slurm node is its name
     assert re.search(rf"^{where}: reach: ", out, re.M), out[-3000:]
+    if backend == "ssh":  # the cause, in the spec's words
+        assert f"{bad.name} ({bad.addr}): reach: no answer within ssh.connect_timeout=5" in out, out[-3000:]
     assert "every check ok on the other 1 host(s)" in out  # the healthy node is not blamed
     assert "stopped by the pre-flight gate: no job was started" in out
     assert "updated_weight" not in out
@@ -150,6 +152,8 @@ def test_killed_worker_ends_the_run_and_is_named(bed, tmp_path):
     assert proc.returncode == 1, rest[-3000:]
     assert re.search(rf"first failure: {h2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
                      r"killed by SIGKILL", rest), rest[-3000:]
+    # every other node ended too: stopped by ddplaunch, or failing by itself within the report grace
+    assert not re.search(r"\(node \d\): running", rest), rest[-3000:]
     no_hang(ended, 30, "a killed rank ends the whole run, not the survivors' collective timeout")
     if backend == "ssh":
         check_doc_example("killed", rest, [h.name for h in cluster.hosts[:2]],
@@ -218,6 +222,8 @@ def test_ctrl_c_ends_everything(bed, tmp_path):
     try:
         read_until(proc, "step=", timeout=180)
         assert run_processes(run_id)
+        if backend == "ssh":
+            assert len(run_pythons(run_id)) == 6  # 2 torchrun + 4 workers
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
@@ -226,6 +232,9 @@ def test_ctrl_c_ends_everything(bed, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, rest[-3000:]
-    assert "stage job: INTERRUPTED" in rest
+    assert "interrupted by the user: stopping every node" in rest and "stage job: INTERRUPTED" in rest, rest[-3000:]
     no_hang(took, 30, "Ctrl-C stops every node of the run")
     _clean(backend, cluster, tmp_path, run_id)
+    if backend == "ssh":  # and `down` afterwards finds nothing of it on any host
+        down = ddplaunch(["down", run_id], tmp_path, timeout=120)
+        assert down.returncode == 0 and down.stdout.count("nothing left") == 2, down.stdout

@@ -13,8 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
-
 from ddplaunch.backends.shell import lease_every
 from ddplaunch.sim.faults import sim_fault
 from tests.doc_examples import check_doc_example
@@ -49,13 +47,6 @@ def test_healthcheck_and_toy_job_on_three_hosts(sim_cluster, tmp_path):
     assert run_processes("ssh-toy") == {}
 
 
-def test_train_replicas_identical_across_hosts(sim_cluster, tmp_path):
-    spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "2"))
-    proc = ddplaunch(["up", str(spec), "--run-id", "ssh-train"], tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert re.search(r"replicas identical: \w+ on 6 ranks", proc.stdout)
-
-
 def test_dry_run_lines_are_what_runs(sim_cluster, tmp_path):
     """The per-host lines of --dry-run, run by hand with plain ssh, make a working 3-host job."""
     spec = sim_spec(sim_cluster, tmp_path, **TOY)
@@ -75,47 +66,21 @@ def test_dry_run_lines_are_what_runs(sim_cluster, tmp_path):
     assert f"[{sim_cluster.hosts[0].name}:0] rank=0 mean_grad=4.0 updated_weight=0.6" in outs[0]
 
 
-def test_killed_rank_ends_whole_run_and_is_named(sim_cluster, tmp_path):
-    spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", "ssh-kill"], tmp_path)
-    host2 = sim_cluster.hosts[1].name
-    read_until(proc, "step=", timeout=180)
-    victim = wait_for(lambda: [p for p, e in run_processes("ssh-kill").items()
-                               if e.get("DDPLAUNCH_HOST") == host2 and e.get("RANK") == "3"], 30)[0]
-    t0 = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=60)
-    ended = time.monotonic() - t0
-    assert proc.returncode == 1, rest[-3000:]
-    no_hang(ended, 15, "a killed rank ends the whole run, not the survivors' collective timeout")
-    assert re.search(rf"first failure: {host2} \(node 1\): failed, exit code \d+; rank 3 \(local rank 1\) "
-                     r"killed by SIGKILL", rest), rest[-3000:]
-    # every other node ended too: stopped by ddplaunch, or failing by itself within the report grace
-    assert not re.search(r"\(node \d\): running", rest), rest[-3000:]
-    assert run_processes("ssh-kill") == {}
-
-
-@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
-def test_launcher_signal_leaves_no_process(sim_cluster, tmp_path, how):
-    run_id = f"ssh-{how.lower()}"
+def test_a_killed_supervisor_leaves_no_process(sim_cluster, tmp_path):
+    """SIGKILL to the run's supervisor (a SIGKILLed `up` leaves the run going: test_supervisor.py):
+    no cleanup by ddplaunch at all, yet every process of the run ends — the pty hang-up ends
+    torchrun and its workers. (Ctrl-C to `up`: test_fault_matrix.py's test_ctrl_c_ends_everything.)"""
+    run_id = "ssh-sigkill"
     spec = sim_spec(sim_cluster, tmp_path, **train_job(tmp_path, "--epochs", "50", "--step-sleep", "0.2"))
     proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
     read_until(proc, "step=", timeout=180)
     assert len(run_pythons(run_id)) == 9  # 3 torchrun + 6 workers
     t0 = time.monotonic()
-    if how == "SIGINT":  # Ctrl-C to `up`: the supervisor stops the run
-        proc.send_signal(signal.SIGINT)
-    else:  # SIGKILL to the run's supervisor (a SIGKILLed `up` leaves the run going: test_supervisor.py)
-        os.kill(supervisor_pid(tmp_path, run_id), signal.SIGKILL)
+    os.kill(supervisor_pid(tmp_path, run_id), signal.SIGKILL)
     out, _ = proc.communicate(timeout=60)
-    if how == "SIGINT":
-        assert proc.returncode == 130, out[-3000:]
-        assert "stage job: INTERRUPTED" in out
-    else:
-        assert proc.returncode == 1 and "ended without ending the run" in out, out[-3000:]
-    # SIGKILL: no cleanup by ddplaunch at all — the pty hang-up ends torchrun and its workers
+    assert proc.returncode == 1 and "ended without ending the run" in out, out[-3000:]
     wait_for(lambda: run_processes(run_id) == {}, timeout=30)
-    no_hang(time.monotonic() - t0, 30, f"after {how} to the launcher every process of the run ends")
+    no_hang(time.monotonic() - t0, 30, "after SIGKILL to the supervisor every process of the run ends")
     down = ddplaunch(["down", run_id], tmp_path)
     assert down.returncode == 0 and down.stdout.count("nothing left") == 3, down.stdout
 
@@ -170,14 +135,15 @@ def test_a_frozen_supervisors_ranks_stop_when_their_lease_runs_out(sim_cluster, 
     assert proc.returncode == 1
 
 
-@pytest.mark.parametrize("fault, preflight", [("sshd_stop", False), ("down", True)])
-def test_dead_host_named_and_nothing_started(sim_cluster, tmp_path, fault, preflight):
-    """Without pre-flight the backend's own connect step refuses to start; with it (the ssh
-    default) the pre-flight gate does. Either way the host is named, within the connect timeout."""
+def test_dead_host_without_preflight_named_by_the_connect_step_and_nothing_started(sim_cluster, tmp_path):
+    """Without pre-flight the backend's own connect step refuses to start, naming the host within
+    the connect timeout. With it (the ssh default) the pre-flight gate does: test_fault_matrix.py's
+    test_dead_host_named_before_anything_starts (`up`, host down) and test_preflight.py's
+    test_dead_host_named_by_preflight (`check`, host down or its sshd stopped)."""
     bad = sim_cluster.hosts[1]
-    run_id = f"ssh-dead-{fault}"
-    spec = sim_spec(sim_cluster, tmp_path, preflight={"enabled": preflight}, **TOY)
-    sim_fault(sim_cluster, bad.name, **{fault: True})
+    run_id = "ssh-dead-sshd_stop"
+    spec = sim_spec(sim_cluster, tmp_path, preflight={"enabled": False}, **TOY)
+    sim_fault(sim_cluster, bad.name, sshd_stop=True)
     try:
         t0 = time.monotonic()
         proc = ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
@@ -186,13 +152,8 @@ def test_dead_host_named_and_nothing_started(sim_cluster, tmp_path, fault, prefl
         sim_fault(sim_cluster, bad.name, clear=True)
     out = proc.stdout
     assert proc.returncode == 1, out[-2000:]
-    cause = "cannot connect" if fault == "sshd_stop" else "no answer within ssh.connect_timeout=5"
-    if preflight:
-        assert f"{bad.name} ({bad.addr}): reach: {cause}" in out
-        assert "stopped by the pre-flight gate: no job was started" in out
-    else:
-        assert f"{bad.name} ({bad.addr}:22): {cause}" in out
-        assert f"first failure: {bad.name} (node 1): unreachable" in out and "not starting" in out
+    assert f"{bad.name} ({bad.addr}:22): cannot connect" in out
+    assert f"first failure: {bad.name} (node 1): unreachable" in out and "not starting" in out
     assert "updated_weight" not in out
     no_hang(took, 30, "a dead host is named within ssh.connect_timeout=5, nothing waits longer")
     assert run_processes(run_id) == {}
