@@ -2,13 +2,13 @@
 
 Needs root, munge and the Slurm daemons (`slurm_cluster` skips with the reason otherwise). Jobs
 are followed by polling with deadlines; a run's processes are found by its DDPLAUNCH_RUN_ID tag
-(every sim node shares this machine's PID namespace).
+(every sim node shares this machine's PID namespace). A failing rank that ends the allocation and
+Ctrl-C that cancels the job are the fault matrix's (tests/test_fault_matrix.py, `[slurm]`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import re
 import subprocess
 from pathlib import Path
@@ -104,20 +104,6 @@ def test_plain_sbatch_without_ddplaunch(slurm_cluster, tmp_path):
     assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info
 
 
-def test_failing_rank_ends_the_allocation(slurm_cluster, tmp_path):
-    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
-    out = ddplaunch(["up", str(spec), "--run-id", "sl-fail", "--skip-healthcheck", "--",
-                     "--fail-at-step", "3", "--fail-rank", "3", "--epochs", "1",
-                     "--ckpt-dir", str(tmp_path / "ckpt")], tmp_path, timeout=300)
-    text = out.stdout + out.stderr
-    assert out.returncode == 1, text
-    second = slurm_cluster.hosts[1].name
-    assert f"first failure: {second} (node 1): failed" in text, text
-    assert "rank 3 (local rank 1) exit code 3" in text, text
-    assert not in_queue(slurm_cluster, job_of(tmp_path, "sl-fail"))
-    assert wait_for(lambda: not run_processes("sl-fail"), timeout=15) is True
-
-
 def test_a_killed_up_leaves_the_run_going_and_the_allocation_ends_with_it(slurm_cluster, tmp_path):
     """`up` SIGKILLed mid-training: the run's supervisor goes on, `attach` shows it to its end
     (exit 0), and the allocation leaves the queue when the run ends (it no longer idles to its
@@ -136,25 +122,6 @@ def test_a_killed_up_leaves_the_run_going_and_the_allocation_ends_with_it(slurm_
     # the supervisor cancels the allocation as it ends the run (30 s: a hang guard, measured ~1 s)
     assert wait_for(lambda: not in_queue(slurm_cluster, job), timeout=30, interval=0.3) is True
     assert wait_for(lambda: not run_processes("sl-killed"), timeout=15) is True
-
-
-def test_ctrl_c_cancels_the_job(slurm_cluster, tmp_path):
-    spec = slurm_spec(slurm_cluster, tmp_path, "jobs/train.py")
-    proc = popen_ddplaunch(["up", str(spec), "--run-id", "sl-int", "--skip-healthcheck", "--",
-                            "--epochs", "50", "--step-sleep", "0.2", "--ckpt-dir", str(tmp_path / "ckpt")],
-                           tmp_path)
-    try:
-        read_until(proc, "loss=", timeout=180)
-        assert run_processes("sl-int")
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, rest
-    assert "interrupted by the user: stopping every node" in rest and "stage job: INTERRUPTED" in rest
-    assert not in_queue(slurm_cluster, job_of(tmp_path, "sl-int"))
-    assert wait_for(lambda: not run_processes("sl-int"), timeout=15) is True
 
 
 def release_requeued(cluster, job: str) -> None:
