@@ -120,12 +120,21 @@ def test_healthcheck_fault_names_rank_and_stops_before_job(env, tmp_path, launch
                            r"(\[ddplaunch\] )?stopped by the health", r"run \S+: "])
 
 
+#: Rank 1 fails with exit code 3 while rank 0 still runs (as a rank blocked in a collective would).
+FAILING_JOB = """import os, sys, time
+if os.environ["RANK"] == "1":
+    print("failing on purpose", flush=True)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+
 def test_job_failure_names_rank_and_exit_code(env, tmp_path):
-    path = spec_file(tmp_path, """\
-        healthcheck: {enabled: false}
-        job: {script: jobs/train.py, args: [--fail-at-step, "2", --fail-rank, "1"]}
-        env: {DDPLAUNCH_CKPT_DIR: %s}
-    """ % (tmp_path / "ckpt"))
+    (tmp_path / "failing.py").write_text(FAILING_JOB)
+    path = spec_file(tmp_path, f"""\
+        healthcheck: {{enabled: false}}
+        job: {{script: {tmp_path / "failing.py"}}}
+    """)
     proc = ddplaunch(["up", str(path)], env)
     assert proc.returncode == 1
     assert "first failure: localhost (node 0): failed, exit code 1; rank 1 (local rank 1) exit code 3" \
