@@ -29,7 +29,7 @@ from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import Requested, from_line, to_line
 from ddplaunch.record.results import RunState
 from ddplaunch.record.view import RunView
-from ddplaunch.run.launch import dry_run
+from ddplaunch.run.begin import dry_run
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
 

@@ -22,7 +22,7 @@ from ddplaunch.output.console import Console
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import PlanContext, Stage, make_plan
 from ddplaunch.plan.stages import UpOptions
-from ddplaunch.run.launch import dry_run
+from ddplaunch.run.begin import dry_run
 from ddplaunch.spec.hostlist import expand_hostlist
 from ddplaunch.spec.load import load_spec
 from tests.goldens import check_golden
