@@ -116,21 +116,31 @@ def naive(events: list, after_step: int) -> str:
     return ", ".join(slow) if slow else "nobody"
 
 
-def detection(cluster, tmp: Path, level: str, quota: int, trial: int) -> dict:
-    run_id = f"bst-{quota}-{trial}"
+def detection(cluster, tmp: Path, level: str, quota: int, trial: int, stopped: bool = False) -> dict:
+    """One trial: host VICTIM limited to `quota` % of one CPU once rank 0 printed step 30 (cgroups),
+    or with `stopped`, its ranks let run `quota` % of every 100 ms (SIGSTOP/SIGCONT: as much slower
+    than its peers whatever else keeps the machine busy, where a CPU slice above what every process
+    gets anyway slows nothing)."""
+    run_id = f"bst-{'stop' if stopped else 'cpu'}{quota}-{trial}"
     proc = up(spec_text(cluster, tmp, 40000, True), tmp, run_id)
-    victim = cluster.hosts[VICTIM].name
+    victim = cluster.hosts[VICTIM]
+    done = threading.Event()
     try:
         read_until(proc, "step=30 ", 300)
-        sim_fault(cluster, victim, slow=quota)
+        if stopped:
+            threading.Thread(target=_duty, args=(victim, quota, done), daemon=True).start()
+        else:
+            sim_fault(cluster, victim.name, slow=quota)
         t0 = time.monotonic()
         got = read_until(proc, "[ddplaunch] straggler:", 120)
         named_s = got[-1][0] - t0 if got and "straggler:" in got[-1][1] else None
         line = got[-1][1] if got else ""
     finally:
-        sim_fault(cluster, victim, clear=True)
+        done.set()
+        sim_fault(cluster, victim.name, clear=True)
         proc.send_signal(2)
         proc.communicate(timeout=120)
+    victim = victim.name
     events = read_events(tmp / "state" / "runs" / run_id)
     found = [e.straggler for e in events if isinstance(e, StragglerNamed)]
     return {"level": level, "quota": quota, "trial": trial, "named_s": named_s, "named_all": [f.host for f in found],
@@ -184,6 +194,18 @@ def _disturb(cluster, every: float, done: threading.Event, said: list) -> None:
         for pid in ranks:
             os.kill(pid, signal.SIGCONT)
         said.append(["pause", f"{host.name}: {len(ranks)} rank(s) stopped 2 s", time.monotonic()])
+
+
+def _duty(host, percent: int, done: threading.Event) -> None:
+    """`host`'s ranks run `percent` % of every 100 ms, stopped the rest, until `done`."""
+    ranks = [pid for pid in netns_pids(host.ns) if _is_rank(pid)]
+    while not done.is_set():
+        time.sleep(percent / 1000)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep((100 - percent) / 1000)
+        for pid in ranks:
+            os.kill(pid, signal.SIGCONT)
 
 
 def _is_rank(pid: int) -> bool:
@@ -298,7 +320,7 @@ def _detection_table(detection: list) -> None:
     print("\n| slowdown (CPU slice) | named after (median, max) | right host | slowdown reported (median) | "
           "naive step-time detector named |")
     print("|---|---|---|---|---|")
-    for level in sorted({r["level"] for r in detection}, key=lambda name: int(name.split("%")[0])):
+    for level in sorted({r["level"] for r in detection}, key=lambda name: int(re.sub(r"\D", "", name))):
         rs = [r for r in detection if r["level"] == level]
         named = [r["named_s"] for r in rs if r["named_s"] is not None]
         slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
@@ -313,6 +335,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="the slowed host's CPU slices, percent")
+    ap.add_argument("--stopped", action="store_true", help="slow the host by stopping its ranks (100 - level) %% of "
+                    "every 100 ms instead of a CPU slice (a slowdown against its peers on a machine others keep busy)")
     ap.add_argument("--healthy-s", type=float, default=120)
     ap.add_argument("--disturb-every", type=float, default=60, help="seconds; 0: the healthy run undisturbed")
     ap.add_argument("--overhead-pairs", type=int, default=3)
@@ -339,8 +363,8 @@ def main() -> None:
                 results["eviction"].append(r)
         for trial in range(args.trials):
             for quota in (levels if trial % 2 == 0 else levels[::-1]):
-                level = f"{quota}% of a CPU"
-                r = detection(cluster, tmp, level, quota, trial)
+                level = f"running {quota}% of the time" if args.stopped else f"{quota}% of a CPU"
+                r = detection(cluster, tmp, level, quota, trial, args.stopped)
                 print(f"  {level} trial {trial}: named {r['named_s']}s host {r['host']} slowdown {r['slowdown']} "
                       f"naive: {r['naive']}", flush=True)
                 results["detection"].append(r)
