@@ -22,7 +22,7 @@ from tests.timing import no_hang
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 #: 4 hosts x 2 emulated ranks: rank r runs on host r // 2.
 RANKS = 2
-#: Hang guards (3x what each takes here): a straggler is named after three windows of 5 steps.
+#: Hang guards (3x what each takes here): a straggler is named after 15 s of slow steps (two windows).
 NAMED_S, QUIET_S = 60.0, 90.0
 
 

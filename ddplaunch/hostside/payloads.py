@@ -76,7 +76,8 @@ class Timing:  # a rank's step timing (steptiming.py): [step, step_s, wait_s] pe
 
 
 @dataclasses.dataclass
-class HostWindow:  # a node's agent, per window of steps: each rank's [compute_s, wait_s, step_s] medians
+class HostWindow:  # a node's agent, per window of steps: each rank's medians of [compute_s, wait_s, step_s],
+    # then its trimmed-mean compute_s and that mean's standard error
     KIND: ClassVar[str] = "WINDOW"
     first: int
     last: int

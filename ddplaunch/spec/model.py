@@ -230,7 +230,7 @@ class StragglerSpec(_Strict):
 
     #: a host is named when its ranks compute this much longer than their peers' median
     threshold: float = Field(default=0.15, gt=0, le=10)
-    #: steps per window; a host is named when it is slow in three windows in a row
+    #: steps per window; a host is named when it is slow in two windows in a row (15 s of steps)
     window: int = Field(default=20, ge=2, le=10000)
 
 
