@@ -6,7 +6,7 @@ from there, as `Trainer.fit(ckpt_path=...)` does; a missing file is a clear erro
 
 Lightning handles SIGTERM itself (it stops after the step in progress), and rank 0 does more than
 the others (the bar, the logger, the checkpoint writes): ddplaunch's recovery and straggler judge
-are tested with it (tests/test_recovery.py).
+are tested with it (tests/run/test_recovery.py).
 
     torchrun --nproc-per-node 2 jobs/lightning_train.py --max-steps 200 --ckpt-dir /tmp/ckpt
 

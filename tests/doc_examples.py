@@ -3,7 +3,7 @@
 Each example there is a fenced block after a marker naming the test whose real run it came from
 and the host names of that run:
 
-    <!-- example: hang from tests/test_fault_matrix.py::test_hang... hosts=dlt1,dlt2 -->
+    <!-- example: hang from tests/run/test_fault_matrix.py::test_hang... hosts=dlt1,dlt2 -->
 
 That test calls `check_doc_example(name, output, hosts, pick)` with its run's output: every line
 of the block must appear in the output, compared after host names, paths, run ids and digits are

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.ssh_util import ROOT, ddplaunch, ranks_showing, sim_spec
-from tests.test_slurm import slurm_spec
+from tests.backends.test_slurm import slurm_spec
 
 #: Every rank reports what torchrun told it and where it runs; rank 0 prints all of it.
 LAYOUT_JOB = """\
