@@ -198,14 +198,13 @@ def test_busy_derived_master_port_is_moved_and_named(sim_cluster, tmp_path):
     assert m, out[-3000:]
     used = int(m.group(1))
     assert used != busy and used in {derive_port(f"{run_id}:job", a) for a in range(1, 20)}
-    # the pre-flight tested that port, the launch used it, every rank got it, the record says it
-    assert f"reached {master.addr}:{used}" in json.dumps(
-        json.loads((tmp_path / f"state/runs/{run_id}/preflight.json").read_text()))
+    # the pre-flight tested that port (its event says so), the launch used it, every rank got it
+    logged = run_view(tmp_path, run_id)
+    assert logged.preflight is not None and f"reached {master.addr}:{used}" in json.dumps(logged.preflight.to_dict())
     log = (tmp_path / f"state/runs/{run_id}/output.log").read_text()
     assert f"stage job: master {master.addr}:{used}" in log and f"using port {used}" in log
     ports = re.findall(r"ENVJOB RANK=\d+ MASTER_PORT=(\d+)", out)
     assert ports and set(ports) == {str(used)} and len(ports) == 3, out[-3000:]
-    logged = run_view(tmp_path, run_id)
     assert f"--master-port {used} " in logged.plan_text and f"--master-port {busy} " not in logged.plan_text
     assert logged.state == "ok"
     print(f"busy derived port {busy} -> {used}, up in {took:.1f}s")
