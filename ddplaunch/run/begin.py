@@ -37,7 +37,7 @@ from ddplaunch.report.evidence import EvidenceFiles
 from ddplaunch.report.summary import summarize
 from ddplaunch.run.hostmemory import readmit, skip_recorded
 from ddplaunch.run.loop import RunLoop
-from ddplaunch.run.session import RunSession
+from ddplaunch.run.runsession import RunSession
 from ddplaunch.spec.model import ClusterSpec
 
 __all__ = ["UpOptions", "dry_run", "run_here"]

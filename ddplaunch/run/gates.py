@@ -23,7 +23,7 @@ from ddplaunch.plan.stages import exclude_hosts
 from ddplaunch.record.diagnosis import Gate
 from ddplaunch.report.evidence import LOCALIZE_PAGE
 from ddplaunch.record.results import StageResult
-from ddplaunch.run.session import RunSession
+from ddplaunch.run.runsession import RunSession
 from ddplaunch.spec.model import ClusterSpec, HostSpec
 
 

@@ -27,7 +27,7 @@ from ddplaunch.hostside.procs import STOPPED
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
 from ddplaunch.spec.model import ClusterSpec, HostSpec
-from ddplaunch.run.session import RunSession
+from ddplaunch.run.runsession import RunSession
 
 
 #: Seconds without a line from any rank after which a host whose every rank its agent says is

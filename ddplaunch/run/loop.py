@@ -37,7 +37,7 @@ from ddplaunch.run.gates import Decision, InStagePreflight, healthcheck_gate, pr
 from ddplaunch.run.hangwatch import HangWatchdog
 from ddplaunch.run.hostmemory import HostMemory
 from ddplaunch.run.recovery import RecoveryBudget
-from ddplaunch.run.session import RunSession
+from ddplaunch.run.runsession import RunSession
 from ddplaunch.run.spares import SpareWatch
 from ddplaunch.run.steps import StepsWatch
 from ddplaunch.spec.model import ClusterSpec, HostSpec

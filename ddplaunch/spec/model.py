@@ -19,7 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from ddplaunch.errors import SpecError
 from ddplaunch.spec import registry
-from ddplaunch.spec.checkpoint import CHECKPOINT_DIR_WORD, CheckpointSpec, CheckpointTier
+from ddplaunch.spec.ckptsection import CHECKPOINT_DIR_WORD, CheckpointSpec, CheckpointTier
 from ddplaunch.spec.hostlist import expand_hosts
 from ddplaunch.spec.values import (SECRET_SHOWN, Arg, EnvName, HostAddr, HostName, Interpreter, Line, Mount,
                                    Runtime, SbatchOption, SlurmName, SlurmNames, SlurmTime, UserEnvName, UserName,

@@ -23,7 +23,7 @@ from ddplaunch.record.diagnosis import Gate
 from ddplaunch.output.console import Console
 from ddplaunch.record.events import EventLog, HostsExcluded, read_events
 from ddplaunch.record.view import RunView
-from ddplaunch.run.session import RunSession
+from ddplaunch.run.runsession import RunSession
 from ddplaunch.record.hosthealth import health_file, recorded, remember
 from tests.fakes import FakeScript, NodeScript, StageScript, fake_registered, fake_spec
 from tests.ssh_util import run_view

@@ -16,14 +16,14 @@ launcher: in one process, under a plain torchrun, or under ddplaunch, which sets
 (`config.py`). In DDP rank 0 saves, like torch.save; `all_ranks=True` saves each rank's own part
 (sharded states), and `load(all_ranks=True)` gives each rank its part of the same step.
 
-Where it lives: `layout.py` (paths, 0600/0700, manifests, the careful durable write), `codec.py`
+Where it lives: `layout.py` (paths, 0600/0700, manifests, the careful durable write), `statecodec.py`
 (a state as one flat buffer plus a small record), `tier.py` (save, the sealer and persister
 threads, keep/memory_limit/ENOSPC), `reader.py` (load). RAM paths hold the uid, run id and host:
 /dev/shm/ddplaunch-ckpt-<uid>/<run>/<host>/part-<R>/v-<step>/, so two runs, or two sim hosts on
 one machine, never share one. `free(run_id)` removes a run's RAM; at interpreter exit the newest
 complete RAM version is made durable first.
 
-The launcher: the spec's `checkpoint:` section (spec/checkpoint.py) is planned into every rank's
+The launcher: the spec's `checkpoint:` section (spec/ckptsection.py) is planned into every rank's
 environment (`config.py`'s variables; plan/launch.py `checkpoint_env`); the pre-flight fails a host
 where `durable` is missing or not writable; the reaper (hostside/reaper.py `--free-checkpoints`,
 the same path spelled there) removes a run's RAM at its end (the backend's close) and at `down`,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ddplaunch.hostside.ckpt import codec, layout
+from ddplaunch.hostside.ckpt import layout, statecodec
 from ddplaunch.hostside.ckpt.layout import TornCheckpoint
 from ddplaunch.hostside.ckpt.tier import Loaded, Source, Tier, Where, rank_world
 
@@ -35,7 +35,7 @@ def load_step(tier: Tier, step: int, part: int, map_location: Any = None) -> Opt
             manifest, meta, data = layout.read_verified(source.path, step, part)
             if source.where is Where.DURABLE and not layout.durable_parts_complete(tier.config.durable, step):
                 raise TornCheckpoint(f"{source.path.parent}: not every part of step {step} has arrived")
-            return Loaded(codec.unpack(meta, data, map_location), step, source)
+            return Loaded(statecodec.unpack(meta, data, map_location), step, source)
         except TornCheckpoint as exc:
             tier.say_once(f"torn:{source.path}", f"checkpoint: skipping a torn copy of step {step} ({exc})")
     return None

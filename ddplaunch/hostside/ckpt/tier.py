@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from ddplaunch.hostside.ckpt import codec, layout
+from ddplaunch.hostside.ckpt import layout, statecodec
 from ddplaunch.hostside.ckpt.config import Config
 from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
 
@@ -111,7 +111,7 @@ class Tier:
         if not all_ranks and rank != 0:
             return False
         part, parts = (rank, world) if all_ranks else (0, 1)
-        packed = codec.pack(state)
+        packed = statecodec.pack(state)
         meta = packed.meta(step, part, parts)
         refusal = self._over_limit(part, packed.nbytes)
         if refusal is None:
@@ -151,7 +151,7 @@ class Tier:
         return ("limit", f"checkpoint: {self.config.keep} versions of {nbytes} bytes exceed memory_limit "
                          f"({limit} bytes): saves go straight to {self.config.durable}, nothing is lost")
 
-    def _write_ram(self, part: int, step: int, packed: codec.Packed, meta: bytes) -> None:
+    def _write_ram(self, part: int, step: int, packed: statecodec.Packed, meta: bytes) -> None:
         base = layout.ram_base(self.config.ram_root)
         for d in (base, base / self.config.run_id, base / self.config.run_id / self.config.host, self.part_dir(part)):
             layout.private_dir(d)
@@ -163,7 +163,7 @@ class Tier:
                     os.ftruncate(fd, packed.nbytes)
                 if os.fstat(fd).st_blocks * 512 < packed.nbytes:  # a reused buffer has its pages
                     os.posix_fallocate(fd, 0, packed.nbytes)  # a full /dev/shm says ENOSPC here, not midway
-                codec.write_at(fd, packed)
+                statecodec.write_at(fd, packed)
             finally:
                 os.close(fd)
             layout.write_private(buf / layout.META, meta, sync=False)
@@ -210,7 +210,7 @@ class Tier:
         for s in doomed:
             shutil.rmtree(self.part_dir(part) / layout.version_name(s), ignore_errors=True)
 
-    def _write_durable_now(self, step: int, part: int, parts: int, packed: codec.Packed, meta: bytes) -> None:
+    def _write_durable_now(self, step: int, part: int, parts: int, packed: statecodec.Packed, meta: bytes) -> None:
         def write(fd: int) -> tuple[int, int]:
             crc, size = 0, 0
 
@@ -220,7 +220,7 @@ class Tier:
                 crc, size = zlib.crc32(view, crc), size + len(view)
                 while view:
                     view = view[os.write(fd, view):]
-            codec.write_to(out, packed)
+            statecodec.write_to(out, packed)
             return size, crc
         layout.write_durable(self.config.durable, step, part, parts, meta, write, self.config.host)
         self._durable_done(step, part)
