@@ -364,12 +364,20 @@ def _said(where: Path, rank: int) -> list[str]:
     return [m for d in lines for m in d.get("said", [])]
 
 
-def test_under_torchrun_rank_0_saves_and_both_ranks_load_the_same_step(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(_JOB)
+def _torchrun_job(tmp_path: Path, name: str, source: str, host: str | None = None) -> tuple[Path, str, dict]:
+    """A job script for run_torchrun, a fresh run id, and the environment the tier reads (every
+    rank on `host`; None: each rank names its own)."""
+    script = tmp_path / name
+    script.write_text(source)
     run = f"test-{uuid.uuid4().hex[:12]}"
-    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "DDPLAUNCH_HOST": "h1",
-           "PYTHONPATH": str(ROOT)}
+    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "PYTHONPATH": str(ROOT)}
+    if host is not None:
+        env["DDPLAUNCH_HOST"] = host
+    return script, run, env
+
+
+def test_under_torchrun_rank_0_saves_and_both_ranks_load_the_same_step(tmp_path):
+    script, run, env = _torchrun_job(tmp_path, "job.py", _JOB, host="h1")
     try:
         saved = run_torchrun(script, "save", tmp_path, env=env, timeout=180)
         assert saved.returncode == 0, saved.stdout
@@ -405,10 +413,7 @@ def test_the_environment_configures_the_tier(tmp_path):
 def test_under_torchrun_ranks_on_different_hosts_load_the_newest_step_they_all_hold(tmp_path):
     """Rank 0's host holds steps 2 and 3 in RAM; rank 1's host holds nothing, and the durable dir
     lost step 3: both load step 2 (rank 0 from its RAM, rank 1 from the durable dir), said once."""
-    script = tmp_path / "job.py"
-    script.write_text(_JOB)
-    run = f"test-{uuid.uuid4().hex[:12]}"
-    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "PYTHONPATH": str(ROOT)}
+    script, run, env = _torchrun_job(tmp_path, "job.py", _JOB)
     try:
         saved = run_torchrun(script, "save", tmp_path, "--host-per-rank", "--wait", env=env, timeout=180)
         assert saved.returncode == 0, saved.stdout
@@ -445,11 +450,7 @@ dist.destroy_process_group()
 
 
 def test_under_torchrun_all_ranks_save_their_own_parts_and_each_loads_its_own(tmp_path):
-    script = tmp_path / "sharded.py"
-    script.write_text(_SHARDED)
-    run = f"test-{uuid.uuid4().hex[:12]}"
-    env = {"DDPLAUNCH_CHECKPOINT_DIR": str(tmp_path / "durable"), "DDPLAUNCH_RUN_ID": run, "DDPLAUNCH_HOST": "h1",
-           "PYTHONPATH": str(ROOT)}
+    script, run, env = _torchrun_job(tmp_path, "sharded.py", _SHARDED, host="h1")
     try:
         saved = run_torchrun(script, "save", tmp_path, env=env, timeout=180)
         assert saved.returncode == 0, saved.stdout
