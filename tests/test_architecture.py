@@ -232,3 +232,15 @@ def test_no_backend_switch_outside_backends_and_the_validator():
     offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
                  if pattern.search(p.read_text()) and "backends" not in p.parts and "sim" not in p.parts]
     assert offenders == []
+
+
+def test_the_command_line_does_not_import_torch():
+    """`ddplaunch validate` refuses a bad spec in a fraction of a second: the CLI's imports hold no
+    torch (it costs ~1.2 CPU-s; the checkpoint tier's package once pulled it in through `sim`)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, ddplaunch.cli, ddplaunch.api; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -35,9 +35,10 @@ GRACE = 5.0
 CKPT_RAM = "/dev/shm/ddplaunch-ckpt-{uid}"
 
 
-def term_pidfiles(run_id: str, paths: list[str]) -> list[int]:
-    """SIGTERM the pid in each file, when that pid is the run's; returns the pids signalled."""
-    sent = []
+def term_pidfiles(run_id: str, paths: list[str]) -> tuple[list[int], list[int]]:
+    """SIGTERM the pid in each file, when that pid is the run's; returns the pids signalled and the
+    stopped processes of the run killed (a SIGKILLed process is gone only once the kernel ran it)."""
+    sent, killed = [], []
     for path in paths:
         try:
             with open(path) as f:
@@ -55,9 +56,10 @@ def term_pidfiles(run_id: str, paths: list[str]) -> list[int]:
             if state_of(pid) in STOPPED:
                 try:
                     os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
                 except OSError:
                     pass
-    return sent
+    return sent, killed
 
 
 def reap(run_id: str, grace: float = GRACE) -> None:
@@ -138,7 +140,9 @@ def main(argv: list[str]) -> None:
     files = rest[rest.index("--term") + 1:] if "--term" in rest else []
     files = [f for f in files if f not in ("--kill", "--clean", "--now", "--free-checkpoints")]
     before = sorted(run_processes(run_id))
-    sent = term_pidfiles(run_id, files)
+    sent, killed = term_pidfiles(run_id, files)
+    if killed:
+        wait_gone(run_id, killed, GRACE)
     if sent and not now:
         wait_gone(run_id, sent, GRACE * 2)
     containers = remove_containers(run_id, runtime) if kill else []

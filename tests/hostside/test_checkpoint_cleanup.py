@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ddplaunch.backends.shell import reaper_command
-from ddplaunch.hostside import ckpt, reaper
-from ddplaunch.hostside.ckpt import layout
+from ddplaunch.hostside import reaper
+from ddplaunch.hostside.ckpt import api as ckpt, config, layout, reader, tier
 from ddplaunch.sim.faults import wipe_memory_tier
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -46,7 +46,7 @@ def test_a_crash_empties_the_crashed_hosts_memory_tier_of_every_run(tmp_path):
     assert not a1.exists() and not a2.exists() and not other_user.exists()
     assert layout.ram_steps(b1) == [3]  # another host's part on the same machine stays
     # the run resumes from the durable copy (this host's RAM is gone)
-    got = ckpt.reader.load(ckpt.tier.Tier(ckpt.config.resolve(tmp_path / "d1", "run1", "a", ram_root=ram)),
+    got = reader.load(tier.Tier(config.resolve(tmp_path / "d1", "run1", "a", ram_root=ram)),
                            False, None)
     assert got is not None and got.step == 3 and got.source.where is ckpt.Where.DURABLE
     with pytest.raises(ckpt.CheckpointError):

@@ -20,8 +20,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
 from ddplaunch.hostside.ckpt import layout, statecodec
 from ddplaunch.hostside.ckpt.config import Config
 from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
