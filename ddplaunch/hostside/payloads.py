@@ -53,11 +53,17 @@ class StepsDone:  # rank 0's optimizer steps so far (at most once a second, and 
 
 
 @dataclasses.dataclass
-class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.checkpoint.load)
+class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.checkpoint.load, ddplaunch.checkpoint)
     KIND: ClassVar[str] = "LOADED"
     rank: int
     path: str
     via: str = ""
+    # ddplaunch.checkpoint's loads also say: the step; where it was read ("memory" or "durable");
+    # the host whose RAM held it, and the host that saved it (another one's for a buddy's replica)
+    step: Optional[int] = None
+    source: str = ""
+    host: str = ""
+    origin: str = ""
 
 
 @dataclasses.dataclass
@@ -110,7 +116,7 @@ class HostFrozen:  # a node's agent, when it changes: its ranks that cannot run 
 PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing, HostWindow,
                                       HostSteps, HostFrozen)}
 _TYPES: dict[Any, Any] = {int: int, str: str, float: (int, float), list[Any]: list, dict[str, Any]: dict,
-                          Optional[str]: (str, type(None))}
+                          Optional[str]: (str, type(None)), Optional[int]: (int, type(None))}
 
 
 def payload_line(payload: Any) -> str:

@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from ddplaunch.hostside import payloads
 from ddplaunch.hostside.ckpt import layout, reader
-from ddplaunch.hostside.ckpt.config import Config, resolve
+from ddplaunch.hostside.ckpt.config import RUN_ENV, Config, resolve
 from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
-from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Tier, Where
+from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Tier, Where, rank_world
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Config", "Loaded", "Source", "TornCheckpoint", "Where",
            "configure", "free", "load", "save", "wait"]
@@ -72,9 +73,15 @@ def load(*, all_ranks: bool = False, map_location: Any = None) -> Optional[Loade
     """The newest complete checkpoint as `(state, step)` (`.source` says where from), or None.
 
     Tensors come back on the CPU unless `map_location` names a device. Under a process group every
-    rank must call it; all get the same step.
+    rank must call it; all get the same step. Under ddplaunch, rank 0 says what it loaded (a
+    `Loaded` payload line the launcher reads: the step, and where it was read).
     """
-    return reader.load(_current(), all_ranks, map_location)
+    got = reader.load(_current(), all_ranks, map_location)
+    if got is not None and rank_world()[0] == 0 and os.environ.get(RUN_ENV) and payloads.under_torchrun():
+        source = got.source
+        payloads.say(payloads.Loaded(0, str(source.path)[:300], "ddplaunch.checkpoint", step=got.step,
+                                     source=source.where.value, host=source.host or "", origin=source.origin or ""))
+    return got
 
 
 def wait(timeout: Optional[float] = None) -> Optional[int]:

@@ -39,11 +39,14 @@ class Where(Enum):
 
 @dataclass(frozen=True)
 class Source:
-    """Where a loaded checkpoint was read: a host's RAM or the durable directory."""
+    """Where a loaded checkpoint was read: a host's RAM (`host`: the one whose RAM held it) or the
+    durable directory (`host` None). `origin` is the host that saved it: `host` itself, or another
+    host whose part `host` holds as a buddy's replica (None: read from the durable directory)."""
 
     where: Where
     host: Optional[str]
     path: Path
+    origin: Optional[str] = None
 
 
 class Loaded(tuple[Any, int]):
