@@ -15,6 +15,9 @@ host and not a line per rank per second:
   one): the hang watchdog names them from it, with no stack dump of a thousand hosts needed. The
   agent knows its ranks' pids from their messages' credentials.
 
+When the node's environment names checkpoint buddies (a memory tier with `replicas`), the agent
+also copies this host's sealed checkpoint versions to them and takes theirs (``ckpt/replicas.py``).
+
 The heartbeat that says the host lives is not the agent's (the node's shell says it, apart from
 any parsing). It ends when its parent (the node's shell, then torchrun) does. Standard library
 only: ``python agent.py [--window N] [--warmup N] NAME PARENT_PID``.
@@ -29,10 +32,12 @@ import time
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a script: its siblings
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ckpt"))  # (in the package: ckpt/)
 sys.dont_write_bytecode = True  # no __pycache__ left in the run dir
 import fold  # type: ignore[import-not-found]  # noqa: E402  (the folding, beside it)
 import payloads as P  # type: ignore[import-not-found]  # noqa: E402  (the payload schema, beside it)
 import procs  # type: ignore[import-not-found]  # noqa: E402  (process states, beside it)
+import replicas  # type: ignore[import-not-found]  # noqa: E402  (the checkpoints' buddy copies, beside it)
 
 #: Seconds between two looks at the parent, and between two status lines.
 ALIVE_S, STATUS_S = 1.0, 2.0
@@ -86,6 +91,7 @@ class Frozen:
 
 def run(name: str, parent: int, window: int, warmup: int) -> None:
     sock = open_socket(name)
+    replicas.start(os.environ, replicas.say_stderr)  # threads; they end with this process
     windows, status, frozen = fold.StepWindows(window, warmup), fold.Status(), Frozen()
     next_alive = next_status = time.monotonic()
     while True:

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from ddplaunch.errors import PlanError
+from ddplaunch.plan.ckptplan import KEY_ENV, checkpoint_args, checkpoint_env, replica_env
 from ddplaunch.plan.container import ContainerRun, container_run
 from ddplaunch.plan.emulation import Emulation
 from ddplaunch.plan.hostwords import CpuShare, GpuCount, HostPath
 from ddplaunch.spec.examples import example_path
-from ddplaunch.spec.model import CHECKPOINT_DIR_WORD, ClusterSpec, HostSpec, parse_size
+from ddplaunch.spec.model import ClusterSpec, HostSpec, parse_size
 
 #: Master ports are derived from the run id inside this range (below Linux's ephemeral range).
 PORT_RANGE = (20000, 32000)
@@ -39,7 +40,8 @@ ENTRY_SOURCE = HOSTSIDE / "entry.py"
 ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "payloads.py", HOSTSIDE / "steptiming.py")
 #: The node agent (hostside/agent.py): beside torchrun on every node, the ranks' reports folded per host.
 AGENT_SOURCE = HOSTSIDE / "agent.py"
-AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py", HOSTSIDE / "procs.py")
+AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py", HOSTSIDE / "procs.py",
+                 HOSTSIDE / "ckpt" / "replicas.py", HOSTSIDE / "ckpt" / "layout.py")
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 #: `up --emulate`'s ranks (plan/emulation.py).
@@ -309,7 +311,7 @@ def make_plan(run: PlanContext, stage: Stage, port: int, how: StageOptions = Sta
     where = _Where(run, stage, how, addr, port, user_env)
     nodes = [_node(where, program, rank, host) for rank, host in enumerate(spec.hosts)]
     return LaunchPlan(run_id=run.run_id, stage=stage, backend=spec.backend, master_addr=addr, master_port=port,
-                      nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names(),
+                      nodes=tuple(nodes), uploads=program.uploads, secrets=spec.secret_names() | {KEY_ENV},
                       healthcheck=stage is Stage.HEALTHCHECK or how.inline_healthcheck)
 
 
@@ -335,6 +337,9 @@ def _node(where: _Where, program: _Program, rank: int, host: HostSpec) -> NodeCo
     env = node_env(spec, run_id, stage, host.label, where.user_env, nproc)
     if where.how.recovery:
         env["DDPLAUNCH_RECOVERY"] = str(where.how.recovery)
+    if stage is Stage.JOB and not direct and emulate is None:  # the node's agent copies saves to buddies
+        env.update(replica_env(spec, rank, [rendezvous_addr(h) for h in spec.hosts], where.port,
+                               os.environ if where.run.environ is None else where.run.environ))
     torchrun, agent = None, None
     if not direct:  # the node's agent: its ranks report to it (hostside/agent.py)
         env["DDPLAUNCH_AGENT"] = agent_name(run_id, stage, host.label)
@@ -429,32 +434,3 @@ def node_env(spec: ClusterSpec, run_id: str, stage: Stage, label: str,
     env.update(checkpoint_env(spec))
     env.update(user_env)  # the user's values win
     return env
-
-
-def checkpoint_env(spec: ClusterSpec) -> dict[str, str]:
-    """The `checkpoint:` section as the tier's environment (hostside/ckpt/config.py); empty without one."""
-    ckpt, where, durable = spec.checkpoint, spec.checkpoint_dir(), spec.checkpoint_durable()
-    if ckpt is None or where is None or durable is None:
-        return {}
-    env = {"DDPLAUNCH_CHECKPOINT_DIR": where, "DDPLAUNCH_CHECKPOINT_DURABLE": durable,
-           "DDPLAUNCH_CHECKPOINT_KEEP": str(ckpt.keep)}
-    limit = ckpt.memory_limit_bytes
-    if limit is not None:  # None: no limit but the tmpfs's
-        env["DDPLAUNCH_CHECKPOINT_MEMORY_LIMIT"] = str(limit)
-    return env
-
-
-def checkpoint_args(spec: ClusterSpec, args: list[str]) -> list[str]:
-    """The job's arguments with `{checkpoint_dir}` replaced by the job's checkpoint dir (each stays
-    one word: the renderers quote it).
-
-    Raises:
-        PlanError: an argument names `{checkpoint_dir}` and the spec has no `checkpoint:` section.
-    """
-    where = spec.checkpoint_dir()
-    if where is None:
-        if any(CHECKPOINT_DIR_WORD in a for a in args):
-            raise PlanError(f"job arguments: {CHECKPOINT_DIR_WORD} names the checkpoint: section's path; "
-                            "add a checkpoint: section with a path")
-        return args
-    return [a.replace(CHECKPOINT_DIR_WORD, where) for a in args]

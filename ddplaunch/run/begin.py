@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -25,6 +26,7 @@ from ddplaunch.backends import make_backend, scheduler_of
 from ddplaunch.backends.contract import Launcher, Request, RunContext, Scheduler, StopEvent
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, DdplaunchError, PlanError, RunNotFoundError
 from ddplaunch.output.console import make_console
+from ddplaunch.plan.ckptplan import KEY_ENV
 from ddplaunch.plan.launch import LaunchPlan, derive_port, stage_port_key
 from ddplaunch.plan.stages import UpOptions, exclude_hosts, plan_stage, stages_of
 from ddplaunch.record.diagnosis import Gate
@@ -51,6 +53,9 @@ def prepared(spec: ClusterSpec, opts: UpOptions, fresh: bool) -> tuple[ClusterSp
     if fresh and run_dir(run_id).exists():
         raise PlanError(f"--run-id {run_id}: a run with this id exists ({run_dir(run_id)}); "
                         "pick another id or leave --run-id out")
+    # the key the hosts' checkpoint copies are authenticated with (plan/ckptplan.py): this process's
+    # secret, in every node's environment file (never on a command line, nor in the record)
+    os.environ.setdefault(KEY_ENV, secrets.token_hex(16))
     return spec, run_id
 
 

@@ -359,11 +359,6 @@ def _lines(where: Path, phase: str) -> list[dict]:
     return [d for d in lines if "step" in d]
 
 
-def _said(where: Path, rank: int) -> list[str]:
-    lines = [json.loads(line) for line in (where / f"load-{rank}.jsonl").read_text().splitlines()]
-    return [m for d in lines for m in d.get("said", [])]
-
-
 def _torchrun_job(tmp_path: Path, name: str, source: str, host: str | None = None) -> tuple[Path, str, dict]:
     """A job script for run_torchrun, a fresh run id, and the environment the tier reads (every
     rank on `host`; None: each rank names its own)."""
@@ -410,9 +405,9 @@ def test_the_environment_configures_the_tier(tmp_path):
         resolve(env={})
 
 
-def test_under_torchrun_ranks_on_different_hosts_load_the_newest_step_they_all_hold(tmp_path):
+def test_under_torchrun_a_step_in_one_hosts_ram_is_sent_to_the_ranks_of_other_hosts(tmp_path):
     """Rank 0's host holds steps 2 and 3 in RAM; rank 1's host holds nothing, and the durable dir
-    lost step 3: both load step 2 (rank 0 from its RAM, rank 1 from the durable dir), said once."""
+    lost step 3: rank 0 reads step 3 from its RAM and sends it to rank 1 (nothing read from disk)."""
     script, run, env = _torchrun_job(tmp_path, "job.py", _JOB)
     try:
         saved = run_torchrun(script, "save", tmp_path, "--host-per-rank", "--wait", env=env, timeout=180)
@@ -420,10 +415,9 @@ def test_under_torchrun_ranks_on_different_hosts_load_the_newest_step_they_all_h
         shutil.rmtree(tmp_path / "durable" / layout.step_name(3))
         loaded = run_torchrun(script, "load", tmp_path, "--host-per-rank", env=env, timeout=180)
         assert loaded.returncode == 0, loaded.stdout
-        want = next(d["digest"] for d in _lines(tmp_path, "save") if (d["rank"], d["step"]) == (0, 2))
+        want = next(d["digest"] for d in _lines(tmp_path, "save") if (d["rank"], d["step"]) == (0, 3))
         assert sorted((d["rank"], d["step"], d["where"], d["digest"]) for d in _lines(tmp_path, "load")) == \
-            [(0, 2, "memory", want), (1, 2, "durable", want)]
-        assert [m for m in _said(tmp_path, 0) if "step 3 is not readable by every rank" in m] != []
+            [(0, 3, "memory", want), (1, 3, "memory", want)]
     finally:
         checkpoint.free(run)
     assert not (layout.ram_base(Path("/dev/shm")) / run).exists()

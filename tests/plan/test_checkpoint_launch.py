@@ -177,3 +177,37 @@ def test_probe_says_why_a_durable_dir_cannot_take_a_save(tmp_path):
     locked.mkdir(mode=0o500)
     if os.geteuid() != 0:  # root writes anywhere
         assert (durable_problem(str(locked)) or "").startswith("not writable (")
+
+
+THREE = {**SSH, "hosts": [{"addr": f"10.9.0.1{i}", "name": f"n{i}"} for i in range(3)]}
+
+
+def test_a_memory_tier_gives_every_node_its_buddies_around_the_ring():
+    spec = load_spec_data({**THREE, "checkpoint": {"path": "ck", "tier": "memory"}})
+    plan = make_plan(PlanContext(spec, "r1", environ={"DDPLAUNCH_CHECKPOINT_KEY": "k3y"}), Stage.JOB, 25000)
+    envs = [dict(node.env) for node in plan.nodes]
+    assert [e["DDPLAUNCH_CHECKPOINT_BUDDIES"] for e in envs] == [
+        "n1=10.9.0.11:25001", "n2=10.9.0.12:25001", "n0=10.9.0.10:25001"]
+    assert {(e["DDPLAUNCH_CHECKPOINT_PORT"], e["DDPLAUNCH_CHECKPOINT_KEY"]) for e in envs} == {("25001", "k3y")}
+    assert "DDPLAUNCH_CHECKPOINT_KEY" in plan.secrets
+    two = load_spec_data({**THREE, "checkpoint": {"path": "ck", "tier": "memory", "replicas": 2}})
+    assert dict(make_plan(PlanContext(two, "r1"), Stage.JOB, 25000).nodes[2].env)[
+        "DDPLAUNCH_CHECKPOINT_BUDDIES"] == "n0=10.9.0.10:25001,n1=10.9.0.11:25001"
+    for quiet in ({"path": "ck"}, {"path": "ck", "tier": "memory", "replicas": 0}):  # disk tier, no copies
+        plan = make_plan(PlanContext(load_spec_data({**THREE, "checkpoint": quiet}), "r1"), Stage.JOB, 25000)
+        assert not any("DDPLAUNCH_CHECKPOINT_BUDDIES" in dict(n.env) for n in plan.nodes)
+    check = make_plan(PlanContext(spec, "r1"), Stage.HEALTHCHECK, 25000)  # only the job's agents copy
+    assert not any("DDPLAUNCH_CHECKPOINT_BUDDIES" in dict(n.env) for n in check.nodes)
+
+
+def test_the_dry_run_masks_the_runs_checkpoint_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPLAUNCH_CHECKPOINT_KEY", "")  # undone after the test, the key the run makes too
+    monkeypatch.delenv("DDPLAUNCH_CHECKPOINT_KEY")
+    path = tmp_path / "c.yaml"
+    path.write_text("name: ck\nbackend: ssh\nhosts: [10.9.0.11, 10.9.0.12]\npython: /opt/venv/bin/python\n"
+                    "workdir: /srv/w\ndist_backend: gloo\ncheckpoint: {path: ck, tier: memory}\n")
+    out = CliRunner().invoke(cli, ["up", str(path), "--dry-run", "--run-id", "ck-2"])
+    assert out.exit_code == 0, out.output
+    key = os.environ["DDPLAUNCH_CHECKPOINT_KEY"]  # made once, in this (the supervisor's) process
+    assert len(key) == 32 and key not in out.output
+    assert out.output.count("export DDPLAUNCH_CHECKPOINT_KEY=<secret>") == 2, out.output

@@ -29,15 +29,15 @@ where `durable` is missing or not writable; the reaper (hostside/reaper.py `--fr
 the same path spelled there) removes a run's RAM at its end (the backend's close) and at `down`,
 never between stages; `sim fault HOST --crash` empties that host's part (sim/faults.py).
 
-Designed for what comes next (not built yet):
-- Buddy replication: a replica is one more RAM version directory written under the buddy's own
-  `<host>/` (same layout, same manifest rule), by a host-side agent that copies a sealed version
-  (`MANIFEST` present) from this host; `reader.candidates` then lists the buddy's copies too, as
-  `Source(Where.MEMORY, buddy, path)`, and the agreement in `reader._agreed` already loads the newest
-  step that every rank can read. The sealer's manifest is the hand-off point: a version without one
-  is never copied, persisted or loaded.
-- The supervisor's agent finishing the persist of a sealed RAM version left by a killed process,
-  with `layout.write_durable` (the same careful write), before the run's RAM is freed.
-- Unmodified scripts: a memory-backed job dir is this layout's RAM side seen through the job's own
-  files; completeness is then the job's own rename/marker instead of our manifest.
+Buddy copies (`replicas.py`, in the node agent): each sealed RAM version (its MANIFEST is the
+hand-off point: a version without one is never copied, persisted or loaded) is copied to the node's
+buddies, planned as a ring over the hosts (plan/ckptplan.py), and lands in their RAM under
+`<host>/replicas/<origin>/`. `reader.py` counts a replica among a host's RAM copies; under a
+process group (one part, as DDP saves) the newest step complete anywhere wins: the lowest rank
+whose host holds it reads it and sends it to the others, so a relaunch after the saver's host is
+lost resumes from its buddy's RAM, and nothing is read from the durable dir.
+
+Not built yet: the supervisor finishing the persist of a sealed RAM version a killed process left;
+unmodified scripts (a memory-backed job dir, completeness by the job's own rename or marker); a
+sharded (`all_ranks`) step that one rank holds only on another host is read from the durable dir.
 """

@@ -6,6 +6,8 @@ A part is one process's share of a checkpoint (`part-R/`: `data`, `meta`, `MANIF
 complete when every one of its parts has its manifest and every file matches it.
 
     RAM:     <ram_root>/ddplaunch-ckpt-<uid>/<run>/<host>/part-<R>/v-<step>/{data,meta,MANIFEST}
+    replica: <ram_root>/ddplaunch-ckpt-<uid>/<run>/<host>/replicas/<origin>/part-<R>/v-<step>/...
+             (a buddy's copy of <origin>'s part, in <host>'s RAM: hostside/ckpt/replicas.py)
     durable: <durable>/step-<step>/part-<R>/{data,meta,MANIFEST}
 """
 
@@ -23,6 +25,7 @@ from typing import Callable, Iterable, Optional
 
 FORMAT = 1
 DATA, META, MANIFEST = "data", "meta", "MANIFEST"
+REPLICAS = "replicas"
 FILE_MODE, DIR_MODE = 0o600, 0o700
 CHUNK = 8 << 20
 _SAFE = re.compile(r"[A-Za-z0-9._-]+")
@@ -62,6 +65,21 @@ def ram_base(ram_root: Path) -> Path:
 
 def ram_part_dir(ram_root: Path, run_id: str, host: str, part: int) -> Path:
     return ram_base(ram_root) / run_id / host / f"part-{part}"
+
+
+def replica_part_dir(ram_root: Path, run_id: str, host: str, origin: str, part: int) -> Path:
+    """Where `host` keeps its copy of `origin`'s part (a buddy's replica), apart from its own saves."""
+    return ram_base(ram_root) / run_id / host / REPLICAS / origin / f"part-{part}"
+
+
+def replica_part_dirs(ram_root: Path, run_id: str, host: str, part: int) -> list[tuple[str, Path]]:
+    """(origin, directory) of every replica of part `part` that `host` holds, by origin."""
+    base = ram_base(ram_root) / run_id / host / REPLICAS
+    try:
+        origins = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    return [(o, base / o / f"part-{part}") for o in origins if _SAFE.fullmatch(o) and o not in (".", "..")]
 
 
 def version_name(step: int) -> str:
