@@ -80,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: $DDPLAUNCH_CHECKPOINT_DIR (the spec's checkpoint.path), $DDPLAUNCH_CKPT_DIR, "
                         "else checkpoints/<run name>")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at epoch ends")
+    p.add_argument("--ckpt-api", action="store_true",
+                   help="save and resume with ddplaunch.checkpoint (its memory tier) instead of torch.save; "
+                        "durable dir: $DDPLAUNCH_CHECKPOINT_DURABLE (the spec's checkpoint.durable), else the "
+                        "checkpoint dir")
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
@@ -299,6 +303,37 @@ def load_checkpoint(args, rank: int):
     return box[0]
 
 
+def checkpoint_api(args):
+    """`ddplaunch.checkpoint` (imported only with --ckpt-api), configured: the launcher's durable dir,
+    else the checkpoint dir; the durable dir keeps --keep complete steps, as the torch.save path does."""
+    from ddplaunch import checkpoint
+
+    checkpoint.configure(durable=os.environ.get("DDPLAUNCH_CHECKPOINT_DURABLE") or args.ckpt_dir,
+                         durable_keep=args.keep if args.keep > 0 else None)
+    return checkpoint
+
+
+def api_load(tier):
+    """--ckpt-api: the newest complete checkpoint wherever the tier holds it (a host's RAM, a buddy's
+    copy, the durable dir), the same on every rank (every rank calls it): None, or (the path it was
+    read from, the checkpoint, where that is in words); CheckpointRefused on every rank if it is not
+    this train.py's. The tier checks every copy against its checksums: nothing unpickled is a file
+    someone else planted unless they could write this user's RAM or durable dir."""
+    got = tier.load()
+    if got is None:
+        return None
+    ckpt, source = got.state, got.source
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT or any(key not in ckpt for key in CKPT_KEYS):
+        raise CheckpointRefused(f"refusing step {got.step} in {source.path}: not a format-{CKPT_FORMAT} "
+                                "checkpoint of this train.py; nothing from it was loaded")
+    if source.where.value == "memory":
+        where = f"{source.host}'s memory" + (f", saved by {source.origin}" if source.origin not in (None, source.host)
+                                             else "")
+    else:
+        where = "the durable dir"
+    return str(source.path), ckpt, where
+
+
 def params_sha256(model: nn.Module) -> str:
     """Hashes every parameter's bytes, on CPU, in the module's fixed order."""
     digest = hashlib.sha256()
@@ -394,8 +429,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         start_loss = loss_fn(model(x_all.to(device)), y_all.to(device)).item()
     step = 0
+    tier = checkpoint_api(args) if args.ckpt_api else None
     try:
-        resumed = load_checkpoint(args, rank)
+        resumed = api_load(tier) if tier is not None else load_checkpoint(args, rank)
     except CheckpointRefused as exc:
         if rank == 0:
             sys.stderr.write(f"train: {exc}\n")
@@ -403,14 +439,14 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return REFUSED_EXIT
     if resumed:
-        path, ckpt = resumed
+        path, ckpt, where = resumed if tier is not None else (*resumed, "")
         model.load_state_dict(ckpt["model"])
         step, start_loss = ckpt["step"], ckpt["start_loss"]
         if ckpt["world_size"] != world and rank == 0:
             say(f"warning: checkpoint was written by {ckpt['world_size']} ranks, now {world}: "
                 "the data order differs from an uninterrupted run")
         if rank == 0:
-            say(f"resumed from {path} at step {step}")
+            say(f"resumed from {path} at step {step}" + (f" ({where})" if where else ""))
     # find_unused_parameters=True also stops DDP from rebuilding its gradient buckets after the
     # first step of every start; a rebuild changes the summation order of the all_reduce, and a
     # resumed run (which rebuilds again) would then differ from an uninterrupted one in the last
@@ -424,8 +460,11 @@ def main(argv=None) -> int:
 
     def checkpoint() -> None:
         if rank == 0:
-            save_checkpoint(args, make_checkpoint(args, model, optimizer, step, steps_per_epoch,
-                                                  start_loss, world))
+            state = make_checkpoint(args, model, optimizer, step, steps_per_epoch, start_loss, world)
+            if tier is not None:
+                tier.save(state, step)  # returns once the tensors are in this host's RAM
+            else:
+                save_checkpoint(args, state)
         dist.barrier()  # nobody runs ahead of a checkpoint that may be needed to resume
 
     while step < total_steps:
@@ -461,6 +500,8 @@ def main(argv=None) -> int:
                 checkpoint()
             if preemption_agreed():
                 checkpoint()
+                if tier is not None:
+                    tier.wait()  # os._exit skips the tier's own drain at exit: durable before the exit
                 if rank == 0:
                     say(f"preempted (SIGUSR2): checkpoint at step {step}; exiting {PREEMPTED_EXIT} to be requeued")
                 del ddp, optimizer
@@ -478,6 +519,8 @@ def main(argv=None) -> int:
     # Drop DDP (its reducer holds the process group) before destroying the group: the
     # other order sometimes aborts at exit ("terminate called without an active exception").
     del ddp, optimizer
+    if tier is not None:
+        tier.wait()  # os._exit skips the tier's own drain at exit: the last save durable first
     dist.barrier()
     dist.destroy_process_group()
     return 0 if identical else 1
