@@ -200,3 +200,19 @@ def test_the_loaded_payload_carries_step_and_source_and_old_lines_still_read():
     assert old == payloads.Loaded(0, "/ckpt.pt", "torch.load")
     assert (old.step, old.source, old.host, old.origin) == (None, "", "", "")
     assert payloads.read_payload("LOADED", json.dumps({"rank": 0, "path": "/x", "step": "7"})) is None
+
+
+def test_a_step_loaded_from_ram_that_the_durable_dir_lacks_is_made_durable(run):
+    """The saver's host was lost before it persisted step 2: the process that loads the buddy's
+    copy persists it (the careful write), so the run's end loses nothing that was in RAM."""
+    shutil.rmtree(run["durable"] / layout.step_name(2))
+    checkpoint.configure(run["durable"], run_id=run["run"], host="h1", ram_root=run["ram"])
+    try:
+        _replicate(run, "h1", 2)
+        got = checkpoint.load()
+        assert (got.step, got.source.where) == (2, checkpoint.Where.MEMORY)
+    finally:
+        checkpoint.free(run["run"], host="none-such", ram_root=run["ram"])  # closes the tier: its persist ends first
+    _, _, data = layout.read_verified(run["durable"] / layout.step_name(2) / "part-0", 2, 0)
+    assert bytes(data) == (run["saved"] / layout.version_name(2) / layout.DATA).read_bytes()
+    assert layout.durable_parts_complete(run["durable"], 2)

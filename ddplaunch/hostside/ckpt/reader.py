@@ -89,8 +89,15 @@ def load(tier: Tier, all_ranks: bool = False, map_location: Any = None) -> Optio
     for step in candidates(tier, part):
         got = load_step(tier, step, part, map_location)
         if got is not None:
+            _adopt(tier, got, part)
             return got
     return None
+
+
+def _adopt(tier: Tier, got: Loaded, part: int) -> None:
+    """A step read from this host's RAM that the durable dir lacks is made durable by this process."""
+    if got.source.where is Where.MEMORY:
+        tier.adopt(got.step, part, got.source.path)
 
 
 def _agreed(tier: Tier, part: int, world: int, map_location: Any) -> Optional[Loaded]:
@@ -164,6 +171,7 @@ def _sent_by(tier: Tier, step: int, part: int, holder: int, map_location: Any) -
     data = got[2] if got is not None else bytearray(size)
     _broadcast_bytes(data, holder)
     if got is not None:
+        _adopt(tier, got[0], part)
         return got[0]
     return Loaded(statecodec.unpack(meta, data, map_location), step, source)
 

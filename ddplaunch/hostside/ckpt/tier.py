@@ -86,7 +86,7 @@ class Tier:
         self._pinned: Counter[tuple[int, int]] = Counter()
         self._seal: list[tuple[int, int, int]] = []
         self._sealing = 0
-        self._persist: Optional[tuple[int, int, int]] = None
+        self._persist: Optional[tuple[int, int, int, Path]] = None  # step, part, parts, RAM version
         self._saved: Optional[int] = None
         self._durable: Optional[int] = None
         self._failed: dict[int, str] = {}
@@ -259,7 +259,7 @@ class Tier:
                 if failure:
                     self._failed[step] = failure
                 elif self._persist is None or self._persist[0] < step:
-                    self._persist = job
+                    self._persist = (*job, self.part_dir(part) / layout.version_name(step))
                 self._cond.notify_all()
 
     def _persist_loop(self) -> None:
@@ -272,11 +272,11 @@ class Tier:
                 self._cond.wait_for(lambda: self._persist or (self._closing and not self._seal))
                 if self._persist is None:
                     return
-                step, part, parts = self._persist
+                step, part, parts, version = self._persist
                 self._persist = None
                 self._pinned[(part, step)] += 1
             try:
-                self._persist_one(step, part, parts)
+                self._persist_one(step, part, parts, version)
                 failure = None
             except Exception as exc:  # recorded: wait() raises it for the newest save
                 failure = f"step {step} could not be written to {self.config.durable}: {exc}"
@@ -290,17 +290,32 @@ class Tier:
             else:
                 self._durable_done(step, part)
 
-    def _persist_one(self, step: int, part: int, parts: int) -> None:
+    def _persist_one(self, step: int, part: int, parts: int, version: Path) -> None:
         with self._cond:
             if self._durable is not None and self._durable >= step:
                 return  # a newer save went straight to the durable dir
-        version = self.part_dir(part) / layout.version_name(step)
         manifest = layout.Manifest.decode((version / layout.MANIFEST).read_bytes())
         meta = (version / layout.META).read_bytes()
         if (len(meta), zlib.crc32(meta)) != manifest.files[layout.META]:
             raise TornCheckpoint(f"{version}/{layout.META} changed in RAM after it was sealed")
         writer = layout.copy_file_writer(version / layout.DATA, manifest.files[layout.DATA])
         layout.write_durable(self.config.durable, step, part, parts, meta, writer, self.config.host)
+
+    def adopt(self, step: int, part: int, version: Path) -> None:
+        """A sealed RAM version this process did not save (a killed predecessor's, a buddy's copy of
+        a lost host's save) that the durable dir lacks: persisted in the background like a save."""
+        try:
+            parts = layout.Manifest.decode((version / layout.MANIFEST).read_bytes()).parts
+        except (OSError, ValueError, KeyError, CheckpointError):
+            return  # torn: the reader skipped it already
+        if layout.durable_parts_complete(self.config.durable, step) if parts > 1 else \
+                (self.config.durable / layout.step_name(step) / f"part-{part}" / layout.MANIFEST).is_file():
+            return
+        self._start()
+        with self._cond:
+            if self._persist is None or self._persist[0] < step:
+                self._persist = (step, part, parts, version)
+                self._cond.notify_all()
 
     def _durable_done(self, step: int, part: int) -> None:
         """Step `step` is durable: older durable steps beyond `durable_keep` go, then wait() returns."""
