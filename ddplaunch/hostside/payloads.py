@@ -67,6 +67,15 @@ class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.check
 
 
 @dataclasses.dataclass
+class Durable:  # a rank that saved through ddplaunch.checkpoint, at its exit: its newest save is durable
+    KIND: ClassVar[str] = "DURABLE"
+    rank: int
+    step: int
+    after_s: float  # seconds the exit waited for it, after the script ended
+    failed: str = ""  # why its newest save could not be made durable ("": it is)
+
+
+@dataclasses.dataclass
 class Held:  # rank 0 holds before its first optimizer step after the checkpoint it saved (HOLD_FILE)
     KIND: ClassVar[str] = "HELD"
     rank: int
@@ -113,8 +122,8 @@ class HostFrozen:  # a node's agent, when it changes: its ranks that cannot run 
                 if r.isdigit() and isinstance(v, list) and len(v) == 2 and isinstance(v[1], int)}
 
 
-PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Held, Timing, HostWindow,
-                                      HostSteps, HostFrozen)}
+PAYLOADS = {cls.KIND: cls for cls in (RankStart, RankExit, RankFailed, StepsDone, Loaded, Durable, Held, Timing,
+                                      HostWindow, HostSteps, HostFrozen)}
 _TYPES: dict[Any, Any] = {int: int, str: str, float: (int, float), list[Any]: list, dict[str, Any]: dict,
                           Optional[str]: (str, type(None)), Optional[int]: (int, type(None))}
 

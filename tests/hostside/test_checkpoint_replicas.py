@@ -216,3 +216,26 @@ def test_a_step_loaded_from_ram_that_the_durable_dir_lacks_is_made_durable(run):
     _, _, data = layout.read_verified(run["durable"] / layout.step_name(2) / "part-0", 2, 0)
     assert bytes(data) == (run["saved"] / layout.version_name(2) / layout.DATA).read_bytes()
     assert layout.durable_parts_complete(run["durable"], 2)
+
+
+def test_at_exit_a_rank_that_saved_says_its_newest_save_is_durable(tmp_path):
+    """Under ddplaunch (torchrun's environment), the exit of a process that saved waits for its
+    newest save to be durable and says so: a `Durable` payload with the step and the wait."""
+    import subprocess
+    import sys
+
+    job = ("import torch\nfrom ddplaunch import checkpoint\n"
+           f"checkpoint.configure({str(tmp_path / 'durable')!r}, host='h1', ram_root={str(tmp_path / 'shm')!r})\n"
+           "for step in (3, 6):\n    checkpoint.save({'w': torch.full((1 << 20,), float(step))}, step)\n")
+    env = {**os.environ, "DDPLAUNCH_RUN_ID": f"test-{uuid.uuid4().hex[:12]}", "TORCHELASTIC_RUN_ID": "x"}
+    out = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    (said,) = [payloads.read_payload("DURABLE", line.split(" ", 1)[1]) for line in out.stdout.splitlines()
+               if line.startswith("DDPLAUNCH_DURABLE_JSON ")]
+    assert (said.rank, said.step, said.failed) == (0, 6, "") and said.after_s >= 0
+    assert layout.durable_parts_complete(tmp_path / "durable", 6)
+    plain = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in env.items() if k != "TORCHELASTIC_RUN_ID"},
+                           cwd=Path(__file__).resolve().parents[2])
+    assert plain.returncode == 0 and "DDPLAUNCH_DURABLE_JSON" not in plain.stdout  # a plain process: silent

@@ -7,6 +7,7 @@ import atexit
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -120,8 +121,14 @@ def free(run_id: Optional[str] = None, *, host: Optional[str] = None,
 
 @atexit.register
 def _at_exit() -> None:
-    """The newest complete RAM version is made durable before the interpreter goes."""
+    """The newest complete RAM version is made durable before the interpreter goes; under
+    ddplaunch a rank that saved says so (a `Durable` payload: its step, how long the exit waited)."""
     with _lock:
         tier = _tier
-    if tier is not None:
-        tier.close()
+    if tier is None:
+        return
+    started = time.monotonic()
+    failed = tier.close()
+    step = tier.saved_step
+    if step is not None and os.environ.get(RUN_ENV) and payloads.under_torchrun():
+        payloads.say(payloads.Durable(rank_world()[0], step, round(time.monotonic() - started, 3), failed or ""))

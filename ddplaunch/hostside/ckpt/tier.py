@@ -362,17 +362,27 @@ class Tier:
                 raise CheckpointError(self._failed[target])
         return target
 
-    def close(self) -> None:
-        """Finishes persisting the newest save (a failure is said, not raised), then stops the threads."""
+    @property
+    def saved_step(self) -> Optional[int]:
+        """The step of this process's newest save (None: it saved nothing)."""
+        with self._cond:
+            return self._saved
+
+    def close(self) -> Optional[str]:
+        """Finishes persisting the newest save, then stops the threads; returns why the newest save
+        could not be made durable (said as a warning too), None when it is (or nothing was saved)."""
+        failed = None
         try:
             self.wait()
         except CheckpointError as exc:
-            warnings.warn(str(exc), CheckpointWarning, stacklevel=2)
+            failed = str(exc)
+            warnings.warn(failed, CheckpointWarning, stacklevel=2)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        return failed
 
 
 def _size(path: Path) -> int:
