@@ -381,6 +381,63 @@ def down(run_id: str) -> None:
         click.echo(line)
 
 
+@cli.group("ckpt")
+def ckpt_group() -> None:
+    """The checkpoint tier's steps: where each lives (`ls`), whether its files match their
+    checksums (`verify`). DIR is a durable dir; RUN a recorded run: its durable dir and its RAM on
+    this machine."""
+
+
+CKPT_TARGET_ARG = click.argument("target", metavar="DIR|RUN")
+RAM_ROOT_OPT = click.option("--ram-root", type=click.Path(file_okay=False, path_type=Path), default=None,
+                            help="Where the hosts' RAM tier lives on this machine [default: /dev/shm].")
+
+
+@ckpt_group.command("ls")
+@CKPT_TARGET_ARG
+@click.option("--json", "as_json", is_flag=True, help="The same as JSON.")
+@RAM_ROOT_OPT
+@_handle_errors
+def ckpt_ls(target: str, as_json: bool, ram_root: Path | None) -> None:
+    """Every step, newest first: complete or which parts are missing, size, age, and where it
+    lives (the durable dir, each host's RAM, a buddy's replica). Reads sizes only."""
+    import json
+
+    from ddplaunch.record.ckptscan import places_of, scan
+    from ddplaunch.report.checkpoints import listing_data, ls_lines
+
+    listing = scan(places_of(target, ram_root))
+    if as_json:
+        click.echo(json.dumps(listing_data(listing, time.time()), indent=2))
+        return
+    for line in ls_lines(listing, time.time()):
+        click.echo(line)
+
+
+@ckpt_group.command("verify")
+@CKPT_TARGET_ARG
+@click.option("--json", "as_json", is_flag=True, help="The same as JSON.")
+@RAM_ROOT_OPT
+@_handle_errors
+def ckpt_verify(target: str, as_json: bool, ram_root: Path | None) -> None:
+    """Read every copy of every part against its manifest (sizes and CRC-32; nothing is loaded or
+    unpickled); exit 1 when a copy that claims to be complete does not match it."""
+    import json
+
+    from ddplaunch.errors import EXIT_FAILURE
+    from ddplaunch.record.ckptscan import places_of, scan
+    from ddplaunch.report.checkpoints import listing_data, verify_lines
+
+    listing = scan(places_of(target, ram_root), checksums=True)
+    if as_json:
+        click.echo(json.dumps(listing_data(listing, time.time()), indent=2))
+    else:
+        for line in verify_lines(listing):
+            click.echo(line)
+    if listing.corrupt:
+        sys.exit(EXIT_FAILURE)
+
+
 @cli.command("init")
 @click.option("--ssh", "ssh_hosts", multiple=True, metavar="HOST",
               help="A host of an SSH cluster: addr, user@addr or user@addr:port. Repeatable.")
