@@ -77,6 +77,7 @@ class StageLines:
         self.progress: Optional[Progress] = None
         self._resumed_from: Optional[int] = None
         self._loaded: list[str] = []
+        self._checkpoint: Optional[Loaded] = None  # the newest load that said its step (ddplaunch.checkpoint)
         self._start_said = False  # on_first_step called (see _start_known)
         self._loads_before_first = 0  # checkpoints loaded before the first step
         self._saving_before = 0.0  # seconds rank 0 saved before its first step
@@ -205,6 +206,11 @@ class StageLines:
             return
         if isinstance(payload, Loaded):  # before the first step, or after it: the progress shares the list
             self._loaded.append(payload.path[:300])
+            if payload.step is not None:  # ddplaunch.checkpoint's: the step, and where it was read
+                self._checkpoint = Loaded(payload.rank, payload.path[:300], payload.via[:100], payload.step,
+                                          payload.source[:20], payload.host[:300], payload.origin[:300])
+                if self.progress is not None:
+                    self.progress.checkpoint = self._checkpoint
         elif isinstance(payload, StepsDone) and payload.steps >= 1:
             if self.progress is None:  # saves before the first step are the job's start
                 self._saving_before = payload.saving_s
@@ -221,7 +227,8 @@ class StageLines:
         """A completed step at `now`."""
         if self.progress is None:
             self.progress = Progress(first_at=now, first_step=step, last_at=now, last_step=step,
-                                     resumed_from=self._resumed_from, loaded=self._loaded)
+                                     resumed_from=self._resumed_from, loaded=self._loaded,
+                                     checkpoint=self._checkpoint)
             self._loads_before_first = len(self._loaded)
         else:
             self.progress.last_at, self.progress.last_step = now, max(step, self.progress.last_step)

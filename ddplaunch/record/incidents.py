@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from ddplaunch.hostside.payloads import Loaded
 from ddplaunch.record.results import Progress
 
 
@@ -43,6 +44,9 @@ class Recovery:
     #: with no load and no word of resuming: restarted from scratch.
     loaded: list[str] = field(default_factory=list)
     from_scratch: bool = False
+    #: What it loaded through ddplaunch.checkpoint: the step, and where it was read (a host's
+    #: memory, whose save that was; or the durable dir). None when its load said no step.
+    checkpoint: Optional[Loaded] = None
     #: A restart (no host lost): what the job's failing rank did, for people (`rank 1 on dlr2 raised
     #: ValueError: boom (train.py:52)`), and what makes a later failure the same one (its
     #: exception's type and line, or its signal; "" when neither is known).
@@ -70,21 +74,39 @@ class Recovery:
         text = "; ".join(parts)
         if self.resumed_after_s is not None:
             text += f", {'trained again' if self.from_scratch else 'resumed'} after {self.resumed_after_s:.0f}s"
-            text += f" from step {self.resumed_from}" if self.resumed_from is not None else ""
+            where = self.loaded_from()
+            text += f" {where}" if where else f" from step {self.resumed_from}" if self.resumed_from is not None else ""
         if self.steps_before is not None:
             text += f"; at least {self.steps_before} optimizer steps done before"  # rank 0 says them once a second
-        if self.loaded:
+        if self.loaded and not self.loaded_from():
             text += f"; the relaunched job loaded {self.loaded[-1]}"
         elif self.from_scratch:
             text += "; training restarted from scratch: the job did not resume (see job.resume_args)"
         return text
+
+    def loaded_from(self) -> str:
+        """`at step 15 from gpu2's memory (gpu1 lost)`, `at step 15 from the durable dir`: the step the
+        relaunched job loaded through ddplaunch.checkpoint, and where it was read ("" when unknown)."""
+        got = self.checkpoint
+        if got is None or got.step is None:
+            return ""
+        if got.source == "memory":
+            where = f"{got.host}'s memory" if got.host else "a host's memory"
+            if got.origin and got.origin != got.host:
+                where += f" ({got.origin} lost)" if got.origin in self.lost else f" (a copy of {got.origin}'s save)"
+        else:
+            where = "the durable dir" if got.source == "durable" else got.path
+        return f"at step {got.step} from {where}"
 
     def resumed(self, progress: Optional[Progress]) -> None:
         """The relaunched job's progress: when its first step completed, and from which step."""
         if progress is not None:
             self.first_step_at = progress.first_at
             self.resumed_after_s = max(0.0, progress.first_at - self.lost_at)
+            self.checkpoint = progress.checkpoint
             self.resumed_from = progress.resumed_from
+            if self.resumed_from is None and self.checkpoint is not None:
+                self.resumed_from = self.checkpoint.step  # what it loaded, when it said no word of resuming
             self.loaded = list(progress.loaded)
             self.from_scratch = (not progress.loaded and progress.resumed_from is None
                                  and progress.optimizer_steps is not None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-from ddplaunch.hostside.payloads import RankExit, RankFailed, RankStart
+from ddplaunch.hostside.payloads import Loaded, RankExit, RankFailed, RankStart
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.codec import to_data
 from ddplaunch.record.diagnosis import HealthVerdict
@@ -186,6 +186,9 @@ class Progress:
     optimizer_steps: Optional[int] = None
     #: What rank 0 loaded (torch.load, torch.distributed.checkpoint.load): paths.
     loaded: list[str] = field(default_factory=list)
+    #: Rank 0's newest load through ddplaunch.checkpoint: its step, where it was read (a host's
+    #: memory, and whose save it was; or the durable dir). None when no load said a step.
+    checkpoint: Optional[Loaded] = None
     #: Seconds rank 0 spent inside checkpoint saves between its first and last step (torch.save,
     #: torch.distributed.checkpoint.save: the training stood still meanwhile).
     saving_s: float = 0.0

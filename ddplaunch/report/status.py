@@ -64,7 +64,8 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
         lines.append((f"  restart (relaunch {r.number}): {r.failure}" if r.failure else
                       f"  recovery {r.number}: lost {', '.join(r.lost)}"
                       + (f"; replaced {replaced}" if replaced else f"; went on with {r.hosts_after} hosts"))
-                     + (f"; resumed after {r.resumed_after_s:.0f}s" if r.resumed_after_s is not None else ""))
+                     + (f"; resumed after {r.resumed_after_s:.0f}s {r.loaded_from()}".rstrip()
+                        if r.resumed_after_s is not None else ""))
     for st in view.stragglers:
         lines.append(f"  straggler: {st.host} (ranks {', '.join(map(str, st.ranks))}) computes "
                      f"{st.slowdown:+.0%} against its peers since step {st.since_step}")
