@@ -45,6 +45,9 @@ class Ledger:
     wall_s: float
     parts: dict[str, float]
     faults: int = 0
+    #: Relaunches whose checkpoint step is not known (the job loaded it with torch.load and said no
+    #: step): their redone steps are not counted, so `redone` is a lower bound.
+    unknown_resumes: int = 0
 
     @property
     def goodput(self) -> float:
@@ -58,19 +61,21 @@ class Ledger:
         for cause in (c for c in CAUSES if c != "training"):
             if (self.parts[cause] >= 0.5) if cause in MET else (self.parts[cause] > 0 or self.faults):
                 faults = f" ({self.faults} fault{'s' if self.faults > 1 else ''})" if cause == "recovery" else ""
-                said.append(f"{cause} {duration(self.parts[cause])}{faults}")
+                unknown = f" + ? ({self.unknown_resumes} resume's step unknown)" \
+                    if cause == "redone" and self.unknown_resumes else ""
+                said.append(f"{cause} {duration(self.parts[cause])}{faults}{unknown}")
         return (f"goodput {100 * self.goodput:.0f}% of {duration(self.wall_s)} wall: training "
                 f"{duration(self.parts['training'])}" + (f"; lost to {', '.join(said)}" if said else ""))
 
     def to_dict(self) -> dict[str, object]:
         return {"wall_s": round(self.wall_s, 3), "goodput": round(self.goodput, 4), "faults": self.faults,
-                "parts_s": {c: round(s, 3) for c, s in self.parts.items()}}
+                "parts_s": {c: round(s, 3) for c, s in self.parts.items()}, "unknown_resumes": self.unknown_resumes}
 
 
 def total(ledgers: list[Ledger]) -> Ledger:
     """Runs' ledgers added up: their wall times, seconds per cause and faults (`runs --goodput`)."""
     return Ledger(sum(led.wall_s for led in ledgers), {c: sum(led.parts[c] for led in ledgers) for c in CAUSES},
-                  sum(led.faults for led in ledgers))
+                  sum(led.faults for led in ledgers), sum(led.unknown_resumes for led in ledgers))
 
 
 def ledger(view: RunView) -> Optional[Ledger]:
@@ -79,7 +84,7 @@ def ledger(view: RunView) -> Optional[Ledger]:
         return None
     timeline = _Timeline(view.started.t, view.ended.t)
     stepped = [r.progress for r in view.stages if r.stage == Stage.JOB and r.progress is not None]
-    faults = 0
+    faults = unknown = 0
     for i, progress in enumerate(stepped):
         timeline.upto(progress.first_at, "startup" if i == 0 else "other")
         timeline.upto(progress.last_at, "training")
@@ -92,9 +97,11 @@ def ledger(view: RunView) -> Optional[Ledger]:
                 faults += 1
                 timeline.upto(recovery.detected_at, "detection")
                 timeline.upto(after.first_at, "recovery")
-                timeline.move("training", "redone", _redone_s(progress, recovery))
+                redone = _redone_s(progress, recovery)
+                unknown += redone is None
+                timeline.move("training", "redone", redone or 0.0)
     timeline.upto(timeline.end, "other" if stepped else "startup")
-    return Ledger(timeline.end - timeline.start, timeline.parts, faults)
+    return Ledger(timeline.end - timeline.start, timeline.parts, faults, unknown)
 
 
 def worth_saying(view: RunView) -> Optional[Ledger]:
@@ -138,14 +145,18 @@ def _slow_s(launch: Progress, straggler: Straggler) -> float:
     return max(0, steps) * max(0.0, straggler.compute_s - straggler.peers_compute_s)
 
 
-def _redone_s(lost: Progress, recovery: Recovery) -> float:
+def _redone_s(lost: Progress, recovery: Recovery) -> Optional[float]:
     """Seconds of `lost`'s steps trained again: the steps past the checkpoint the relaunch resumed
-    from, at `lost`'s pace (0 where either end is unknown)."""
-    if recovery.resumed_from is None or lost.optimizer_steps is None or lost.last_step <= lost.first_step:
+    from (its `ddplaunch.checkpoint` load's step, the step the job said, 0 from scratch), at
+    `lost`'s pace; None where the step it resumed from is not known."""
+    resumed = recovery.resumed_from if recovery.resumed_from is not None else 0 if recovery.from_scratch else None
+    if resumed is None:
+        return None
+    if lost.optimizer_steps is None or lost.last_step <= lost.first_step:
         return 0.0
     reached = (lost.resumed_from or 0) + lost.optimizer_steps
     per_step = lost.training_s / (lost.last_step - lost.first_step)
-    return max(0, reached - recovery.resumed_from) * per_step
+    return max(0, reached - resumed) * per_step
 
 
 def duration(seconds: float) -> str:

@@ -59,6 +59,29 @@ def test_a_crash_is_detection_recovery_and_the_steps_trained_again():
                             "recovery 12s (1 fault), other 2s")
 
 
+def _crash_resumed(relaunched: Progress) -> RunView:
+    """Steps 1-40 at 1 s a step, a host lost, the relaunch's progress `relaunched` (the fold's)."""
+    lost = Progress(T0 + 10, 1, T0 + 49, 40, optimizer_steps=40)
+    recovery = Recovery(1, ["b"], {"b": "no heartbeat"}, lost_at=T0 + 50, detected_at=T0 + 52)
+    recovery.resumed(relaunched)
+    return run_of(*launch(T0 + 2, lost, T0 + 53), RecoveryStarted(recovery, ["a", "c"], t=T0 + 53),
+                  *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64), end=T0 + 135)
+
+
+def test_redone_is_said_to_be_a_lower_bound_where_the_resumed_step_is_unknown():
+    """A job that loaded its checkpoint with torch.load and said no step: its redone steps are
+    unknown, and the line says so instead of a plain 0 s; from scratch, every step is redone."""
+    unknown = ledger(_crash_resumed(Progress(T0 + 64, 1, T0 + 133, 70, optimizer_steps=70, loaded=["/ck/last.pt"])))
+    assert unknown is not None and unknown.unknown_resumes == 1 and unknown.parts["redone"] == 0
+    assert "redone 0s + ? (1 resume's step unknown)" in unknown.line()
+    assert unknown.to_dict()["unknown_resumes"] == 1
+    scratch = ledger(_crash_resumed(Progress(T0 + 64, 1, T0 + 133, 70, optimizer_steps=70)))
+    assert scratch is not None and scratch.unknown_resumes == 0 and scratch.parts["redone"] == pytest.approx(39)  # all it trained
+    exact = ledger(_crash_resumed(Progress(T0 + 64, 37, T0 + 133, 106, resumed_from=36, optimizer_steps=70)))
+    assert exact is not None and exact.unknown_resumes == 0 and exact.parts["redone"] == pytest.approx(4)
+    assert "?" not in exact.line()
+
+
 def test_the_time_inside_checkpoint_saves_is_the_checkpoints_not_trainings():
     """Rank 0 spent 12 s inside its saves between its first and last step (the entry's hooks)."""
     saved = Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81, saving_s=12.0)
