@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
-from ddplaunch.hostside.payloads import (Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
+from ddplaunch.hostside.payloads import (Durable, Held, HostFrozen, HostSteps, HostWindow, Loaded, RankExit, RankFailed,
                                          RankStart, StepsDone, Timing, read_payload)
 from ddplaunch.output.console import Console
 from ddplaunch.output.screen import Piece, pieces
@@ -211,6 +211,9 @@ class StageLines:
                                           payload.source[:20], payload.host[:300], payload.origin[:300])
                 if self.progress is not None:
                     self.progress.checkpoint = self._checkpoint
+        elif isinstance(payload, Durable):
+            if self.progress is not None and payload.rank == 0:
+                self.progress.durable = Durable(0, payload.step, payload.after_s, payload.failed[:300])
         elif isinstance(payload, StepsDone) and payload.steps >= 1:
             if self.progress is None:  # saves before the first step are the job's start
                 self._saving_before = payload.saving_s

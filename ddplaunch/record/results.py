@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Optional
 
-from ddplaunch.hostside.payloads import Loaded, RankExit, RankFailed, RankStart
+from ddplaunch.hostside.payloads import Durable, Loaded, RankExit, RankFailed, RankStart
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.codec import to_data
 from ddplaunch.record.diagnosis import HealthVerdict
@@ -192,6 +192,8 @@ class Progress:
     #: Seconds rank 0 spent inside checkpoint saves between its first and last step (torch.save,
     #: torch.distributed.checkpoint.save: the training stood still meanwhile).
     saving_s: float = 0.0
+    #: Rank 0's word at its exit that its newest ddplaunch.checkpoint save is durable (or why not).
+    durable: Optional[Durable] = None
 
     @property
     def training_s(self) -> float:

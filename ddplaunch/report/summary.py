@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from ddplaunch.plan.launch import Stage
 from ddplaunch.record.incidents import Recovery
 from ddplaunch.record.results import STATE_ORDER, NodeState, StageResult, job_failure
 from ddplaunch.record.view import RunView
@@ -30,6 +31,7 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
     out += [f"spare {label} dropped while it waited: {why}" for label, why in report.spares_dropped.items()]
+    out += _durable(report)
     spent = worth_saying(report)
     if spent is not None:
         out.append(spent.line())
@@ -37,6 +39,18 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
     out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")
     return "\n".join(out)
+
+
+def _durable(report: RunView) -> list[str]:
+    """`checkpoint step 60 durable (1.2s after the job ended)`: the last job launch's newest
+    ddplaunch.checkpoint save, as its rank 0 said at its exit."""
+    jobs = [s for s in report.stages if s.stage == Stage.JOB and s.progress is not None]
+    said = jobs[-1].progress.durable if jobs and jobs[-1].progress is not None else None
+    if said is None:
+        return []
+    if said.failed:
+        return [f"checkpoint step {said.step} NOT durable: {said.failed}"]
+    return [f"checkpoint step {said.step} durable ({said.after_s:.1f}s after the job ended)"]
 
 
 def _failures(recoveries: list[Recovery]) -> str:
