@@ -212,6 +212,7 @@ class ProgressHooks:
         #: seconds rank 0 spent inside checkpoint saves: all of them, and up to its newest step
         #: (a save after the last step is the run's end, not a stall of its training)
         self.saving_s = self.saved_by_step = 0.0
+        self.saves = self.saves_by_step = 0
         self._optimizer: Optional[int] = None
         self._patched: set[str] = set()
         self._saved: Optional[str] = None  # what rank 0 saved since its last optimizer step
@@ -227,7 +228,7 @@ class ProgressHooks:
         if id(optimizer) != self._optimizer:
             return
         self.steps += 1
-        self.saved_by_step = self.saving_s
+        self.saved_by_step, self.saves_by_step = self.saving_s, self.saves
         if self.timing is not None:
             self.timing.stepped(self.steps)
         now = time.monotonic()
@@ -263,7 +264,11 @@ class ProgressHooks:
             finally:
                 self._inside.saving = False
                 self.saving_s += time.monotonic() - started
-            target = args[1] if via == "torch.save" and len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
+                self.saves += 1
+            if via == "ddplaunch.checkpoint.save":
+                target: Any = f"step {args[1] if len(args) > 1 else kwargs.get('step')}"
+            else:
+                target = args[1] if via == "torch.save" and len(args) > 1 else kwargs.get("f", kwargs.get("checkpoint_id"))
             self._saved = str(target if isinstance(target, (str, os.PathLike)) else type(target).__name__)[:300]
             return result
         return functools.wraps(fn)(save)
@@ -271,7 +276,7 @@ class ProgressHooks:
     def flush(self, now: float = 0.0) -> None:
         if self.steps and self.steps != self.said:
             self.said, self.said_at = self.steps, now or time.monotonic()
-            self.say(P.StepsDone(self.rank, self.steps, round(self.saved_by_step, 4)))
+            self.say(P.StepsDone(self.rank, self.steps, round(self.saved_by_step, 4), self.saves_by_step))
 
     def loaded(self, via: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """`fn` (a load function) saying what it loads; loads inside it (dcp reads with torch.load)
@@ -316,13 +321,18 @@ class ProgressHooks:
             for name in ("save", "save_state_dict"):
                 if self.rank == 0 and hasattr(dcp, name):
                     setattr(dcp, name, self.saving(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
+        for module in ("ddplaunch.checkpoint", "ddplaunch.hostside.ckpt.api"):  # the tier's save: its stall
+            api = sys.modules.get(module)
+            if api is not None and module not in self._patched and self.rank == 0 and hasattr(api, "save"):
+                self._patched.add(module)
+                setattr(api, "save", self.saving("ddplaunch.checkpoint.save", getattr(api, "save")))
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls `then()` after any module of torch has been imported (a post-import hook)."""
 
     NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint", "torch.distributed",
-             "torch.nn.parallel.distributed")
+             "torch.nn.parallel.distributed", "ddplaunch.checkpoint")
 
     def __init__(self, then: Callable[[], None]) -> None:
         self.then = then

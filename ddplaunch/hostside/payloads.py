@@ -50,6 +50,7 @@ class StepsDone:  # rank 0's optimizer steps so far (at most once a second, and 
     rank: int
     steps: int
     saving_s: float = 0.0  # seconds inside its checkpoint saves, up to its newest step
+    saves: int = 0  # the checkpoint saves those seconds were spent in
 
 
 @dataclasses.dataclass

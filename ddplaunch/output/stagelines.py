@@ -80,7 +80,7 @@ class StageLines:
         self._checkpoint: Optional[Loaded] = None  # the newest load that said its step (ddplaunch.checkpoint)
         self._start_said = False  # on_first_step called (see _start_known)
         self._loads_before_first = 0  # checkpoints loaded before the first step
-        self._saving_before = 0.0  # seconds rank 0 saved before its first step
+        self._saving_before, self._saves_before = 0.0, 0  # seconds and saves rank 0 spent before its first step
 
     # ------------------------------------------------------------------ from the backends
 
@@ -216,12 +216,13 @@ class StageLines:
                 self.progress.durable = Durable(0, payload.step, payload.after_s, payload.failed[:300])
         elif isinstance(payload, StepsDone) and payload.steps >= 1:
             if self.progress is None:  # saves before the first step are the job's start
-                self._saving_before = payload.saving_s
+                self._saving_before, self._saves_before = payload.saving_s, payload.saves
             self._step(now, payload.steps if self.progress is None or self.progress.optimizer_steps is not None
                        else self.progress.last_step)
             assert self.progress is not None
             self.progress.optimizer_steps = payload.steps
             self.progress.saving_s = max(0.0, payload.saving_s - self._saving_before)
+            self.progress.saves = max(0, payload.saves - self._saves_before)
             self.console.progress(self.progress)
         else:
             self._payloads.setdefault(kind, []).append((node_rank, payload))

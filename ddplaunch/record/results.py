@@ -192,6 +192,8 @@ class Progress:
     #: Seconds rank 0 spent inside checkpoint saves between its first and last step (torch.save,
     #: torch.distributed.checkpoint.save: the training stood still meanwhile).
     saving_s: float = 0.0
+    #: The checkpoint saves those seconds were spent in (torch.save, dcp, ddplaunch.checkpoint.save).
+    saves: int = 0
     #: Rank 0's word at its exit that its newest ddplaunch.checkpoint save is durable (or why not).
     durable: Optional[Durable] = None
 

@@ -24,6 +24,7 @@ convention. Goodput = training / wall. Pure: a view in, seconds out.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -102,6 +103,31 @@ def ledger(view: RunView) -> Optional[Ledger]:
                 timeline.move("training", "redone", redone or 0.0)
     timeline.upto(timeline.end, "other" if stepped else "startup")
     return Ledger(timeline.end - timeline.start, timeline.parts, faults, unknown)
+
+
+#: The job saves "much less often than the optimum" past this many times the optimum's interval.
+ADVISE_PAST = 2.0
+
+
+def save_advice(view: RunView, spent: Ledger) -> list[str]:
+    """What the job's checkpoint saves cost (their stall, measured inside rank 0) and, where it
+    saves much less often than the interval that maximises goodput, that interval (Young/Daly:
+    sqrt(2 x stall x MTBF), the MTBF this run's wall time over its host failures), inputs shown."""
+    stepped = [s.progress for s in view.stages if s.stage == Stage.JOB and s.progress is not None]
+    saves = sum(p.saves for p in stepped)
+    if not saves:
+        return []
+    stall = sum(p.saving_s for p in stepped) / saves
+    out = [f"checkpoint saves: {saves}, each stalled training {stall:.2f}s"]
+    if spent.faults:
+        mtbf = spent.wall_s / spent.faults
+        optimum = math.sqrt(2 * stall * mtbf)
+        every = sum(p.training_s for p in stepped) / saves
+        if every > ADVISE_PAST * optimum:
+            out.append(f"  saving every {duration(optimum)} instead of every {duration(every)} would maximise goodput "
+                       f"(Young/Daly: sqrt(2 x {stall:.2f}s stall x {duration(mtbf)} between failures, this run's "
+                       f"{spent.faults} in {duration(spent.wall_s)}))")
+    return out
 
 
 def worth_saying(view: RunView) -> Optional[Ledger]:

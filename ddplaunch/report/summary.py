@@ -14,7 +14,7 @@ from ddplaunch.plan.launch import Stage
 from ddplaunch.record.incidents import Recovery
 from ddplaunch.record.results import STATE_ORDER, NodeState, StageResult, job_failure
 from ddplaunch.record.view import RunView
-from ddplaunch.report.goodput import ledger, worth_saying
+from ddplaunch.report.goodput import ledger, save_advice, worth_saying
 
 
 def summarize(report: RunView, tail_lines: int = 10) -> str:
@@ -35,6 +35,7 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
     spent = worth_saying(report)
     if spent is not None:
         out.append(spent.line())
+        out += save_advice(report, spent)
     code = report.exit_code
     out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")

@@ -294,8 +294,31 @@ def test_rank_0_says_the_time_inside_its_checkpoint_saves_between_its_steps(tmp_
     assert out.returncode == 0, out.stderr
     said = [json.loads(m) for m in re.findall(r"^DDPLAUNCH_PROGRESS_JSON (\{.*\})$", out.stdout, re.M)]
     first = float(re.search(r"^FIRST (\S+)$", out.stdout, re.M).group(1))
-    assert said[0] == {"rank": 0, "steps": 1, "saving_s": 0.0}, said
+    assert said[0] == {"rank": 0, "steps": 1, "saving_s": 0.0, "saves": 0}, said
     assert said[-1]["steps"] == 2 and 0.5 <= said[-1]["saving_s"] <= first + 0.25, (said, first)
+    assert said[-1]["saves"] == 1  # the save after the last step is the run's end
+
+
+def test_the_stall_of_a_ddplaunch_checkpoint_save_is_counted_like_torch_saves(tmp_path):
+    """`ddplaunch.checkpoint.save` (the memory tier) is one of rank 0's saves: its blocking time and
+    count reach the ledger, however the job imported it."""
+    job = script(tmp_path, f"""\
+        import torch
+        from ddplaunch import checkpoint
+        from ddplaunch.checkpoint import save
+
+        checkpoint.configure({str(tmp_path / 'durable')!r}, run_id="entry-test", host="h", ram_root={str(tmp_path)!r})
+        m = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for i in range(3):
+            opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()
+            (save if i else checkpoint.save)({{"m": m.state_dict()}}, i + 1)
+        opt.zero_grad(); m(torch.ones(1, 2)).sum().backward(); opt.step()
+        """)
+    out = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    said = [json.loads(m) for m in re.findall(r"^DDPLAUNCH_PROGRESS_JSON (\{.*\})$", out.stdout, re.M)]
+    assert said[-1]["steps"] == 4 and said[-1]["saves"] == 3 and said[-1]["saving_s"] > 0, said
 
 
 def test_a_script_that_ends_with_os_exit_still_says_its_last_steps_and_timing(tmp_path):

@@ -204,3 +204,24 @@ def test_a_straggler_costs_its_excess_compute_on_every_step_it_held_the_run():
     assert "slow 13s" in spent.line()
     elsewhere = ledger(run_of(*launch(T0 + 2, progress, T0 + 92), slow(T0 + 95), end=T0 + 100))
     assert elsewhere is not None and elsewhere.parts["slow"] == 0 and "slow" not in elsewhere.line()
+
+
+def test_the_summary_gives_the_save_stall_and_the_interval_that_maximises_goodput():
+    """3 saves of 0.5 s each over 108 s of training, 1 host failure in 135 s: Young/Daly's interval
+    is sqrt(2 x 0.5 x 135) = 12 s, the job saved every 36 s: said with its inputs."""
+    lost = Progress(T0 + 10, 1, T0 + 49, 40, optimizer_steps=40, saving_s=1.0, saves=2)
+    recovery = Recovery(1, ["b"], {"b": "no heartbeat"}, lost_at=T0 + 50, detected_at=T0 + 52)
+    relaunched = Progress(T0 + 64, 31, T0 + 133, 100, resumed_from=30, optimizer_steps=70, saving_s=0.5, saves=1)
+    recovery.resumed(relaunched)
+    view = run_of(*launch(T0 + 2, lost, T0 + 53), RecoveryStarted(recovery, ["a", "c"], t=T0 + 53),
+                  *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64), end=T0 + 135)
+    text = summarize(view)
+    assert "checkpoint saves: 3, each stalled training 0.50s" in text, text
+    assert ("saving every 12s instead of every 36s would maximise goodput (Young/Daly: sqrt(2 x 0.50s stall x 2m15s "
+            "between failures, this run's 1 in 2m15s))") in text, text
+    healthy = run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81, optimizer_steps=81, saving_s=0.4, saves=2),
+                            T0 + 92), end=T0 + 100)
+    said = summarize(healthy)
+    assert "checkpoint saves: 2, each stalled training 0.20s" in said and "Young/Daly" not in said  # no failure: no MTBF
+    assert "checkpoint saves" not in summarize(run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81), T0 + 92),
+                                                      end=T0 + 100))
