@@ -38,7 +38,7 @@ class CheckpointSpec(BaseModel):
     #: and be writable on every host: the pre-flight checks); default: `path`
     durable: Optional[Line] = None
     tier: CheckpointTier = CheckpointTier.DISK
-    #: copies of each save in other hosts' RAM (not yet acting: saves stay on the saving host)
+    #: copies of each save in other hosts' RAM (the memory tier; hostside/ckpt/replicas.py)
     replicas: int = Field(default=1, ge=0, le=16)
     #: versions RAM keeps
     keep: int = Field(default=2, ge=1, le=1000)
