@@ -27,6 +27,7 @@ from ddplaunch.record.events import Event, RunEnded
 from ddplaunch.record.results import RunState
 from ddplaunch.record.runs import InJob, OnHost, check_run_id, load_run, new_run_id
 from ddplaunch.record.view import RunView
+from ddplaunch.report.status import died_unended
 from ddplaunch.run import begin
 from ddplaunch.spec.load import load_spec as _load_file, load_spec_data
 from ddplaunch.spec.model import ClusterSpec
@@ -94,7 +95,7 @@ class Run:
             return RunView.of(run_events(record)).state
         commands.settle(record)
         view = commands.view_of(record)
-        if view.ended is None and view.started is not None and commands.supervisor_alive(record) is False:
+        if view.ended is None and died_unended(view, commands.supervisor_alive(record)):  # asked only then
             return RunState.UNKNOWN
         return view.state
 

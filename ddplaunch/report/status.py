@@ -18,9 +18,14 @@ from ddplaunch.record.view import Launch, RunView
 from ddplaunch.report.goodput import worth_saying
 
 
+def died_unended(view: RunView, supervisor_alive: Optional[bool]) -> bool:
+    """Whether the run's supervisor died without ending it (its log has no end, and it is gone)."""
+    return view.ended is None and view.started is not None and supervisor_alive is False
+
+
 def shown_state(view: RunView, supervisor_alive: Optional[bool]) -> str:
     """The run's state in words: its log's, or that its supervisor died without ending it."""
-    if view.ended is None and view.started is not None and supervisor_alive is False:
+    if died_unended(view, supervisor_alive) and view.started is not None:
         return f"supervisor died without ending the run (pid {view.started.supervisor_pid} gone)"
     return str(view.state)
 
