@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Type
 from ddplaunch.errors import BackendError
 from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.launch import LaunchPlan
+from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.events import Event
 from ddplaunch.record.results import RunState, StageResult
 from ddplaunch.record.runs import InJob, RunRecord
@@ -188,9 +189,9 @@ class Scheduler(Protocol):
     """A backend whose scheduler can own a whole run without the launcher: a job of its own that
     runs the run's supervisor where the run's nodes are."""
 
-    def render_detached(self, spec_path: str, opts: dict[str, Any]) -> Request:
+    def render_detached(self, spec_path: str, opts: UpOptions) -> Request:
         """The request that hands the run (the backend's spec and run id, `opts` the command
-        line's options as a dict) to the scheduler (pure: `up --dry-run --detach`)."""
+        line's options) to the scheduler (pure: `up --dry-run --detach`)."""
 
     def submit(self, request: Request, record: RunRecord) -> InJob:
         """Submit a `render_detached` request (the job is recorded in the run's directory): the

@@ -18,18 +18,16 @@ exception that ended its script, its exit; rank 0 the job's optimizer steps and 
 """
 
 import atexit
-import dataclasses
 import functools
 import importlib.abc
 import importlib.util
-import json
 import os
 import runpy
 import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, ClassVar, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 USAGE = ("usage: entry.py [health-check options | --no-healthcheck] [--finalize] "
          "-- SCRIPT [ARGS...]")

@@ -86,7 +86,7 @@ def detached_request(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[
                      opts: UpOptions) -> tuple[Request, str]:
     """The request that hands the run to the scheduler, and its text with what the supervisor
     then runs inside the job."""
-    request = scheduler.render_detached(str(spec_path), dataclasses.asdict(opts))
+    request = scheduler.render_detached(str(spec_path), opts)
     stages = "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
     return request, request.text() + "# inside the job, its supervisor runs each stage as a step of it:\n" + stages
 

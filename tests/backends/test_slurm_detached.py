@@ -5,11 +5,9 @@ run's exit code, SIGTERM passed on, the time-limit warning, a missing python nam
 output read back, and the refusals.
 """
 
-import dataclasses
 import re
 import json
 import os
-import shlex
 import signal
 import stat
 import subprocess
@@ -66,7 +64,7 @@ def load(tmp_path, launch="inline", requeue=False):
 def request_of(spec, run_id="det-1", opts=None, python="/opt/venv/bin/python"):
     backend = SlurmBackend(spec, RunContext(run_id, Path("/home/u/.ddplaunch/runs") / run_id, StopEvent()))
     nodelist, nodes = backend.alloc.requested()
-    return render_detached(spec, run_id, "det.yaml", dataclasses.asdict(opts or UpOptions()),
+    return render_detached(spec, run_id, "det.yaml", opts or UpOptions(),
                            backend.alloc.output_path(), nodelist, nodes, os.environ, python=python)
 
 
@@ -263,7 +261,7 @@ def test_the_final_state_is_the_jobs():
 def test_detach_inside_an_allocation_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "99")
     with pytest.raises(PlanError, match=r"--detach inside an allocation \(SLURM_JOB_ID=99\)"):
-        SlurmBackend(load(tmp_path), RunContext("r", tmp_path, StopEvent())).render_detached("s.yaml", {})
+        SlurmBackend(load(tmp_path), RunContext("r", tmp_path, StopEvent())).render_detached("s.yaml", UpOptions())
 
 
 def test_supervise_runs_the_handed_over_run_in_the_foreground_and_takes_its_record_over(tmp_path):

@@ -22,7 +22,7 @@ import yaml
 
 from ddplaunch.sim.faults import sim_fault
 from tests.simfixture import slurm_cluster  # noqa: F401  (session fixture)
-from tests.ssh_util import ROOT, ddplaunch, run_processes, run_view, submit_and_wait, wait_for
+from tests.ssh_util import ddplaunch, run_processes, run_view, submit_and_wait, wait_for
 from tests.run.test_recovery import SHA_RE
 from tests.run.test_recovery_slurm import _spec as recovery_spec, undisturbed_sha
 from tests.backends.test_slurm import in_queue, job_of, slurm_env, slurm_spec

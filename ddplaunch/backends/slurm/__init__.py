@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, JobEnd, Request, RunContext, StopEvent
 from ddplaunch.backends.failfast import follow, unanswered, unstarted
@@ -27,6 +27,7 @@ from ddplaunch.output.stagelines import StageLines
 from ddplaunch.plan.hostprogram import port_probe
 from ddplaunch.plan.launch import LaunchPlan, tool_python
 from ddplaunch.plan.shellword import word
+from ddplaunch.plan.stages import UpOptions
 from ddplaunch.record.results import UNREACHABLE, StageResult
 from ddplaunch.record.runs import InJob, RunRecord
 from ddplaunch.spec.model import ClusterSpec, HostSpec
@@ -213,7 +214,7 @@ class SlurmBackend:
 
     # ------------------------------------------------------------------ the Scheduler contract
 
-    def render_detached(self, spec_path: str, opts: dict[str, Any]) -> DetachedRequest:
+    def render_detached(self, spec_path: str, opts: UpOptions) -> DetachedRequest:
         if self.alloc.inside:
             raise PlanError(f"--detach inside an allocation (SLURM_JOB_ID={self.alloc.inside}): drop --detach to "
                             "run the stages as steps of this allocation, or submit from outside it")

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from ddplaunch.backends.contract import JobEnd
 from ddplaunch.backends.slurm.render import allocation_request
@@ -77,11 +77,11 @@ class DetachedRequest:
         return env
 
 
-def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: Mapping[str, Any], output_path: str,
+def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: UpOptions, output_path: str,
                     nodelist: Optional[list[str]], nodes: int, environ: Mapping[str, str],
                     python: str = sys.executable) -> DetachedRequest:
     """The sbatch request of a detached run (pure but for reading `environ`'s `from_env` values):
-    `opts` are the command line's options (`UpOptions` as a dict), `python` the interpreter that
+    `opts` are the command line's options, `python` the interpreter that
     runs the supervisor on the allocation's first node (this one's: the same path there).
 
     Raises:
@@ -89,7 +89,7 @@ def render_detached(spec: ClusterSpec, run_id: str, spec_path: str, opts: Mappin
     """
     spec.env_values(environ)  # every from_env variable is set, or the error names it now
     wanted = sorted({v.from_env for v in spec.env.values() if v.from_env is not None})
-    handed = supervisor_opts(UpOptions(**opts), run_id)
+    handed = supervisor_opts(opts, run_id)
     encoded = encode_run(spec, spec_path, handed)
     alloc = allocation_request(spec, run_id, output_path, nodelist, nodes, supervise=shlex.quote(python))
     opts_ = ["--export=ALL" if o == "--export=NONE" else o for o in alloc.argv]
