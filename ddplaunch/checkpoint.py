@@ -1,8 +1,8 @@
 """`ddplaunch.checkpoint`: checkpoints at memory speed for a job's own code (`save`, `load`,
-`wait`, `configure`, `free`); it lives in `hostside/ckpt/`, which runs in the job's process."""
+`wait`, `close`, `configure`, `free`); it lives in `hostside/ckpt/`, which runs in the job's process."""
 
 from ddplaunch.hostside.ckpt.api import (CheckpointError, CheckpointWarning, Config, Loaded, Source, TornCheckpoint,
-                                         Where, configure, free, load, save, wait)
+                                         Where, close, configure, free, load, save, wait)
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Config", "Loaded", "Source", "TornCheckpoint", "Where",
-           "configure", "free", "load", "save", "wait"]
+           "close", "configure", "free", "load", "save", "wait"]

@@ -501,7 +501,7 @@ def main(argv=None) -> int:
             if preemption_agreed():
                 checkpoint()
                 if tier is not None:
-                    tier.wait()  # os._exit skips the tier's own drain at exit: durable before the exit
+                    tier.close()  # os._exit skips the tier's own drain at exit: durable before the exit
                 if rank == 0:
                     say(f"preempted (SIGUSR2): checkpoint at step {step}; exiting {PREEMPTED_EXIT} to be requeued")
                 del ddp, optimizer
@@ -520,7 +520,7 @@ def main(argv=None) -> int:
     # other order sometimes aborts at exit ("terminate called without an active exception").
     del ddp, optimizer
     if tier is not None:
-        tier.wait()  # os._exit skips the tier's own drain at exit: the last save durable first
+        tier.close()  # os._exit skips the tier's own drain at exit: the last save durable (and said) first
     dist.barrier()
     dist.destroy_process_group()
     return 0 if identical else 1

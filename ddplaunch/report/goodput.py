@@ -105,8 +105,9 @@ def ledger(view: RunView) -> Optional[Ledger]:
     return Ledger(timeline.end - timeline.start, timeline.parts, faults, unknown)
 
 
-#: The job saves "much less often than the optimum" past this many times the optimum's interval.
-ADVISE_PAST = 2.0
+#: The job saves "much less often than the optimum" past this many times the optimum's interval;
+#: an optimum under MIN_ADVISED_S (a stall of milliseconds: the memory tier's) is no advice.
+ADVISE_PAST, MIN_ADVISED_S = 2.0, 10.0
 
 
 def save_advice(view: RunView, spent: Ledger) -> list[str]:
@@ -123,7 +124,7 @@ def save_advice(view: RunView, spent: Ledger) -> list[str]:
         mtbf = spent.wall_s / spent.faults
         optimum = math.sqrt(2 * stall * mtbf)
         every = sum(p.training_s for p in stepped) / saves
-        if every > ADVISE_PAST * optimum:
+        if every > ADVISE_PAST * optimum and optimum >= MIN_ADVISED_S:
             out.append(f"  saving every {duration(optimum)} instead of every {duration(every)} would maximise goodput "
                        f"(Young/Daly: sqrt(2 x {stall:.2f}s stall x {duration(mtbf)} between failures, this run's "
                        f"{spent.faults} in {duration(spent.wall_s)}))")

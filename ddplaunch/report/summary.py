@@ -55,9 +55,10 @@ def _durable(report: RunView) -> list[str]:
 
 
 def _failures(recoveries: list[Recovery]) -> str:
-    """`2 host failures and 1 job failure`."""
+    """`2 host failures and 1 job failure` (hosts lost together in one recovery count each)."""
     jobs = sum(1 for r in recoveries if r.failure)
-    counts = [(len(recoveries) - jobs, "host"), (jobs, "job")]
+    hosts = sum(max(1, len(r.lost)) for r in recoveries if not r.failure)
+    counts = [(hosts, "host"), (jobs, "job")]
     return " and ".join(f"{n} {kind} failure{'s' if n > 1 else ''}" for n, kind in counts if n)
 
 

@@ -313,8 +313,10 @@ class RunLoop:
         if recovery.resumed_after_s is None:
             recovery.resumed(progress)
             self.say(RecoveryUpdated(recovery))
-            step = f" at step {recovery.resumed_from}" if recovery.resumed_from is not None else ""
-            loaded = f" (it loaded {recovery.loaded[-1]})" if recovery.loaded else ""
+            where = recovery.loaded_from()  # a ddplaunch.checkpoint load: its step, and whose RAM or disk
+            step = f" {where}" if where else f" at step {recovery.resumed_from}" \
+                if recovery.resumed_from is not None else ""
+            loaded = f" (it loaded {recovery.loaded[-1]})" if recovery.loaded and not where else ""
             scratch = ": the job did not resume (see job.resume_args)" if recovery.from_scratch else ""
             self.console.note(f"training {'restarted from scratch' if recovery.from_scratch else 'resumed'}{step}"
                               f"{loaded}, {recovery.resumed_after_s:.0f}s after {recovery.since()}{scratch}")

@@ -39,9 +39,14 @@ checkpoint.configure(durable, run_id=args["run"], host=f"h{rank}", ram_root=args
 reader.WIRE_CHUNK = 1000  # one state in several broadcasts
 opened, recording = [], [False]
 
+def reads_a_file(mode, flags):  # not a write (the holder persists what it read: a write there is fine)
+    if isinstance(mode, str):
+        return not any(c in mode for c in "wax+")
+    return isinstance(flags, int) and not flags & (os.O_WRONLY | os.O_RDWR | os.O_DIRECTORY)
+
 def audit(event, a):
     if recording[0] and event == "open" and isinstance(a[0], (str, bytes, os.PathLike)):
-        if os.fsdecode(a[0]).startswith(durable):
+        if os.fsdecode(a[0]).startswith(durable) and reads_a_file(a[1], a[2]):
             opened.append(os.fsdecode(a[0]))
 
 sys.addaudithook(audit)

@@ -225,3 +225,18 @@ def test_the_summary_gives_the_save_stall_and_the_interval_that_maximises_goodpu
     assert "checkpoint saves: 2, each stalled training 0.20s" in said and "Young/Daly" not in said  # no failure: no MTBF
     assert "checkpoint saves" not in summarize(run_of(*launch(T0 + 2, Progress(T0 + 10, 1, T0 + 90, 81), T0 + 92),
                                                       end=T0 + 100))
+
+
+def test_no_advice_where_the_optimum_is_a_stall_of_milliseconds_and_two_hosts_lost_at_once_are_two():
+    """The memory tier's stall is milliseconds: 'save every 0s' is no advice. A recovery that lost
+    two hosts together is two host failures in the summary's words."""
+    lost = Progress(T0 + 10, 1, T0 + 49, 40, optimizer_steps=40, saving_s=0.004, saves=2)
+    recovery = Recovery(1, ["b", "c"], {"b": "no heartbeat", "c": "no heartbeat"}, lost_at=T0 + 50,
+                        detected_at=T0 + 52)
+    relaunched = Progress(T0 + 64, 31, T0 + 133, 100, resumed_from=30, optimizer_steps=70, saving_s=0.002, saves=1)
+    recovery.resumed(relaunched)
+    text = summarize(run_of(*launch(T0 + 2, lost, T0 + 53), RecoveryStarted(recovery, ["a", "d"], t=T0 + 53),
+                            *launch(T0 + 54, relaunched, T0 + 134), RecoveryUpdated(recovery, t=T0 + 64),
+                            end=T0 + 135))
+    assert "checkpoint saves: 3, each stalled training 0.00s" in text and "Young/Daly" not in text, text
+    assert "recovered from 2 host failures:" in text, text

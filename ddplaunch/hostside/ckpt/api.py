@@ -18,7 +18,7 @@ from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
 from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Tier, Where, rank_world
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Config", "Loaded", "Source", "TornCheckpoint", "Where",
-           "configure", "free", "load", "save", "wait"]
+           "close", "configure", "free", "load", "save", "wait"]
 
 _lock = threading.Lock()
 _tier: Optional[Tier] = None
@@ -119,16 +119,22 @@ def free(run_id: Optional[str] = None, *, host: Optional[str] = None,
     shutil.rmtree(run_dir / layout.safe_component(host, "host") if host else run_dir, ignore_errors=True)
 
 
-@atexit.register
-def _at_exit() -> None:
-    """The newest complete RAM version is made durable before the interpreter goes; under
-    ddplaunch a rank that saved says so (a `Durable` payload: its step, how long the exit waited)."""
+def close() -> Optional[int]:
+    """Finishes persisting this process's newest save and releases its tier; returns that step
+    (None: nothing saved). Under ddplaunch a rank that saved says so (a `Durable` payload: its
+    step, how long this waited, or why it is not durable), which the run's summary shows. Runs at
+    interpreter exit by itself; call it before an `os._exit`, which skips exit handlers."""
+    global _tier
     with _lock:
-        tier = _tier
+        tier, _tier = _tier, None
     if tier is None:
-        return
+        return None
     started = time.monotonic()
     failed = tier.close()
     step = tier.saved_step
     if step is not None and os.environ.get(RUN_ENV) and payloads.under_torchrun():
         payloads.say(payloads.Durable(rank_world()[0], step, round(time.monotonic() - started, 3), failed or ""))
+    return step
+
+
+atexit.register(close)
