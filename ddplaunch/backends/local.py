@@ -75,7 +75,7 @@ class LocalBackend(ShellLauncher):
     def close(self) -> None:
         """The run is over: its checkpoints leave this machine's RAM, once nothing of it is left."""
         if self._ckpt_run is not None and not run_processes(self._ckpt_run):
-            reaper.free_checkpoints(self._ckpt_run)
+            reaper.free_checkpoints(self._ckpt_run, durable=self.spec.checkpoint_durable())
         self._ckpt_run = None
 
     def probe(self, command: CommandFor, timeout: float = 30,
@@ -100,7 +100,7 @@ class LocalBackend(ShellLauncher):
         reaper.clean(run_id)
         left = sorted(run_processes(run_id))
         if not left:
-            reaper.free_checkpoints(run_id)
+            reaper.free_checkpoints(run_id, durable=self.spec.checkpoint_durable())
         return [f"localhost: {describe_reap({'before': before, 'left': left, 'containers': containers})}"]
 
 

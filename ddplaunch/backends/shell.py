@@ -213,13 +213,14 @@ class ShellLauncher:
 
 def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = False,
                    clean: bool = False, containers: Optional[str] = None, now: bool = False,
-                   free_checkpoints: bool = False) -> tuple[str, str]:
+                   free_checkpoints: bool = False, durable: Optional[str] = None) -> tuple[str, str]:
     """(command, nonce) of the reaper for `run_id`: optionally SIGTERM the pids in the run's pid
     files first (each checked to be the run's), then (with `kill`) remove the run's `containers`
     (a runtime: docker, podman) and end whatever of the run is left (`now`: SIGKILL at once, no
     grace after a SIGTERM), then (with `clean`, once nothing of it is left) remove what could hold
     its output or its environment: torchrun's per-rank logs and environment files; with
-    `free_checkpoints` (the run's end, `down`) also its checkpoints in the host's RAM."""
+    `free_checkpoints` (the run's end, `down`) also its checkpoints in the host's RAM, what only
+    RAM holds first persisted to `durable` (the checkpoint section's durable dir)."""
     args: list[str] = [run_id]
     if kill:
         args += ["--kill", "--now"] if now else ["--kill"]
@@ -227,6 +228,8 @@ def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = 
         args.append("--clean")
     if free_checkpoints:
         args.append("--free-checkpoints")
+        if durable:
+            args += ["--durable", durable]
     if containers:
         args += ["--containers", containers]
     if term_pid_files:

@@ -10,19 +10,23 @@ the run id and uid:gid; never by name). `--kill`: then SIGTERM, and after a grac
 whatever of the run is left (`--now`: SIGKILL at once, for processes that had their SIGTERM).
 `--clean`: then remove what of the run's directory may hold what the job printed or its
 environment (torchrun's per-rank logs, environment files): the launcher's log has every line,
-masked. `--free-checkpoints`: then (once nothing of the run is left) remove the run's checkpoints
-from this host's RAM (hostside/ckpt/: its memory tier): at the run's end and at `down`, never
-between stages (a relaunch loads from there). Prints one answer line:
+masked. `--free-checkpoints [--durable DIR]`: then (once nothing of the run is left) remove the
+run's checkpoints from this host's RAM (hostside/ckpt/: its memory tier): at the run's end and at
+`down`, never between stages (a relaunch loads from there); first, each part's newest sealed RAM
+version that DIR lacks (a job stopped by a signal before its tier persisted it, a run killed
+outright) is written there, intact copies only, as the tier writes it. Prints one answer line:
 `DDPLAUNCH_ANSWER_<nonce> {"before": [...], "left": [...]}`.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 try:
     from ddplaunch.hostside.procs import STOPPED, is_run_process, proc_alive, run_processes, state_of
@@ -97,16 +101,111 @@ def clean(run_id: str) -> None:
                 pass
 
 
-def free_checkpoints(run_id: str, ram: str = CKPT_RAM) -> bool:
-    """Remove the run's checkpoints from this host's RAM (every host's part this machine holds);
-    whether there were any. `run_id` is one path component (the run ids ddplaunch makes are)."""
+def free_checkpoints(run_id: str, ram: str = CKPT_RAM, durable: str | None = None) -> bool:
+    """Remove the run's checkpoints from this host's RAM (every host's part this machine holds),
+    after persisting to `durable` what only RAM holds; whether there were any. `run_id` is one path
+    component (the run ids ddplaunch makes are)."""
     if not run_id or "/" in run_id or run_id in (".", ".."):
         return False
     path = os.path.join(ram.format(uid=os.getuid()), run_id)
     if not os.path.isdir(path) or os.path.islink(path):
         return False
+    if durable:
+        persist_sealed(path, durable)
     shutil.rmtree(path, ignore_errors=True)
     return True
+
+
+#: The tier's names (hostside/ckpt/layout.py; a test holds them equal).
+CKPT_VERSION, CKPT_STEP, CKPT_FILES = re.compile(r"v-(\d{12})"), "step-{:012d}", ("data", "meta")
+
+
+def persist_sealed(run_ram: str, durable: str) -> list[str]:
+    """Each part's newest sealed version in a run's RAM here (own saves and replicas) whose files
+    match its manifest, when `durable` lacks it (and no newer), written there as the tier writes it: a temporary
+    directory, every file fsynced, the manifest last, renamed into `step-N/part-R`. What it wrote."""
+    by_part: dict[int, list[tuple[int, str]]] = {}
+    for part_dir in _part_dirs(run_ram):
+        for m in map(CKPT_VERSION.fullmatch, _names(part_dir)):
+            version = os.path.join(part_dir, m.group(0)) if m else ""
+            if m and os.path.isfile(os.path.join(version, "MANIFEST")):
+                by_part.setdefault(int(os.path.basename(part_dir)[5:]), []).append((int(m.group(1)), version))
+    wrote = []
+    for part, versions in sorted(by_part.items()):
+        for step, version in sorted(versions, reverse=True):  # the newest intact one the durable dir lacks
+            final = os.path.join(durable, CKPT_STEP.format(step), f"part-{part}")
+            if os.path.isfile(os.path.join(final, "MANIFEST")):
+                break
+            if _intact(version):
+                try:
+                    _careful_copy(version, final, part)
+                    wrote.append(final)
+                except OSError:
+                    pass  # the durable dir cannot take it here: freed all the same, as before
+                break
+    return wrote
+
+
+def _names(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _part_dirs(run_ram: str) -> list[str]:
+    """Every part directory of a run's RAM here: each host's own, and the replicas it holds."""
+    out = []
+    for host in _names(run_ram):
+        bases = [os.path.join(run_ram, host)]
+        bases += [os.path.join(run_ram, host, "replicas", o) for o in _names(os.path.join(run_ram, host, "replicas"))]
+        out += [os.path.join(b, n) for b in bases for n in _names(b) if re.fullmatch(r"part-\d+", n)]
+    return out
+
+
+def _intact(version: str) -> bool:
+    """Whether a version's files match its manifest (sizes and CRC-32)."""
+    try:
+        with open(os.path.join(version, "MANIFEST"), "rb") as f:
+            files = json.loads(f.read(1 << 20))["files"]
+        for name in CKPT_FILES:
+            crc, size = 0, 0
+            with open(os.path.join(version, name), "rb") as f:
+                while chunk := f.read(8 << 20):
+                    crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+            if (size, crc) != (files[name]["bytes"], files[name]["crc32"]):
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _careful_copy(version: str, final: str, part: int) -> None:
+    step_dir = os.path.dirname(final)
+    os.makedirs(step_dir, mode=0o700, exist_ok=True)
+    tmp = os.path.join(step_dir, f".tmp-part-{part}-reaper-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp, 0o700)
+    for name in (*CKPT_FILES, "MANIFEST"):  # the manifest last
+        with open(os.path.join(version, name), "rb") as src:
+            fd = os.open(os.path.join(tmp, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                while chunk := src.read(8 << 20):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for directory in (tmp, None):
+        if directory is None:
+            os.rename(tmp, final)
+            directory = step_dir
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def remove_containers(run_id: str, runtime: str | None) -> list[str]:
@@ -134,6 +233,9 @@ def main(argv: list[str]) -> None:
     nonce, run_id, rest = argv[0], argv[1], argv[2:]
     kill, tidy, now = "--kill" in rest, "--clean" in rest, "--now" in rest
     free = "--free-checkpoints" in rest
+    durable = rest[rest.index("--durable") + 1] if "--durable" in rest[:-1] else None
+    if durable is not None:
+        rest = [a for a in rest if a not in ("--durable", durable)]
     runtime = rest[rest.index("--containers") + 1] if "--containers" in rest[:-1] else None
     if runtime is not None:
         rest = [a for a in rest if a not in ("--containers", runtime)]
@@ -151,7 +253,7 @@ def main(argv: list[str]) -> None:
     left = sorted(run_processes(run_id))
     if tidy and not left:
         clean(run_id)
-    freed = free and not left and free_checkpoints(run_id)
+    freed = free and not left and free_checkpoints(run_id, durable=durable)
     print(f"DDPLAUNCH_ANSWER_{nonce} " + json.dumps({"before": before, "termed": sent, "left": left,
                                                      "containers": containers, "freed": freed}), flush=True)
 

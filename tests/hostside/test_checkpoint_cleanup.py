@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -82,3 +83,37 @@ def test_the_reaper_frees_a_runs_ram_only_when_asked_and_nothing_of_the_run_is_l
     finally:
         subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     assert reaper.free_checkpoints("..") is False and reaper.free_checkpoints("a/b") is False
+
+
+def test_the_reapers_names_are_the_tiers():
+    assert reaper.CKPT_STEP.format(12) == layout.step_name(12)
+    assert reaper.CKPT_VERSION.fullmatch(layout.version_name(12)) and reaper.CKPT_FILES == (layout.DATA, layout.META)
+
+
+def test_what_only_ram_holds_is_made_durable_before_the_ram_is_freed(tmp_path):
+    """A job stopped by a signal before its tier persisted its newest save (SIGTERM ends Python
+    without its exit handlers), or a run killed outright: the reaper's free at the run's end (and
+    `down`) first writes each part's newest intact sealed version that the durable dir lacks (here
+    a buddy's copy of step 5; the newer step 9 is torn), as the tier writes it; then frees the RAM."""
+    run_id = f"free-{uuid.uuid4().hex[:8]}"
+    ram, durable = Path("/dev/shm"), tmp_path / "durable"
+    try:
+        _saved(ram, run_id, "h1", durable, step=3)
+        own = _saved(ram, run_id, "h2", durable, step=5)
+        replica = layout.replica_part_dir(ram, run_id, "h9", "h2", 0)
+        replica.mkdir(parents=True)
+        shutil.move(str(own / layout.version_name(5)), str(replica / layout.version_name(5)))
+        torn = _saved(ram, run_id, "h3", durable, step=9) / layout.version_name(9) / layout.DATA
+        torn.write_bytes(bytes([torn.read_bytes()[0] ^ 0xFF]) + torn.read_bytes()[1:])
+        for step in (3, 5, 9):  # none of them persisted yet
+            shutil.rmtree(durable / layout.step_name(step))
+        command, nonce = reaper_command(sys.executable, run_id, kill=False, free_checkpoints=True,
+                                        durable=str(durable))
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        assert f"DDPLAUNCH_ANSWER_{nonce} " in out.stdout and '"freed": true' in out.stdout, out.stdout + out.stderr
+        assert layout.durable_steps(durable) == [5] and layout.durable_parts_complete(durable, 5)
+        layout.read_verified(durable / layout.step_name(5) / "part-0", 5, 0)  # whole: it matches its manifest
+        assert oct(os.stat(durable / layout.step_name(5) / "part-0" / layout.DATA).st_mode & 0o777) == "0o600"
+        assert not (layout.ram_base(ram) / run_id).exists()
+    finally:
+        shutil.rmtree(layout.ram_base(ram) / run_id, ignore_errors=True)

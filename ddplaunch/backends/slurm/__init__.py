@@ -143,7 +143,8 @@ class SlurmBackend:
         if self._ckpt_run is not None:
             run_id, self._ckpt_run = self._ckpt_run, None
             nodes = [self.alloc.host(n) for n in self.alloc.order if n not in self.alloc.unreachable]
-            command = reaper_command(tool_python(self.spec, None), run_id, kill=False, free_checkpoints=True)[0]
+            command = reaper_command(tool_python(self.spec, None), run_id, kill=False, free_checkpoints=True,
+                                     durable=self.spec.checkpoint_durable())[0]
             try:
                 if nodes:
                     self.probe(lambda h: command, timeout=20, hosts=nodes)

@@ -93,7 +93,8 @@ class SshBackend(ShellLauncher):
         hosts = [h for h in [*self.spec.hosts, *super().spares()] if h.label in live]
 
         def free(host: HostSpec) -> None:
-            command, _ = reaper_command(tool_python(self.spec, host), run_id, kill=False, free_checkpoints=True)
+            command, _ = reaper_command(tool_python(self.spec, host), run_id, kill=False, free_checkpoints=True,
+                                        durable=self.spec.checkpoint_durable())
             self._exec(host, command, timeout=20)
         if hosts:
             self._each(free, hosts)
@@ -410,7 +411,7 @@ class SshBackend(ShellLauncher):
               free_checkpoints: bool = False) -> str:
         command, nonce = reaper_command(tool_python(self.spec, host), run_id, kill=True, term_pid_files=term_pid_files,
                                         clean=True, containers=runtime_of(self.spec), now=now,
-                                        free_checkpoints=free_checkpoints)
+                                        free_checkpoints=free_checkpoints, durable=self.spec.checkpoint_durable())
         _, out = self._exec(host, command, timeout=45)
         return describe_reap(parse_answer(out, nonce))
 
