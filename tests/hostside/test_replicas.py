@@ -91,9 +91,11 @@ def test_what_is_not_the_runs_whole_copy_is_never_stored(pair, case):
         head = json.dumps({"format": replicas.FORMAT, "run": a.run_id, "origin": "a", "part": 0, "step": 7,
                            "manifest": raw.decode()}).encode() + b"\n"
         mac = replicas._mac(a.key)
-        mac.update(head + meta)
+        mac.update(head)
+        head_mac = mac.digest()
+        mac.update(meta)
         with socket.create_connection(("127.0.0.1", buddy.port), timeout=10) as sock:
-            sock.sendall(head + meta + mac.digest())
+            sock.sendall(head + head_mac + meta + mac.digest())
             assert sock.makefile("rb").readline() == b"GO\n"
             sock.sendall(b"x" * 1000)
         got = None
@@ -130,3 +132,16 @@ def test_the_ring_of_buddies_spreads_the_copies():
 def test_parse_buddies_reads_what_the_plan_writes():
     assert replicas.parse_buddies("b=10.0.0.2:20001,c=[::1]:20001, bad ,d=x:") == [
         replicas.Buddy("b", "10.0.0.2", 20001), replicas.Buddy("c", "::1", 20001)]
+
+
+def test_a_stranger_is_refused_before_any_size_it_claims_is_believed(pair):
+    """A header without the run's key claiming 200 MiB of meta is answered at once: nothing is
+    read or stored on its word."""
+    a, b, buddy, _ = pair
+    manifest = layout.Manifest(1, 0, 1, {layout.DATA: (1 << 30, 0), layout.META: (200 << 20, 0)}).encode()
+    head = json.dumps({"format": replicas.FORMAT, "run": a.run_id, "origin": "a", "part": 0, "step": 1,
+                       "manifest": manifest.decode()}).encode() + b"\n"
+    with socket.create_connection(("127.0.0.1", buddy.port), timeout=10) as sock:
+        sock.sendall(head + b"\0" * replicas.MAC_BYTES)
+        assert sock.makefile("rb").readline().startswith(b"ERR not authenticated")
+    assert not (layout.ram_base(b.ram_root) / b.run_id).exists()

@@ -17,8 +17,9 @@ Each node runs both halves:
   torn and is refused; the next newest is sent.
 
 The protocol (one version per connection): a JSON header line (run, origin, part, step, the
-manifest), the `meta` file, a keyed BLAKE2b MAC of both (the run's `DDPLAUNCH_CHECKPOINT_KEY`: only
-the run's own hosts are heard, before a byte is stored); the receiver answers `GO` (or `OLD`: it
+manifest) and its keyed BLAKE2b MAC (the run's `DDPLAUNCH_CHECKPOINT_KEY`: only the run's own hosts
+are heard, before a size they send is believed or a byte stored), the `meta` file and the MAC of
+header and meta; the receiver answers `GO` (or `OLD`: it
 holds a newer copy of the part; or `ERR <why>`), then the data, checked against the manifest's
 CRC-32; the receiver answers `OK` or `ERR <why>`. The key
 authenticates the sender and everything that is unpickled (meta); the tensor bytes are checked
@@ -194,11 +195,13 @@ def receive(sock: socket.socket, place: Place, room: Callable[[Path], int]) -> P
 def _accept_header(sock: socket.socket, place: Place) -> tuple[Header, bytes]:
     """The header and meta, authenticated, of a copy this host wants."""
     line = _read_line(sock, HEADER_MAX)
+    mac = _mac(place.key)
+    mac.update(line)
+    if not hmac.compare_digest(mac.digest(), _read_exact(sock, MAC_BYTES)):  # before its sizes are believed
+        raise Refused("not authenticated (the run's key)")
     head = Header.parse(line, place.run_id)
     meta_size, meta_crc = head.manifest.files[layout.META]
     meta = _read_exact(sock, meta_size)
-    mac = _mac(place.key)
-    mac.update(line)
     mac.update(meta)
     if not hmac.compare_digest(mac.digest(), _read_exact(sock, MAC_BYTES)):
         raise Refused("not authenticated (the run's key)")
@@ -320,13 +323,14 @@ def send(buddy: Buddy, place: Place, version: Path, part: int, step: int) -> Non
                          "step": step, "manifest": raw_manifest.decode()}).encode() + b"\n"
     mac = _mac(place.key)
     mac.update(header)
+    header_mac = mac.digest()
     mac.update(meta)
     size = manifest.files[layout.DATA][0]
     with open(version / layout.DATA, "rb") as data, \
             socket.create_connection((buddy.addr, buddy.port), timeout=CONNECT_TIMEOUT_S) as sock:
         sock.settimeout(IO_TIMEOUT_S)
         answers = sock.makefile("rb")
-        sock.sendall(header + meta + mac.digest())
+        sock.sendall(header + header_mac + meta + mac.digest())
         _answered(answers, "GO")
         if os.fstat(data.fileno()).st_size < size:
             raise Refused(f"step {step} shrank in RAM before it was sent")
