@@ -319,7 +319,7 @@ class ProgressHooks:
             for name in ("save", "save_state_dict"):
                 if self.rank == 0 and hasattr(dcp, name):
                     setattr(dcp, name, self.saving(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
-        for module in ("ddplaunch.checkpoint", "ddplaunch.hostside.ckpt.api"):  # the tier's save: its stall
+        for module in ("ddplaunch.checkpoint", "ddplaunch.hostside.ckpt.injob"):  # the tier's save: its stall
             api = sys.modules.get(module)
             if api is not None and module not in self._patched and self.rank == 0 and hasattr(api, "save"):
                 self._patched.add(module)

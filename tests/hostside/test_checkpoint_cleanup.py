@@ -17,7 +17,7 @@ import torch
 
 from ddplaunch.backends.shell import reaper_command
 from ddplaunch.hostside import reaper
-from ddplaunch.hostside.ckpt import api as ckpt, config, layout, reader, tier
+from ddplaunch.hostside.ckpt import config, injob as ckpt, layout, reader, tier
 from ddplaunch.sim.faults import wipe_memory_tier
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]

@@ -1,5 +1,5 @@
 """`up` returns only once the job's last checkpoint is durable, and says so: rank 0's `Durable`
-payload at its exit (hostside/ckpt/api.py) kept on the launch's progress and said by the summary
+payload at its exit (hostside/ckpt/injob.py) kept on the launch's progress and said by the summary
 (`checkpoint step 60 durable (1.2s after the job ended)`, or why it is not)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ launcher: in one process, under a plain torchrun, or under ddplaunch, which sets
 (`config.py`). In DDP rank 0 saves, like torch.save; `all_ranks=True` saves each rank's own part
 (sharded states), and `load(all_ranks=True)` gives each rank its part of the same step.
 
-Where it lives: `api.py` (the functions `ddplaunch.checkpoint` re-exports), `layout.py` (paths, 0600/0700, manifests, the careful durable write), `statecodec.py`
+Where it lives: `injob.py` (the functions, in the job's process, `ddplaunch.checkpoint` re-exports), `layout.py` (paths, 0600/0700, manifests, the careful durable write), `statecodec.py`
 (a state as one flat buffer plus a small record), `tier.py` (save, the sealer and persister
 threads, keep/memory_limit/ENOSPC), `reader.py` (load). RAM paths hold the uid, run id and host:
 /dev/shm/ddplaunch-ckpt-<uid>/<run>/<host>/part-<R>/v-<step>/, so two runs, or two sim hosts on
