@@ -103,6 +103,11 @@ def ram_steps(part_dir: Path) -> list[int]:
     return _steps(part_dir, _VERSION)
 
 
+def sealed_steps(part_dir: Path) -> list[int]:
+    """The steps this part holds sealed in RAM (their manifest written), newest first."""
+    return [s for s in ram_steps(part_dir) if (part_dir / version_name(s) / MANIFEST).is_file()]
+
+
 def durable_steps(durable: Path) -> list[int]:
     """The steps the durable directory names, newest first (complete or not): a listing, no file opened."""
     return _steps(durable, _STEP)

@@ -30,8 +30,7 @@ def _ram_dirs(tier: Tier, part: int) -> list[tuple[str, Path]]:
 
 def ram_steps(tier: Tier, part: int) -> list[int]:
     """The steps this host holds sealed (with a manifest) in RAM, its own or a replica, newest first."""
-    return sorted({s for _, pdir in _ram_dirs(tier, part) for s in layout.ram_steps(pdir)
-                   if (pdir / layout.version_name(s) / layout.MANIFEST).is_file()}, reverse=True)
+    return sorted({s for _, pdir in _ram_dirs(tier, part) for s in layout.sealed_steps(pdir)}, reverse=True)
 
 
 def candidates(tier: Tier, part: int) -> list[int]:

@@ -208,7 +208,7 @@ def _accept_header(sock: socket.socket, place: Place) -> tuple[Header, bytes]:
     if zlib.crc32(meta) != meta_crc:
         raise Refused("meta does not match its manifest")
     held = max((s for _, d in layout.replica_part_dirs(place.ram_root, place.run_id, place.host, head.part)
-                for s in layout.ram_steps(d) if (d / layout.version_name(s) / layout.MANIFEST).is_file()), default=-1)
+                for s in layout.sealed_steps(d)), default=-1)
     if held > head.step:
         raise Older(f"step {held} of part {head.part} is here already")
     return head, meta
@@ -361,10 +361,9 @@ def newest_sealed(place: Place) -> dict[int, tuple[int, Path]]:
         if not (name.startswith("part-") and name[5:].isdigit()):
             continue
         pdir = host_dir / name
-        for step in layout.ram_steps(pdir):
-            if (pdir / layout.version_name(step) / layout.MANIFEST).is_file():
-                out[int(name[5:])] = (step, pdir / layout.version_name(step))
-                break
+        sealed = layout.sealed_steps(pdir)
+        if sealed:
+            out[int(name[5:])] = (sealed[0], pdir / layout.version_name(sealed[0]))
     return out
 
 
