@@ -308,9 +308,8 @@ class Tier:
             parts = layout.Manifest.decode((version / layout.MANIFEST).read_bytes()).parts
         except (OSError, ValueError, KeyError, CheckpointError):
             return  # torn: the reader skipped it already
-        if layout.durable_parts_complete(self.config.durable, step) if parts > 1 else \
-                (self.config.durable / layout.step_name(step) / f"part-{part}" / layout.MANIFEST).is_file():
-            return
+        if (self.config.durable / layout.step_name(step) / f"part-{part}" / layout.MANIFEST).is_file():
+            return  # this part is durable already (whether the step's other parts are is theirs to say)
         self._start()
         with self._cond:
             if self._persist is None or self._persist[0] < step:
