@@ -18,6 +18,9 @@ the same model on the same data with DistributedDataParallel, for the cross-chec
   ``torch.load(weights_only=False)``: here the metadata goes through an unpickler that knows only
   DCP's own metadata classes, and those values through weights_only loading. A checkpoint that
   needs more, or a checkpoint directory another user can write, is refused with one line, exit 2.
+- ``--ckpt-tier``: the same state through ddplaunch's checkpoint memory tier instead
+  (``ddplaunch.checkpoint.dcp_save``/``dcp_load``): each rank's shards land in its host's RAM and
+  are persisted to ``<ckpt-dir>/dcp/step-N/`` (a plain DCP directory) in the background.
 - End: every rank gathers the full (unsharded) parameters and hashes them; the ranks compare
   (``rank=R full_params_sha256=...``, then ``replicas agree`` or exit 1).
 """
@@ -91,6 +94,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "must be storage every rank can read (DCP writes one file per rank)")
     p.add_argument("--ckpt-every", type=int, default=10, help="steps; 0 = only at the end")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--ckpt-tier", action="store_true",
+                   help="checkpoint through ddplaunch's memory tier (ddplaunch.checkpoint.dcp_save/dcp_load): "
+                        "a save lands in host RAM and is persisted to <ckpt-dir>/dcp/ in the background; a "
+                        "resume at the same world size reads RAM, at another the durable copy (resharded)")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--backend", default=None, help="default: nccl with CUDA, else gloo")
     # Test hooks.
@@ -462,6 +469,38 @@ def load_latest(args, model, optimizer):
     return dict(meta, path=path), time.perf_counter() - start
 
 
+def tier_meta(meta: dict, step: int) -> dict:
+    """What a tier checkpoint says of itself beside the state (DCP saves each value with torch.save)."""
+    return dict(meta, step=step, world_size=dist.get_world_size())
+
+
+def save_to_tier(model, optimizer, step: int, meta: dict) -> float:
+    """Every rank's shards into its host's RAM (ddplaunch.checkpoint); returns the seconds it stalled."""
+    from ddplaunch import checkpoint
+
+    start = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    checkpoint.dcp_save({"model": model_sd, "optim": optim_sd, "meta": tier_meta(meta, step)}, step)
+    return time.perf_counter() - start
+
+
+def load_from_tier(model, optimizer, meta: dict):
+    """The newest complete tier checkpoint (every rank's RAM, else the durable copy, resharded);
+    returns its meta with ``path`` and ``source`` (memory or durable) and the seconds it took."""
+    from ddplaunch import checkpoint
+
+    start = time.perf_counter()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "meta": tier_meta(dict(meta, start_loss=0.0), 0)}
+    got = checkpoint.dcp_load(state, planner=WeightsOnlyLoadPlanner(), reader=SafeFileSystemReader)
+    if got is None:
+        return None, 0.0
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dist.barrier()
+    return dict(state["meta"], path=str(got.source.path), source=got.source.where.value), \
+        time.perf_counter() - start
+
+
 # --------------------------------------------------------------------------- checks
 
 def full_params(model) -> dict:
@@ -523,6 +562,14 @@ def init_distributed(backend: str, timeout: timedelta, device: torch.device) -> 
                             timeout=timeout, **bound)
 
 
+def finish_tier(args) -> None:
+    """With --ckpt-tier: the newest save made durable before the process ends (os._exit skips
+    the tier's own exit handler)."""
+    if args.ckpt_tier:
+        from ddplaunch import checkpoint
+        checkpoint.dcp_close()
+
+
 # --------------------------------------------------------------------------- main
 
 def main(argv=None) -> int:
@@ -557,8 +604,13 @@ def main(argv=None) -> int:
     meta_base = {"strategy": args.strategy, "seed": args.seed, "global_batch": args.global_batch,
                  "dim": args.dim, "layers": args.layers, "heads": args.heads}
     step, start_loss = 0, None
+    if args.ckpt_tier:
+        from ddplaunch import checkpoint
+        checkpoint.configure(durable=os.environ.get("DDPLAUNCH_CHECKPOINT_DURABLE") or args.ckpt_dir,
+                             durable_keep=args.keep if args.keep > 0 else None)
     try:
-        resumed, load_s = load_latest(args, model, optimizer)
+        resumed, load_s = load_from_tier(model, optimizer, meta_base) if args.ckpt_tier else \
+            load_latest(args, model, optimizer)
     except CheckpointRefused as exc:
         if rank == 0:
             sys.stderr.write(f"fsdp_train: {exc}\n")
@@ -572,6 +624,8 @@ def main(argv=None) -> int:
             say(f"resumed from {resumed['path']} at step {step} (written by "
                 f"{resumed['world_size']} ranks with {resumed.get('strategy')}, now {world} "
                 f"with {args.strategy}) load_s={load_s:.4f}")
+            if args.ckpt_tier:
+                say(f"resumed_source={resumed['source']}")
         loaded = params_sha256(full_params(model))
         if rank == 0:
             say(f"resumed_full_params_sha256={loaded}")
@@ -584,8 +638,9 @@ def main(argv=None) -> int:
         nonlocal last_saved
         if last_saved == step:
             return
-        save_times.append(save_checkpoint(args, model, optimizer, step,
-                                          dict(meta_base, start_loss=start_loss)))
+        meta = dict(meta_base, start_loss=start_loss)
+        save_times.append(save_to_tier(model, optimizer, step, meta) if args.ckpt_tier else
+                          save_checkpoint(args, model, optimizer, step, meta))
         last_saved = step
 
     loss_sum, mean = torch.zeros((), device=device), float("nan")
@@ -620,6 +675,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 say(f"preempted (SIGUSR2): checkpoint at step {step}; exiting {PREEMPTED_EXIT} "
                     "to be requeued")
+            finish_tier(args)
             del wrapped, model, optimizer
             dist.destroy_process_group()
             return PREEMPTED_EXIT
@@ -641,6 +697,7 @@ def main(argv=None) -> int:
     if args.dump_final and rank == 0:
         torch.save({k: v.detach().cpu() for k, v in full.items()}, args.dump_final)
     agree = check_replicas(full, rank, world)
+    finish_tier(args)
     del wrapped, model, optimizer, full
     dist.barrier()
     dist.destroy_process_group()

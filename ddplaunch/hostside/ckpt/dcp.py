@@ -1,0 +1,417 @@
+"""torch.distributed.checkpoint (DCP) through the memory tier, for sharded (FSDP2) states: each rank
+writes its own DCP files into its host's RAM with torch's FileSystemWriter (`use_collectives=False`:
+its data file and a metadata of its own chunks) and returns; a worker thread checksums them (their
+MANIFEST makes the version loadable), copies them to the durable dir and, on rank 0, once every
+rank's files are there, merges the ranks' metadata into the step's `.metadata`, written last: from
+then on the durable step is a plain DCP checkpoint torch's FileSystemReader loads at any world size.
+
+    RAM:     <ram_root>/ddplaunch-ckpt-<uid>/<run>/<host>/dcp/rank-<R>/v-<step>/{.metadata,__R_0.distcp,MANIFEST}
+    durable: <durable>/dcp/step-<step>/{.metadata, __R_0.distcp..., .ranks/R.metadata, .ranks/R.json}
+
+A load at the world size of the save reads every rank's own RAM copy, when every rank's host holds
+it intact (checksums) from the same save; else the newest published durable step, resharded by DCP.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from ddplaunch.hostside.ckpt import dcpfiles, layout
+from ddplaunch.hostside.ckpt.config import Config
+from ddplaunch.hostside.ckpt.dcpfiles import METADATA, RANKS, RankManifest, published_steps, rank_dir, step_dir, verify
+from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
+from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Where
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
+#: How long rank 0 waits for every rank's files in the durable dir before it gives a step up.
+PUBLISH_TIMEOUT = 600.0
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP without its warning that no process group means one process (it is meant: a rank's own
+    RAM copy is read without collectives)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's `value` (a collective under a process group)."""
+    import torch.distributed as dist
+
+    rank, world = _world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agreed_token() -> str:
+    import torch.distributed as dist
+
+    box = [uuid.uuid4().hex]
+    if _world()[1] > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+@dataclass(frozen=True)
+class _Job:
+    step: int
+    rank: int
+    world: int
+    token: str
+    version: Path
+
+
+class DcpTier:
+    """One process's DCP saves (the module's docstring); `close` finishes the newest and stops."""
+
+    def __init__(self, config: Config, publish_timeout: float = PUBLISH_TIMEOUT) -> None:
+        self.config = config
+        self.publish_timeout = publish_timeout
+        self._cond = threading.Condition()
+        self._seal: list[_Job] = []
+        self._persist: Optional[_Job] = None
+        self._sealing = 0
+        self._pinned: Counter[Path] = Counter()
+        self._saved: Optional[int] = None
+        self._durable: Optional[int] = None
+        self._failed: dict[int, str] = {}
+        self._said: set[str] = set()
+        self._threads: list[threading.Thread] = []
+        self._closing = False
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, state_dict: dict[str, Any], step: int) -> None:
+        """Writes this rank's DCP files into its host's RAM and returns (a collective: every rank
+        calls it with its own shards); sealing and persisting happen in the background."""
+        import torch.distributed.checkpoint as dcp
+
+        rank, world = _world()
+        token = _agreed_token()
+        rdir = rank_dir(self.config, rank)
+        for d in reversed([rdir, *list(rdir.parents)[:4]]):
+            layout.private_dir(d)
+        staging = rdir / f".new-{step}-{token[:12]}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            with _one_process():
+                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(staging, sync_files=False),
+                         no_dist=not _distributed(), use_collectives=False)
+            os.rename(staging / f"__{rank}{METADATA}", staging / METADATA)
+            final = rdir / layout.version_name(step)
+            with self._cond:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.rename(staging, final)
+                self._saved = step
+                self._failed.pop(step, None)
+                self._seal.append(_Job(step, rank, world, token, final))
+                self._cond.notify_all()
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self._start()
+        self._evict(rdir)
+
+    def _evict(self, rdir: Path) -> None:
+        with self._cond:
+            doomed = [rdir / layout.version_name(s) for s in layout.ram_steps(rdir)[self.config.keep:]]
+            doomed = [v for v in doomed if not self._pinned[v] and v not in {j.version for j in self._seal}]
+        for version in doomed:
+            shutil.rmtree(version, ignore_errors=True)
+
+    # -- the worker -----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._threads:
+                return
+            self._threads = [threading.Thread(target=loop, name=f"ddplaunch-ckpt-dcp-{name}", daemon=True)
+                             for name, loop in (("seal", self._seal_loop), ("persist", self._persist_loop))]
+        for t in self._threads:
+            t.start()
+
+    def _seal_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._seal or self._closing)
+                if not self._seal:
+                    return
+                job = self._seal.pop(0)
+                self._pinned[job.version] += 1
+                self._sealing += 1
+            try:
+                names = sorted(n for n in os.listdir(job.version) if n != layout.MANIFEST)
+                manifest = RankManifest(job.step, job.rank, job.world, job.token,
+                                        {n: layout.crc_of_file(job.version / n) for n in names})
+                tmp = job.version / f".{layout.MANIFEST}.tmp"
+                layout.write_private(tmp, manifest.encode(), sync=False)
+                os.rename(tmp, job.version / layout.MANIFEST)
+                failure = None
+            except Exception as exc:  # recorded: wait() raises it for the newest save
+                failure = f"DCP step {job.step} could not be sealed in RAM: {exc}"
+            self._finish(job, failure, sealed=True)
+
+    def _persist_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._persist or (self._closing and not self._seal and not self._sealing))
+                if self._persist is None:
+                    return
+                job, self._persist = self._persist, None
+                self._pinned[job.version] += 1
+            try:
+                self._persist_one(job)
+                failure = None
+            except Exception as exc:  # recorded: wait() raises it for the newest save
+                failure = f"DCP step {job.step} could not be made durable in {self.config.durable}: {exc}"
+            self._finish(job, failure, sealed=False)
+
+    def _finish(self, job: _Job, failure: Optional[str], sealed: bool) -> None:
+        with self._cond:
+            self._pinned[job.version] -= 1
+            if sealed:
+                self._sealing -= 1
+            if failure:
+                self._failed[job.step] = failure
+            elif sealed and (self._persist is None or self._persist.step <= job.step):
+                self._persist = job
+            elif not sealed:
+                self._durable = job.step if self._durable is None else max(self._durable, job.step)
+            self._cond.notify_all()
+        self._evict(job.version.parent)
+
+    def _persist_one(self, job: _Job) -> None:
+        """This rank's files into the durable step; rank 0 then waits until every rank's are there
+        and publishes it (`dcpfiles`), unless a newer save supersedes it or `publish_timeout` passes."""
+        target = dcpfiles.persist_rank(self.config.durable, job.version, job.step, job.rank, job.world, job.token)
+        if job.rank != 0:
+            return
+        deadline = time.monotonic() + self.publish_timeout
+        while missing := dcpfiles.missing_ranks(target, job.world, job.token):
+            with self._cond:
+                if self._persist is not None and self._persist.step > job.step:
+                    raise CheckpointError(f"superseded by step {self._persist.step} before ranks {missing} "
+                                          "persisted theirs")
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"ranks {missing} did not persist their shards within "
+                                          f"{self.publish_timeout:g} s: the step is not published")
+                self._cond.wait(0.05)  # woken early by a newer save or close
+        dcpfiles.publish(target, job.world)
+        dcpfiles.prune(self.config.durable, self.config.durable_keep)
+
+    def adopt(self, job: _Job) -> None:
+        """A RAM version loaded that the durable dir lacks: persisted in the background."""
+        self._start()
+        with self._cond:
+            if self._persist is None or self._persist.step < job.step:
+                self._persist = job
+                self._cond.notify_all()
+
+    # -- load -----------------------------------------------------------------------------
+
+    def _ram_versions(self, rank: int, world: int) -> dict[int, RankManifest]:
+        rdir = rank_dir(self.config, rank)
+        found = {}
+        for step in layout.sealed_steps(rdir):
+            try:
+                manifest = RankManifest.read(rdir / layout.version_name(step) / layout.MANIFEST)
+            except TornCheckpoint:
+                continue
+            if (manifest.step, manifest.rank, manifest.world) == (step, rank, world):
+                found[step] = manifest
+        return found
+
+    def load(self, state_dict: dict[str, Any], planner: Optional[LoadPlanner] = None,
+             reader: Optional[Callable[[Path], StorageReader]] = None) -> Optional[Loaded]:
+        """Loads the newest step every rank can read into `state_dict` in place (a collective):
+        from every rank's own RAM copy when all are intact, from one save, at this world size;
+        else from the newest published durable step (resharded). None when there is none."""
+        import torch.distributed.checkpoint as dcp
+
+        with self._cond:
+            self._cond.wait_for(lambda: not self._seal and not self._sealing)  # this rank's newest save counts
+        rank, world = _world()
+        mine = self._ram_versions(rank, world)
+        seen = _gather(({s: m.token for s, m in mine.items()}, published_steps(self.config.durable)))
+        make = reader or (lambda path: dcp.FileSystemReader(path))
+        for step in sorted({s for ram, durable in seen for s in (*ram, *durable)}, reverse=True):
+            if len({ram.get(step) for ram, _ in seen} - {None}) == 1 and all(step in ram for ram, _ in seen):
+                version = rank_dir(self.config, rank) / layout.version_name(step)
+                if all(_gather(self._intact(version, mine[step]))):
+                    with _one_process():
+                        dcp.load(state_dict, storage_reader=make(version), planner=planner, no_dist=True)
+                    if step not in seen[0][1]:
+                        self.adopt(_Job(step, rank, world, mine[step].token, version))
+                    return Loaded(state_dict, step, Source(Where.MEMORY, self.config.host, version,
+                                                           self.config.host))
+            if all(step in durable for _, durable in seen):
+                target = step_dir(self.config.durable, step)
+                if all(_gather(self._durable_intact(target, rank, world))):
+                    with _one_process():
+                        dcp.load(state_dict, storage_reader=make(target), planner=planner, no_dist=not _distributed())
+                    return Loaded(state_dict, step, Source(Where.DURABLE, None, target))
+        return None
+
+    def _intact(self, version: Path, manifest: RankManifest) -> bool:
+        try:
+            verify(version, manifest)
+            return True
+        except TornCheckpoint as exc:
+            self._say_once(f"torn:{version}", f"checkpoint: skipping a torn RAM copy of DCP step "
+                                              f"{manifest.step} ({exc})")
+            return False
+
+    def _durable_intact(self, target: Path, rank: int, world: int) -> bool:
+        """This rank's share of checking a durable step: the saving ranks' files, spread over the
+        loading ranks (each file read once)."""
+        try:
+            saved = sorted(int(n[:-5]) for n in os.listdir(target / RANKS) if n.endswith(".json"))
+            for r in saved[rank::world]:
+                manifest = RankManifest.read(target / RANKS / f"{r}.json")
+                verify(target, RankManifest(manifest.step, r, manifest.world, manifest.token,
+                                            {n: v for n, v in manifest.files.items() if n != METADATA}))
+            return True
+        except (OSError, ValueError, TornCheckpoint) as exc:
+            self._say_once(f"torn:{target}", f"checkpoint: skipping a torn durable DCP step ({exc})")
+            return False
+
+    # -- wait and close -------------------------------------------------------------------
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Blocks until this rank's newest save is durable (rank 0: published); returns its step.
+
+        Raises:
+            CheckpointError: it could not be sealed, persisted or published.
+            TimeoutError: it was not durable within `timeout` seconds.
+        """
+        with self._cond:
+            target = self._saved
+            if target is None:
+                return None
+            def durable() -> bool:
+                return self._durable is not None and self._durable >= target
+            if not self._cond.wait_for(lambda: durable() or target in self._failed, timeout):
+                raise TimeoutError(f"DCP step {target} was not durable within {timeout} s")
+            if not durable():
+                raise CheckpointError(self._failed[target])
+        return target
+
+    @property
+    def saved_step(self) -> Optional[int]:
+        with self._cond:
+            return self._saved
+
+    def close(self) -> Optional[str]:
+        """Finishes the newest save, stops the worker; returns why it is not durable (None: it is)."""
+        failed = None
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            failed = str(exc)
+            warnings.warn(failed, CheckpointWarning, stacklevel=2)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        return failed
+
+
+_lock = threading.Lock()
+_tier: Optional[DcpTier] = None
+
+
+def _current() -> DcpTier:
+    """This process's DCP tier, on the configuration of `ddplaunch.checkpoint` (a new one when
+    `configure` changed it)."""
+    global _tier
+    from ddplaunch.hostside.ckpt import injob
+
+    config = injob._current().config
+    with _lock:
+        old = _tier if _tier is not None and _tier.config != config else None
+        if _tier is None or old is not None:
+            _tier = DcpTier(config)
+        tier = _tier
+    if old is not None:
+        old.close()
+    return tier
+
+
+def dcp_save(state_dict: dict[str, Any], step: int) -> None:
+    """Saves a DCP state dict (an FSDP2 model's and optimizer's, `get_state_dict`) into this
+    host's RAM and returns; it is persisted to `<durable>/dcp/step-N/` in the background. Every
+    rank calls it (a collective), like `torch.distributed.checkpoint.save`."""
+    _current().save(state_dict, step)
+
+
+def dcp_load(state_dict: dict[str, Any], *, planner: Optional[LoadPlanner] = None,
+             reader: Optional[Callable[[Path], StorageReader]] = None) -> Optional[Loaded]:
+    """Loads the newest complete DCP step into `state_dict` in place, like
+    `torch.distributed.checkpoint.load` (every rank calls it); returns `(state_dict, step)` with
+    `.source` (this rank's RAM, or the durable dir), or None when no step is complete anywhere.
+
+    Args:
+        planner: DCP's load planner (default: DefaultLoadPlanner).
+        reader: makes the storage reader of a checkpoint directory (default: FileSystemReader).
+    """
+    return _current().load(state_dict, planner, reader)
+
+
+def dcp_wait(timeout: Optional[float] = None) -> Optional[int]:
+    """Blocks until this rank's newest DCP save is durable (on rank 0: the step published, every
+    rank's files there); returns its step (None: none saved)."""
+    with _lock:
+        tier = _tier
+    return tier.wait(timeout) if tier is not None else None
+
+
+def dcp_close() -> Optional[int]:
+    """Finishes this process's newest DCP save and stops its threads; returns that step. Runs at
+    interpreter exit by itself; call it before an `os._exit`."""
+    global _tier
+    with _lock:
+        tier, _tier = _tier, None
+    if tier is None:
+        return None
+    tier.close()
+    return tier.saved_step
+
+
+atexit.register(dcp_close)

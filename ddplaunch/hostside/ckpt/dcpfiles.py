@@ -1,0 +1,180 @@
+"""The files of DCP saves in the memory tier (hostside/ckpt/dcp.py says how it works): where they
+live, each rank's manifest (its save's token, world size, a checksum per file), checking a copy
+against it, the careful durable writes (temp, fsync, rename) and the merge of the ranks' own
+metadata into a step's global `.metadata`, written last. Standard library and torch only.
+
+    RAM:     <ram_root>/ddplaunch-ckpt-<uid>/<run>/<host>/dcp/rank-<R>/v-<step>/{.metadata,__R_0.distcp,MANIFEST}
+    durable: <durable>/dcp/step-<step>/{.metadata, __R_0.distcp..., .ranks/R.metadata, .ranks/R.json}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from ddplaunch.hostside.ckpt import layout
+from ddplaunch.hostside.ckpt.config import Config
+from ddplaunch.hostside.ckpt.layout import TornCheckpoint
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+DCP_DIR, RANKS, METADATA = "dcp", ".ranks", ".metadata"
+
+
+@dataclass(frozen=True)
+class RankManifest:
+    """One rank's share of a DCP save: which save (`token`, agreed by every rank), at what world
+    size, and each of its files' (size, CRC-32)."""
+
+    step: int
+    rank: int
+    world: int
+    token: str
+    files: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        return json.dumps({"format": layout.FORMAT, "step": self.step, "rank": self.rank, "world": self.world,
+                           "token": self.token, "files": {k: list(v) for k, v in sorted(self.files.items())}},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def read(cls, path: Path) -> RankManifest:
+        """Raises TornCheckpoint when it is missing or not a manifest of this format."""
+        try:
+            doc = json.loads(path.read_bytes())
+            if doc.get("format") != layout.FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}")
+            return cls(int(doc["step"]), int(doc["rank"]), int(doc["world"]), str(doc["token"]),
+                       {str(k): (int(v[0]), int(v[1])) for k, v in doc["files"].items()})
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise TornCheckpoint(f"{path}: {exc}") from exc
+
+
+def rank_dir(config: Config, rank: int) -> Path:
+    """This host's RAM versions of rank `rank`'s DCP saves."""
+    return layout.ram_base(config.ram_root) / config.run_id / config.host / DCP_DIR / f"rank-{rank}"
+
+
+def step_dir(durable: Path, step: int) -> Path:
+    return durable / DCP_DIR / layout.step_name(step)
+
+
+def published_steps(durable: Path) -> list[int]:
+    """The durable DCP steps whose `.metadata` is written (complete), newest first."""
+    return [s for s in layout.durable_steps(durable / DCP_DIR) if (step_dir(durable, s) / METADATA).is_file()]
+
+
+def verify(directory: Path, manifest: RankManifest) -> None:
+    """Raises TornCheckpoint unless every file `manifest` names matches its size and checksum."""
+    for name, want in manifest.files.items():
+        try:
+            got = layout.crc_of_file(directory / name)
+        except OSError as exc:
+            raise TornCheckpoint(f"{directory / name}: {exc}") from exc
+        if got != want:
+            raise TornCheckpoint(f"{directory / name} does not match its checksum")
+
+
+def merge_metadata(parts: list[Metadata]) -> Metadata:
+    """One global DCP metadata from the ranks' own (each naming only its chunks): chunks of a
+    tensor joined (a chunk saved by several ranks, a replicated value, once), storage entries joined
+    (the lowest rank's copy of a replicated value wins), the planner's key mappings joined."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    state: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    planner: dict[Any, Any] = {}
+    for part in parts:
+        for key, value in part.state_dict_metadata.items():
+            have = state.get(key)
+            if have is None:
+                state[key] = TensorStorageMetadata(value.properties, value.size, list(value.chunks)) \
+                    if isinstance(value, TensorStorageMetadata) else value
+            elif isinstance(have, TensorStorageMetadata) and isinstance(value, TensorStorageMetadata):
+                seen = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+                have.chunks.extend(c for c in value.chunks if (tuple(c.offsets), tuple(c.sizes)) not in seen)
+        for index, info in (part.storage_data or {}).items():
+            storage.setdefault(index, info)
+        planner.update(part.planner_data or {})
+    first = parts[0]
+    return Metadata(state, planner_data=planner or first.planner_data, storage_data=storage,
+                    storage_meta=first.storage_meta, version=first.version)
+
+
+def _write_synced(path: Path, body: bytes) -> None:
+    """`body` as `path`: a temporary file fsynced, then renamed (the directory fsync is the caller's)."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    layout.write_private(tmp, body, sync=True)
+    os.rename(tmp, path)
+
+
+def _copy_synced(source: Path, target: Path) -> None:
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, layout.FILE_MODE)
+    try:
+        layout.copy_file_writer(source, (0, 0))(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, target)
+
+
+def marked(path: Path, token: str) -> bool:
+    try:
+        return RankManifest.read(path).token == token
+    except TornCheckpoint:
+        return False
+
+
+def persist_rank(durable: Path, version: Path, step: int, rank: int, world: int, token: str) -> Path:
+    """Rank `rank`'s sealed RAM `version` into the durable step `step` (nothing to do when its
+    manifest of this save is there already): a published step saved again is unpublished first (a
+    reader never sees old metadata over new files), then the data files and the rank's metadata,
+    each fsynced and renamed, its manifest last. Returns the step's directory."""
+    manifest = RankManifest.read(version / layout.MANIFEST)
+    target = step_dir(durable, step)
+    layout.private_dir(durable)
+    created = not target.exists()
+    ranks = layout.private_dir(target / RANKS)
+    if created:
+        layout.fsync_dir(target.parent)
+    mark = ranks / f"{rank}.json"
+    if marked(mark, token):
+        return target
+    (target / METADATA).unlink(missing_ok=True)
+    layout.fsync_dir(target)
+    for name in manifest.files:
+        if name != METADATA:
+            _copy_synced(version / name, target / name)
+    _copy_synced(version / METADATA, ranks / f"{rank}{METADATA}")
+    layout.fsync_dir(target)
+    _write_synced(mark, RankManifest(step, rank, world, token, manifest.files).encode())
+    layout.fsync_dir(ranks)
+    return target
+
+
+def missing_ranks(target: Path, world: int, token: str) -> list[int]:
+    """The ranks of a save (`token`) whose manifest is not yet in its durable step."""
+    return [r for r in range(world) if not marked(target / RANKS / f"{r}.json", token)]
+
+
+def publish(target: Path, world: int) -> None:
+    """The step's `.metadata`, merged from every rank's, written last (temp, fsync, rename, directory
+    fsync): from now on torch's FileSystemReader loads it. The ranks' metadata come from the durable
+    dir, trusted as torch's own reader trusts `.metadata` (both are unpickled)."""
+    parts = [pickle.loads((target / RANKS / f"{r}{METADATA}").read_bytes()) for r in range(world)]
+    _write_synced(target / METADATA, pickle.dumps(merge_metadata(parts)))
+    layout.fsync_dir(target)
+
+
+def prune(durable: Path, keep: Optional[int]) -> None:
+    """Durable DCP steps older than the newest `keep` published ones go (None: all are kept)."""
+    published = published_steps(durable)
+    if keep is not None and len(published) >= keep:
+        layout.remove_steps(durable / DCP_DIR, [s for s in layout.durable_steps(durable / DCP_DIR)
+                                                if s < published[keep - 1]])
