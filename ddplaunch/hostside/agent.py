@@ -16,7 +16,8 @@ host and not a line per rank per second:
   agent knows its ranks' pids from their messages' credentials.
 
 When the node's environment names checkpoint buddies (a memory tier with `replicas`), the agent
-also copies this host's sealed checkpoint versions to them and takes theirs (``ckpt/replicas.py``).
+also copies this host's sealed checkpoint versions to them and takes theirs (``ckpt/replicas.py``);
+with ``checkpoint.watch`` it watches the job's own checkpoint dir (``ckpt/jobwatch.py``).
 
 The heartbeat that says the host lives is not the agent's (the node's shell says it, apart from
 any parsing). It ends when its parent (the node's shell, then torchrun) does. Standard library
@@ -38,6 +39,11 @@ import fold  # type: ignore[import-not-found]  # noqa: E402  (the folding, besid
 import payloads as P  # type: ignore[import-not-found]  # noqa: E402  (the payload schema, beside it)
 import procs  # type: ignore[import-not-found]  # noqa: E402  (process states, beside it)
 import replicas  # type: ignore[import-not-found]  # noqa: E402  (the checkpoints' buddy copies, beside it)
+
+try:
+    import jobwatch  # type: ignore[import-not-found]  # noqa: E402  (checkpoint.watch: staged only then)
+except ImportError:
+    jobwatch = None
 
 #: Seconds between two looks at the parent, and between two status lines.
 ALIVE_S, STATUS_S = 1.0, 2.0
@@ -92,6 +98,8 @@ class Frozen:
 def run(name: str, parent: int, window: int, warmup: int) -> None:
     sock = open_socket(name)
     replicas.start(os.environ, replicas.say_stderr)  # threads; they end with this process
+    if jobwatch is not None:  # the job's own checkpoint dir, sealed, copied and persisted as it writes it
+        jobwatch.start(os.environ, replicas.say_stderr)
     windows, status, frozen = fold.StepWindows(window, warmup), fold.Status(), Frozen()
     next_alive = next_status = time.monotonic()
     while True:

@@ -32,6 +32,7 @@ from typing import Any, Callable, NoReturn, Optional
 USAGE = ("usage: entry.py [health-check options | --no-healthcheck] [--finalize] "
          "-- SCRIPT [ARGS...]")
 HERE = os.path.dirname(os.path.abspath(__file__))
+WATCH_ENV = "DDPLAUNCH_CHECKPOINT_WATCH"  # checkpoint.watch: the job's own dir in RAM (ckpt/restore.py)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], bool, bool, list[str]]:
@@ -58,7 +59,9 @@ def load_sibling(name: str) -> Any:
     known = sys.modules.get(f"ddplaunch_hostside_{name}")
     if known is not None:
         return known
-    spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", os.path.join(HERE, f"{name}.py"))
+    path = os.path.join(HERE, f"{name}.py")  # staged flat in the run dir; in the package, ckpt/'s too
+    path = path if os.path.exists(path) else os.path.join(HERE, "ckpt", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"ddplaunch_hostside_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     before, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ left in the run dir
@@ -405,6 +408,34 @@ def whole_lines() -> None:
             pass
 
 
+def watched(script_argv: list[str]) -> list[str]:
+    """`checkpoint.watch`: the script's `{checkpoint_dir}` is this host's memory-backed dir, where
+    the newest complete checkpoint is put back first (ckpt/restore.py); rank 0 says which step."""
+    if os.environ.get(WATCH_ENV) != "1":
+        return script_argv
+    try:
+        argv, got = load_sibling("restore").begin(os.environ, script_argv)
+    except Exception as exc:  # the job would start over without its checkpoint: it does not start
+        sys.stderr.write(f"entry.py: checkpoint.watch: the job's checkpoint dir could not be put back: {exc}\n")
+        leave(1, finalize=False)
+    if got is not None and int(os.environ.get("RANK", "0")) == 0:
+        P.say(P.Loaded(0, got.path[:300], "checkpoint.watch", step=got.step, source=got.source, host=got.host,
+                       origin=got.origin))
+    return argv
+
+
+def watch_finished() -> None:
+    """`checkpoint.watch`, on the node's local rank 0 once the script returned: what the job wrote
+    last made durable before the rank leaves; rank 0 says its step (the run's summary shows it)."""
+    if os.environ.get(WATCH_ENV) != "1" or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    started = time.monotonic()
+    done = load_sibling("jobwatch").finish(os.environ, lambda text: sys.stderr.write(f"ddplaunch: {text}\n"))
+    if done is not None and int(os.environ.get("RANK", "0")) == 0 and P.under_torchrun():
+        step, failed = done
+        P.say(P.Durable(0, step, round(time.monotonic() - started, 3), failed[:300]))
+
+
 def main(argv: list[str]) -> None:
     whole_lines()
     say_start()
@@ -418,9 +449,11 @@ def main(argv: list[str]) -> None:
         status = load_sibling("healthcheck").run(opts)
         if status != 0:  # the health check printed the FAIL line; no job code runs
             leave(status, finalize=False)  # nothing to finalize for, maybe a broken group
+    script_argv = watched(script_argv)
     progress = watch_progress()
     code = run_script(script_argv)
     shut_down_like_python()
+    watch_finished()
     progress.flush()
     if progress.timing is not None:
         progress.timing.flush()

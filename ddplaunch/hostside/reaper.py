@@ -159,7 +159,8 @@ def _part_dirs(run_ram: str) -> list[str]:
     for host in _names(run_ram):
         bases = [os.path.join(run_ram, host)]
         bases += [os.path.join(run_ram, host, "replicas", o) for o in _names(os.path.join(run_ram, host, "replicas"))]
-        out += [os.path.join(b, n) for b in bases for n in _names(b) if re.fullmatch(r"part-\d+", n)]
+        # the job-dir versions (part 1000000, ckpt/jobfiles.py) are the watch's: persisted as the job's files
+        out += [os.path.join(b, n) for b in bases for n in _names(b) if re.fullmatch(r"part-\d{1,6}", n)]
     return out
 
 

@@ -12,6 +12,8 @@ from ddplaunch.spec.model import CHECKPOINT_DIR_WORD, CheckpointTier, ClusterSpe
 #: The node's environment for its agent's copies (hostside/ckpt/replicas.py reads the same names).
 PORT_ENV, BUDDIES_ENV, KEY_ENV = ("DDPLAUNCH_CHECKPOINT_PORT", "DDPLAUNCH_CHECKPOINT_BUDDIES",
                                   "DDPLAUNCH_CHECKPOINT_KEY")
+#: `checkpoint.watch`, and the node whose job dir the agent watches (hostside/ckpt/jobwatch.py).
+WATCH_ENV, NODE_ENV = "DDPLAUNCH_CHECKPOINT_WATCH", "DDPLAUNCH_NODE_RANK"
 
 
 def checkpoint_env(spec: ClusterSpec) -> dict[str, str]:
@@ -24,7 +26,14 @@ def checkpoint_env(spec: ClusterSpec) -> dict[str, str]:
     limit = ckpt.memory_limit_bytes
     if limit is not None:  # None: no limit but the tmpfs's
         env["DDPLAUNCH_CHECKPOINT_MEMORY_LIMIT"] = str(limit)
+    if ckpt.watch:  # the job's dir in each host's RAM: entry.py names it, restores it; the agent watches it
+        env[WATCH_ENV] = "1"
     return env
+
+
+def watched(spec: ClusterSpec) -> bool:
+    """Whether the job's own checkpoint dir is memory-backed and watched (`checkpoint.watch`)."""
+    return spec.checkpoint is not None and spec.checkpoint.watch
 
 
 def checkpoint_args(spec: ClusterSpec, args: list[str]) -> list[str]:
@@ -35,6 +44,8 @@ def checkpoint_args(spec: ClusterSpec, args: list[str]) -> list[str]:
         PlanError: an argument names `{checkpoint_dir}` and the spec has no `checkpoint:` section.
     """
     where = spec.checkpoint_dir()
+    if watched(spec):
+        return args  # the host's memory-backed dir: entry.py replaces the word there (its path holds the uid)
     if where is None:
         if any(CHECKPOINT_DIR_WORD in a for a in args):
             raise PlanError(f"job arguments: {CHECKPOINT_DIR_WORD} names the checkpoint: section's path; "

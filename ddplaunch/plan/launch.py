@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from ddplaunch.errors import PlanError
-from ddplaunch.plan.ckptplan import KEY_ENV, checkpoint_args, checkpoint_env, replica_env
+from ddplaunch.plan.ckptplan import KEY_ENV, NODE_ENV, checkpoint_args, checkpoint_env, replica_env, watched
 from ddplaunch.plan.container import ContainerRun, container_run
 from ddplaunch.plan.emulation import Emulation
 from ddplaunch.plan.hostwords import CpuShare, GpuCount, HostPath
@@ -42,6 +42,8 @@ ENTRY_SOURCES = (ENTRY_SOURCE, HOSTSIDE / "payloads.py", HOSTSIDE / "steptiming.
 AGENT_SOURCE = HOSTSIDE / "agent.py"
 AGENT_SOURCES = (AGENT_SOURCE, HOSTSIDE / "fold.py", HOSTSIDE / "payloads.py", HOSTSIDE / "procs.py",
                  HOSTSIDE / "ckpt" / "replicas.py", HOSTSIDE / "ckpt" / "layout.py")
+#: `checkpoint.watch`: the agent's watch over the job's dir, the entry's restore before the job.
+WATCH_SOURCES = tuple(HOSTSIDE / "ckpt" / name for name in ("jobfiles.py", "jobwatch.py", "restore.py"))
 #: The health check and the modules it imports, staged together on every host.
 HEALTHCHECK_SOURCES = tuple(HOSTSIDE / name for name in ("healthcheck.py", "collectives.py", "pairs.py"))
 #: `up --emulate`'s ranks (plan/emulation.py).
@@ -247,8 +249,9 @@ def _program(run: PlanContext, stage: Stage, how: StageOptions) -> _Program:
     resume = spec.job.resume_args if how.recovery else []  # a relaunch tells the job to resume
     job_args = checkpoint_args(spec, [*(spec.job.args if run.job_args is None else run.job_args), *resume])
     args = [*head, "--", script, *job_args]
+    watch = tuple((str(src), src.name) for src in WATCH_SOURCES) if watched(spec) else ()
     return _Program(in_run_dir(run_id, "entry.py"), args,
-                    (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *healthcheck, *uploads))
+                    (*((str(src), src.name) for src in ENTRY_SOURCES), *agent, *watch, *healthcheck, *uploads))
 
 
 def agent_name(run_id: str, stage: Stage, host: str) -> str:
@@ -340,6 +343,7 @@ def _node(where: _Where, program: _Program, rank: int, host: HostSpec) -> NodeCo
     if stage is Stage.JOB and not direct and emulate is None:  # the node's agent copies saves to buddies
         env.update(replica_env(spec, rank, [rendezvous_addr(h) for h in spec.hosts], where.port,
                                os.environ if where.run.environ is None else where.run.environ))
+        env.update({NODE_ENV: str(rank)} if watched(spec) else {})  # the agent's watch: which node's dir
     torchrun, agent = None, None
     if not direct:  # the node's agent: its ranks report to it (hostside/agent.py)
         env["DDPLAUNCH_AGENT"] = agent_name(run_id, stage, host.label)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ddplaunch.hostside.ckpt.config import RAM_ROOT
+from ddplaunch.hostside.ckpt.jobfiles import NODES, OWNER
 from ddplaunch.hostside.ckpt.layout import safe_component
 from ddplaunch.sim import cgroups, slurm, sshd
 from ddplaunch.sim.netns import NETNS_DIR, netns_pids
@@ -174,11 +175,22 @@ def wipe_memory_tier(host: str, ram_root: Path = RAM_ROOT) -> list[Path]:
         if not base.is_dir() or base.is_symlink():
             continue
         for run_dir in sorted(base.iterdir()):
-            part = run_dir / host
-            if run_dir.is_dir() and not run_dir.is_symlink() and part.is_dir() and not part.is_symlink():
-                shutil.rmtree(part, ignore_errors=True)
-                removed.append(part)
+            if not run_dir.is_dir() or run_dir.is_symlink():
+                continue
+            # its own part, and the job dirs of the nodes it ran (`checkpoint.watch`: each names its host)
+            owned = [d for d in sorted(run_dir.glob(f"{NODES}/*")) if _owner(d) == host]
+            for part in [run_dir / host, *owned]:
+                if part.is_dir() and not part.is_symlink():
+                    shutil.rmtree(part, ignore_errors=True)
+                    removed.append(part)
     return removed
+
+
+def _owner(node_dir: Path) -> str:
+    try:
+        return (node_dir / OWNER).read_text().strip()
+    except OSError:
+        return ""
 
 
 def _clear(cluster: SimCluster, h: SimHost) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ddplaunch.spec.values import Line, parse_size
 from ddplaunch.spec.yamlsafe import show
@@ -45,6 +45,11 @@ class CheckpointSpec(BaseModel):
     #: bytes of RAM one process's versions may hold (4096, 512M, 8GiB); past it a save goes to
     #: the durable dir; default: no limit but the tmpfs's size
     memory_limit: Optional[Union[int, str]] = None
+    #: an unmodified script (HF Trainer, Lightning, nanoGPT): `path` is memory-backed on every host
+    #: (`{checkpoint_dir}` and DDPLAUNCH_CHECKPOINT_DIR name it there), the job's own complete
+    #: checkpoints in it are copied to buddies and persisted to `durable` as its own files, and put
+    #: back before every relaunch (hostside/ckpt/jobwatch.py, restore.py); needs `tier: memory`
+    watch: bool = False
 
     @field_validator("path", "durable")
     @classmethod
@@ -60,6 +65,12 @@ class CheckpointSpec(BaseModel):
         if value is not None:
             parse_size(value)
         return value
+
+    @model_validator(mode="after")
+    def _watch_in_memory(self) -> "CheckpointSpec":
+        if self.watch and self.tier is not CheckpointTier.MEMORY:
+            raise ValueError("watch: true makes the job's checkpoint dir memory-backed: it needs tier: memory")
+        return self
 
     @property
     def memory_limit_bytes(self) -> Optional[int]:

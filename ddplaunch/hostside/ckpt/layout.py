@@ -171,7 +171,7 @@ def read_verified(part: Path, step: int, part_no: int) -> tuple[Manifest, bytes,
     return manifest, meta, data
 
 
-def write_private(path: Path, body: bytes, sync: bool) -> None:
+def write_private(path: Path, body: bytes | bytearray | memoryview, sync: bool) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         view = memoryview(body)
