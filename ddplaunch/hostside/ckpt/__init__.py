@@ -37,6 +37,15 @@ process group (one part, as DDP saves) the newest step complete anywhere wins: t
 whose host holds it reads it and sends it to the others, so a relaunch after the saver's host is
 lost resumes from its buddy's RAM, and nothing is read from the durable dir.
 
+DCP (`dcp.py` over `dcpfiles.py`; `dcp_save`, `dcp_load`, `dcp_wait`, `dcp_close`): for sharded
+(FSDP2) state dicts, each rank writes its own DCP files with torch's FileSystemWriter
+(`use_collectives=False`) into `<host>/dcp/rank-<R>/v-<step>/`, sealed by a MANIFEST in the
+background; each rank persists them to `<durable>/dcp/step-<step>/` with its manifest last, and rank
+0, once every rank's manifest of the same save is there, merges the ranks' metadata into the step's
+`.metadata`, written last: a plain DCP checkpoint, loadable at any world size. `dcp_load` reads
+every rank's own RAM copy when all are intact, from one save, at the same world size; else the
+newest step with `.metadata`, resharded by DCP. Not replicated to buddies yet.
+
 Not built yet: the supervisor finishing the persist of a sealed RAM version a killed process left;
 unmodified scripts (a memory-backed job dir, completeness by the job's own rename or marker); a
 sharded (`all_ranks`) step that one rank holds only on another host is read from the durable dir.
