@@ -1,5 +1,6 @@
 """`ddplaunch.checkpoint`: checkpoints at memory speed for a job's own code (`save`, `load`,
-`wait`, `close`, `configure`, `free`; for DCP/FSDP2 states `dcp_save`, `dcp_load`, `dcp_wait`, `dcp_close`); it lives in `hostside/ckpt/`, which runs in the job's process."""
+`wait`, `close`, `configure`, `free`; for DCP/FSDP2 state dicts `dcp_save`, `dcp_load`, `dcp_wait`,
+`dcp_close`); it lives in `hostside/ckpt/`, which runs in the job's process."""
 
 from ddplaunch.hostside.ckpt.injob import (CheckpointError, CheckpointWarning, Config, Loaded, Source, TornCheckpoint,
                                          Where, close, configure, free, load, save, wait)
