@@ -133,6 +133,20 @@ def _failed(exc: BaseException, tb: Any) -> Any:
     return P.RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
 
 
+#: Where a checkpoint's dict keeps its step: Lightning, nanoGPT, most hand-written loops.
+STEP_KEYS = ("global_step", "iter_num", "step")
+
+
+def step_in(state: Any) -> Optional[int]:
+    """The step a loaded checkpoint (a dict) names, None when it names none."""
+    if isinstance(state, dict):
+        for key in STEP_KEYS:
+            value = state.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+    return None
+
+
 def loaded_name(target: Any) -> str:
     """What a load read, as a path: the path given, else the path of the file object or reader
     (`name` of an open file; `path` of fsspec's LocalFileOpener, which Lightning passes, and of
@@ -289,13 +303,32 @@ class ProgressHooks:
                 target = args[0] if args else kwargs.get("f")
             else:
                 target = kwargs.get("checkpoint_id", kwargs.get("storage_reader"))
-            self.say(P.Loaded(self.rank, loaded_name(target)[:300], via))
+            name = loaded_name(target)[:300]
             self._inside.depth = 1
             try:
-                return fn(*args, **kwargs)
+                got = fn(*args, **kwargs)
+            except BaseException:
+                self.say(P.Loaded(self.rank, name, via))
+                raise
             finally:
                 self._inside.depth = 0
+            # the step it holds, where it says one (Lightning's global_step, nanoGPT's iter_num, a
+            # `step`): the run's ledger counts the work redone from it (dcp fills the state given)
+            held = got if via == "torch.load" else (args[0] if args else kwargs.get("state_dict"))
+            self.say(P.Loaded(self.rank, name, via, step=step_in(held)))
+            return got
         return functools.wraps(fn)(load)
+
+    def trainer_state(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The HF Trainer's `TrainerState.load_from_json`, saying the step it resumes from."""
+        def load_from_json(*args: Any, **kwargs: Any) -> Any:
+            state = fn(*args, **kwargs)
+            path = str(args[-1] if args else kwargs.get("json_path", ""))
+            step = getattr(state, "global_step", None)
+            self.say(P.Loaded(self.rank, path[:300], "transformers.TrainerState",
+                              step=step if isinstance(step, int) and step >= 0 else None))
+            return state
+        return functools.wraps(fn)(load_from_json)
 
     def patch(self) -> None:
         """Hook what of torch is imported by now (each once)."""
@@ -322,6 +355,11 @@ class ProgressHooks:
             for name in ("save", "save_state_dict"):
                 if self.rank == 0 and hasattr(dcp, name):
                     setattr(dcp, name, self.saving(f"torch.distributed.checkpoint.{name}", getattr(dcp, name)))
+        hf = sys.modules.get("transformers.trainer_callback")
+        state = getattr(hf, "TrainerState", None)
+        if state is not None and "hf" not in self._patched and hasattr(state, "load_from_json"):
+            self._patched.add("hf")
+            setattr(state, "load_from_json", classmethod(self.trainer_state(state.load_from_json.__func__)))
         for module in ("ddplaunch.checkpoint", "ddplaunch.hostside.ckpt.injob"):  # the tier's save: its stall
             api = sys.modules.get(module)
             if api is not None and module not in self._patched and self.rank == 0 and hasattr(api, "save"):
@@ -333,7 +371,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     """Calls `then()` after any module of torch has been imported (a post-import hook)."""
 
     NAMES = ("torch", "torch.optim.optimizer", "torch.distributed.checkpoint", "torch.distributed",
-             "torch.nn.parallel.distributed", "ddplaunch.checkpoint")
+             "torch.nn.parallel.distributed", "ddplaunch.checkpoint", "transformers.trainer_callback")
 
     def __init__(self, then: Callable[[], None]) -> None:
         self.then = then

@@ -206,7 +206,11 @@ class StageLines:
             return
         if isinstance(payload, Loaded):  # before the first step, or after it: the progress shares the list
             self._loaded.append(payload.path[:300])
-            if payload.step is not None:  # ddplaunch.checkpoint's: the step, and where it was read
+            kept = self._checkpoint
+            # the step it holds (ddplaunch.checkpoint's and checkpoint.watch's: also where it was read;
+            # the job's own load of the same step after a put-back does not hide where that came from)
+            if payload.step is not None and not (kept is not None and kept.source and not payload.source
+                                                 and kept.step == payload.step):
                 self._checkpoint = Loaded(payload.rank, payload.path[:300], payload.via[:100], payload.step,
                                           payload.source[:20], payload.host[:300], payload.origin[:300])
                 if self.progress is not None:

@@ -264,6 +264,31 @@ def test_rank_0_reports_its_optimizer_steps_and_checkpoint_loads_without_any_pri
     assert other.returncode == 0 and "DDPLAUNCH_PROGRESS" not in other.stdout  # rank 0 speaks for the job
 
 
+def test_a_loaded_checkpoint_s_step_is_said_where_it_names_one(tmp_path):
+    """The run's ledger counts the work redone from the step a relaunched job loaded: read from
+    the dict torch.load returns (Lightning's global_step, nanoGPT's iter_num) and from the HF
+    Trainer's state, with no print convention."""
+    from transformers import TrainerState
+
+    TrainerState(global_step=40).save_to_json(str(tmp_path / "trainer_state.json"))
+    job = script(tmp_path, f"""\
+        import torch
+        from transformers.trainer_callback import TrainerState
+        torch.save({{"global_step": 30, "state_dict": {{}}}}, {str(tmp_path / 'l.ckpt')!r})
+        torch.save({{"iter_num": 250}}, {str(tmp_path / 'n.pt')!r})
+        torch.save({{"w": torch.ones(1)}}, {str(tmp_path / 'w.pt')!r})
+        for name in ("l.ckpt", "n.pt", "w.pt"):
+            torch.load({str(tmp_path)!r} + "/" + name, weights_only=False)
+        TrainerState.load_from_json({str(tmp_path / 'trainer_state.json')!r})
+        """)
+    out = run_python(ENTRY, "--no-healthcheck", "--", job, env={"RANK": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loads = [json.loads(m) for m in re.findall(r"^DDPLAUNCH_LOADED_JSON (\{.*\})$", out.stdout, re.M)]
+    assert [(os.path.basename(d["path"]), d["via"], d["step"]) for d in loads] == [
+        ("l.ckpt", "torch.load", 30), ("n.pt", "torch.load", 250), ("w.pt", "torch.load", None),
+        ("trainer_state.json", "transformers.TrainerState", 40)]
+
+
 def test_rank_0_says_the_time_inside_its_checkpoint_saves_between_its_steps(tmp_path):
     """The goodput ledger's `checkpoint`: rank 0's time inside torch.save up to its newest step; a
     save after the last step (the run's end) is not a stall of its training."""
