@@ -46,7 +46,14 @@ background; each rank persists them to `<durable>/dcp/step-<step>/` with its man
 every rank's own RAM copy when all are intact, from one save, at the same world size; else the
 newest step with `.metadata`, resharded by DCP. Not replicated to buddies yet.
 
-Not built yet: the supervisor finishing the persist of a sealed RAM version a killed process left;
-unmodified scripts (a memory-backed job dir, completeness by the job's own rename or marker); a
-sharded (`all_ranks`) step that one rank holds only on another host is read from the durable dir.
+Unmodified scripts (`checkpoint.watch`: `jobfiles.py`, `jobwatch.py`, `restore.py`): the job's own
+checkpoint dir is each node's dir in RAM (`<run>/nodes/<node rank>/`); the node agent's watch seals
+each checkpoint the job completes there (its marker, a whole zip, unchanged between two looks) as a
+version of part FILES_PART (so the buddy copies take it like a save) and persists it to the durable
+dir as the job's own files; before the job starts, entry.py puts the newest complete one back on
+every node (`restore.py`: a group of the nodes' local ranks 0, on its own store prefix).
+
+What a killed process left sealed in RAM is made durable by the reaper (hostside/reaper.py) when the
+run's RAM is freed. Not built yet: a sharded (`all_ranks`) step that one rank holds only on another
+host is read from the durable dir.
 """
