@@ -133,20 +133,6 @@ def _failed(exc: BaseException, tb: Any) -> Any:
     return P.RankFailed(int(os.environ.get("RANK", "0")), type(exc).__qualname__, str(exc)[:1000], file, line)
 
 
-#: Where a checkpoint's dict keeps its step: Lightning, nanoGPT, most hand-written loops.
-STEP_KEYS = ("global_step", "iter_num", "step")
-
-
-def step_in(state: Any) -> Optional[int]:
-    """The step a loaded checkpoint (a dict) names, None when it names none."""
-    if isinstance(state, dict):
-        for key in STEP_KEYS:
-            value = state.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                return value
-    return None
-
-
 def loaded_name(target: Any) -> str:
     """What a load read, as a path: the path given, else the path of the file object or reader
     (`name` of an open file; `path` of fsspec's LocalFileOpener, which Lightning passes, and of
@@ -315,7 +301,7 @@ class ProgressHooks:
             # the step it holds, where it says one (Lightning's global_step, nanoGPT's iter_num, a
             # `step`): the run's ledger counts the work redone from it (dcp fills the state given)
             held = got if via == "torch.load" else (args[0] if args else kwargs.get("state_dict"))
-            self.say(P.Loaded(self.rank, name, via, step=step_in(held)))
+            self.say(P.Loaded(self.rank, name, via, step=P.step_in(held)))
             return got
         return functools.wraps(fn)(load)
 

@@ -67,6 +67,20 @@ class Loaded:  # rank 0 loaded a checkpoint (torch.load, torch.distributed.check
     origin: str = ""
 
 
+#: Where a checkpoint's dict keeps its step: Lightning, nanoGPT, most hand-written loops.
+STEP_KEYS = ("global_step", "iter_num", "step")
+
+
+def step_in(state: Any) -> Optional[int]:
+    """The step a loaded checkpoint (a dict) names, for `Loaded.step`; None when it names none."""
+    if isinstance(state, dict):
+        for key in STEP_KEYS:
+            value = state.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                return value
+    return None
+
+
 @dataclasses.dataclass
 class Durable:  # a rank that saved through ddplaunch.checkpoint, at its exit: its newest save is durable
     KIND: ClassVar[str] = "DURABLE"
