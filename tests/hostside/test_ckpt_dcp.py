@@ -6,8 +6,10 @@ resumed at world 4 from RAM and at world 2 (resharded) from the durable copy, pa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
 import sys
 import uuid
@@ -19,8 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ddplaunch import checkpoint
+from ddplaunch.hostside import payloads
 from ddplaunch.hostside.ckpt import dcp as ckdcp
-from ddplaunch.hostside.ckpt import layout
+from ddplaunch.hostside.ckpt import dcpfiles, layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # torchrun_util sits beside us, whatever the import mode
 from torchrun_util import ROOT, run_torchrun  # noqa: E402
@@ -121,6 +124,130 @@ def test_rank_0_publishes_a_step_only_once_every_rank_has_persisted_its_files(ti
 
 def test_nothing_saved_loads_none(tier):
     assert checkpoint.dcp_load(_blank()) is None and checkpoint.dcp_wait() is None
+
+
+def _payloads(out: str) -> list:
+    """The payload lines a job printed, read as ddplaunch reads them."""
+    got = []
+    for line in out.splitlines():
+        m = re.match(r"DDPLAUNCH_([A-Z_]+)_JSON (.*)$", line)
+        if m:
+            got.append(payloads.read_payload(m.group(1), m.group(2)))
+    return got
+
+
+def test_under_ddplaunch_rank_0_says_what_it_loaded_and_that_its_newest_save_is_durable(tier, monkeypatch, capsys):
+    """The Loaded and Durable payloads the run's summary reads: `resumed ... at step 5 from h1's
+    memory` (then `from the durable dir` once the RAM copy is torn) and `checkpoint step 5 durable`."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    checkpoint.dcp_save(_state(5), 5)
+    checkpoint.dcp_wait(timeout=60)
+    checkpoint.dcp_load(_blank())
+    assert _payloads(capsys.readouterr().out) == []  # not under torchrun: nobody reads them
+    monkeypatch.setenv("DDPLAUNCH_RUN_ID", tier.run_id)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    loaded = checkpoint.dcp_load(_blank())
+    assert loaded is not None
+    [said] = _payloads(capsys.readouterr().out)
+    assert isinstance(said, payloads.Loaded) and (said.rank, said.step, said.source, said.host, said.origin) == \
+        (0, 5, "memory", "h1", "h1") and said.path == str(_ram_version(tier, 5))
+    data = _ram_version(tier, 5) / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-1] + bytes([data.read_bytes()[-1] ^ 0xFF]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
+        checkpoint.dcp_load(_blank())
+    [said] = _payloads(capsys.readouterr().out)
+    assert (said.step, said.source, said.host) == (5, "durable", "")
+    checkpoint.dcp_save(_state(6), 6)
+    assert checkpoint.dcp_close() == 6
+    [durable] = _payloads(capsys.readouterr().out)
+    assert isinstance(durable, payloads.Durable) and (durable.rank, durable.step, durable.failed) == (0, 6, "")
+
+
+def _direct_leftovers(durable: Path) -> list[str]:
+    return [p.name for p in (durable / "dcp").iterdir() if p.name.startswith(".")]
+
+
+def test_past_memory_limit_a_save_goes_straight_to_the_durable_dir_said_once(tmp_path):
+    run = f"test-{uuid.uuid4().hex[:12]}"
+    config = checkpoint.configure(tmp_path / "durable", run_id=run, host="h1", memory_limit=100)
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for step in (1, 2):
+                checkpoint.dcp_save(_state(step), step)
+            assert checkpoint.dcp_wait(timeout=60) == 2
+        assert [str(w.message) for w in said if "memory_limit" in str(w.message)] != []
+        assert len([w for w in said if issubclass(w.category, checkpoint.CheckpointWarning)]) == 1
+        assert not ckdcp.rank_dir(config, 0).exists() or layout.ram_steps(ckdcp.rank_dir(config, 0)) == []
+        assert ckdcp.published_steps(config.durable) == [2, 1] and _direct_leftovers(config.durable) == []
+        got = _blank()
+        loaded = checkpoint.dcp_load(got)
+        assert loaded is not None and loaded.step == 2 and loaded.source.where is checkpoint.Where.DURABLE
+        assert _equal(got, _state(2))
+    finally:
+        checkpoint.dcp_close()
+        checkpoint.free(run)
+
+
+def test_a_full_dev_shm_sends_the_save_to_the_durable_dir_said_once(tier, monkeypatch):
+    """ENOSPC while DCP writes into RAM (it arrives wrapped in DCP's CheckpointException)."""
+    real = dcp.FileSystemWriter.write_data
+    ram = layout.ram_base(tier.ram_root)
+
+    def full(self, plan, planner):
+        if Path(self.path).is_relative_to(ram):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, plan, planner)
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        checkpoint.dcp_save(_state(7), 7)
+        checkpoint.dcp_save(_state(8), 8)
+        assert checkpoint.dcp_wait(timeout=60) == 8
+    assert len([w for w in said if "is full" in str(w.message)]) == 1
+    assert ckdcp.published_steps(tier.durable)[0] == 8 and _direct_leftovers(tier.durable) == []
+    plain = _blank()
+    dcp.load(plain, storage_reader=dcp.FileSystemReader(tier.durable / "dcp" / layout.step_name(8)), no_dist=True)
+    assert _equal(plain, _state(8))
+
+
+def test_rank_0_gives_a_step_up_soon_when_nothing_in_it_changes(tier):
+    """Rank 1 died: rank 0 does not wait the whole publish timeout (600 s) but as long as nothing in
+    the step's durable dir moves."""
+    checkpoint.dcp_save(_state(3), 3)
+    checkpoint.dcp_wait(timeout=60)
+    lone = ckdcp.DcpTier(tier, publish_timeout=600, stall_timeout=0.3)
+    job = ckdcp._Job(4, 0, 2, "a-save-of-two-ranks", _ram_version(tier, 3))
+    with pytest.raises(checkpoint.CheckpointError, match=r"ranks \[1\] did not persist .* changed for 0.3 s"):
+        lone._persist_one(job)
+    assert not (tier.durable / "dcp" / layout.step_name(4) / ".metadata").exists()
+
+
+_RAN = []
+
+
+def _evil() -> str:
+    _RAN.append(True)
+    return "ran"
+
+
+class _Evil:
+    def __reduce__(self):
+        return (_evil, ())
+
+
+def test_rank_0_never_runs_code_from_a_rank_s_metadata(tier):
+    """A rank's `.ranks/R.metadata` that names any global but DCP's metadata classes is refused
+    unread: the step is not published."""
+    checkpoint.dcp_save(_state(3), 3)
+    checkpoint.dcp_wait(timeout=60)
+    target = tier.durable / "dcp" / layout.step_name(3)
+    (target / ".metadata").unlink()
+    (target / ".ranks" / "0.metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(checkpoint.TornCheckpoint, match="refusing .*_evil"):
+        dcpfiles.publish(target, 1)
+    assert _RAN == [] and not (target / ".metadata").exists()
 
 
 _JOB = """

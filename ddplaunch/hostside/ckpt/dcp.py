@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
-from ddplaunch.hostside.ckpt import dcpfiles, layout
-from ddplaunch.hostside.ckpt.config import Config
+from ddplaunch.hostside import payloads
+from ddplaunch.hostside.ckpt import dcpbypass, dcpfiles, layout
+from ddplaunch.hostside.ckpt.config import RUN_ENV, Config
 from ddplaunch.hostside.ckpt.dcpfiles import METADATA, RANKS, RankManifest, published_steps, rank_dir, step_dir, verify
 from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
 from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Where
@@ -39,6 +40,17 @@ if TYPE_CHECKING:
 
 #: How long rank 0 waits for every rank's files in the durable dir before it gives a step up.
 PUBLISH_TIMEOUT = 600.0
+#: How long rank 0 waits while nothing in the step's durable dir changes (no rank's file grows, is
+#: renamed in, or its manifest written) before it gives the step up: the others died, or never
+#: saved it. A live rank copying a large shard moves its temporary file's mtime all the while.
+STALL_TIMEOUT = 120.0
+#: How often rank 0 looks at the step's durable dir while it waits (a newer save or close wakes it).
+_POLL = 0.05
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """`[1, 3]`, or `[1, 2, 3, ...] (40 ranks)` for many."""
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ...] ({len(ranks)} ranks)"
 
 
 def _distributed() -> bool:
@@ -83,21 +95,38 @@ def _agreed_token() -> str:
     return str(box[0])
 
 
+def _write_dcp(state_dict: dict[str, Any], directory: Path, rank: int, sync: bool) -> None:
+    """This rank's DCP files (its data and a metadata of its own chunks, `.metadata`) in `directory`."""
+    import torch.distributed.checkpoint as dcp
+
+    with _one_process():
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=sync),
+                 no_dist=not _distributed(), use_collectives=False)
+    os.rename(directory / f"__{rank}{METADATA}", directory / METADATA)
+
+
 @dataclass(frozen=True)
 class _Job:
+    """One rank's files of one save: `version` is its RAM version, or with `direct` a directory on
+    the durable dir's filesystem (a save that bypassed RAM, dcpbypass), removed once persisted."""
+
     step: int
     rank: int
     world: int
     token: str
     version: Path
+    direct: bool = False
 
 
 class DcpTier:
     """One process's DCP saves (the module's docstring); `close` finishes the newest and stops."""
 
-    def __init__(self, config: Config, publish_timeout: float = PUBLISH_TIMEOUT) -> None:
+    def __init__(self, config: Config, publish_timeout: float = PUBLISH_TIMEOUT,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         self.config = config
         self.publish_timeout = publish_timeout
+        self.stall_timeout = stall_timeout
+        self._rank = 0  # the rank of this process's saves (the process group may be gone at close)
         self._cond = threading.Condition()
         self._seal: list[_Job] = []
         self._persist: Optional[_Job] = None
@@ -119,34 +148,69 @@ class DcpTier:
 
     def save(self, state_dict: dict[str, Any], step: int) -> None:
         """Writes this rank's DCP files into its host's RAM and returns (a collective: every rank
-        calls it with its own shards); sealing and persisting happen in the background."""
-        import torch.distributed.checkpoint as dcp
+        calls it with its own shards); sealing and persisting happen in the background. Past
+        `memory_limit`, or on a full /dev/shm, they are written to the durable dir at once (said once).
 
+        Raises:
+            CheckpointError: a save that had to go to the durable dir could not be written there.
+        """
         rank, world = _world()
         token = _agreed_token()
         rdir = rank_dir(self.config, rank)
+        refusal = dcpbypass.over_limit(self.config, rdir, dcpbypass.state_nbytes(state_dict))
+        final: Optional[Path] = None
+        if refusal is None:
+            try:
+                final = self._write_ram(state_dict, step, rank, rdir, token)
+            except BaseException as exc:  # DCP wraps the OSError in its CheckpointException
+                if not dcpbypass.is_full(exc):
+                    raise
+                refusal = dcpbypass.full_message(self.config, exc)
+        if refusal is not None:
+            self._say_once(*refusal)
+            final = self._write_direct(state_dict, step, rank, token)
+        assert final is not None
+        with self._cond:
+            self._rank, self._saved = rank, step
+            self._failed.pop(step, None)
+            self._seal.append(_Job(step, rank, world, token, final, direct=refusal is not None))
+            self._cond.notify_all()
+        self._start()
+        self._evict(rdir)
+
+    def _write_ram(self, state_dict: dict[str, Any], step: int, rank: int, rdir: Path, token: str) -> Path:
+        """This rank's DCP files as the RAM version of `step`; returns it."""
         for d in reversed([rdir, *list(rdir.parents)[:4]]):
             layout.private_dir(d)
         staging = rdir / f".new-{step}-{token[:12]}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            with _one_process():
-                dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(staging, sync_files=False),
-                         no_dist=not _distributed(), use_collectives=False)
-            os.rename(staging / f"__{rank}{METADATA}", staging / METADATA)
+            _write_dcp(state_dict, staging, rank, sync=False)
             final = rdir / layout.version_name(step)
             with self._cond:
                 if final.exists():
                     shutil.rmtree(final)
                 os.rename(staging, final)
-                self._saved = step
-                self._failed.pop(step, None)
-                self._seal.append(_Job(step, rank, world, token, final))
-                self._cond.notify_all()
+            return final
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        self._start()
-        self._evict(rdir)
+
+    def _write_direct(self, state_dict: dict[str, Any], step: int, rank: int, token: str) -> Path:
+        """This rank's DCP files on the durable dir's filesystem, fsynced (dcpbypass); returns where."""
+        where = dcpbypass.direct_dir(self.config.durable, step, rank, token)
+        try:
+            layout.private_dir(self.config.durable)
+            layout.private_dir(where.parent)
+            shutil.rmtree(where, ignore_errors=True)
+            _write_dcp(state_dict, where, rank, sync=True)
+            layout.fsync_dir(where)
+            return where
+        except BaseException as exc:
+            shutil.rmtree(where, ignore_errors=True)
+            with self._cond:
+                self._rank, self._saved = rank, step
+                self._failed[step] = f"DCP step {step} could not be written to {self.config.durable}: {exc}"
+                raise CheckpointError(self._failed[step]) from exc
 
     def _evict(self, rdir: Path) -> None:
         with self._cond:
@@ -203,6 +267,7 @@ class DcpTier:
             self._finish(job, failure, sealed=False)
 
     def _finish(self, job: _Job, failure: Optional[str], sealed: bool) -> None:
+        done = [job]  # the jobs no thread will read again: a direct one's files go
         with self._cond:
             self._pinned[job.version] -= 1
             if sealed:
@@ -210,28 +275,45 @@ class DcpTier:
             if failure:
                 self._failed[job.step] = failure
             elif sealed and (self._persist is None or self._persist.step <= job.step):
+                done = [] if self._persist is None or self._persist == job else [self._persist]
                 self._persist = job
             elif not sealed:
                 self._durable = job.step if self._durable is None else max(self._durable, job.step)
             self._cond.notify_all()
-        self._evict(job.version.parent)
+        for gone in done:
+            if gone.direct:
+                shutil.rmtree(gone.version, ignore_errors=True)
+        if not job.direct:
+            self._evict(job.version.parent)
 
     def _persist_one(self, job: _Job) -> None:
         """This rank's files into the durable step; rank 0 then waits until every rank's are there
-        and publishes it (`dcpfiles`), unless a newer save supersedes it or `publish_timeout` passes."""
-        target = dcpfiles.persist_rank(self.config.durable, job.version, job.step, job.rank, job.world, job.token)
+        and publishes it (`dcpfiles`), unless a newer save supersedes it, nothing in the step changed
+        for `stall_timeout` (a rank that died), or `publish_timeout` passes."""
+        target = dcpfiles.persist_rank(self.config.durable, job.version, job.step, job.rank, job.world, job.token,
+                                       move=job.direct)
+        if job.direct:
+            shutil.rmtree(job.version, ignore_errors=True)  # its files are the step's now
         if job.rank != 0:
             return
-        deadline = time.monotonic() + self.publish_timeout
+        started = moved = time.monotonic()
+        seen = dcpfiles.progress(target)
         while missing := dcpfiles.missing_ranks(target, job.world, job.token):
+            now, was = time.monotonic(), seen
+            if (seen := dcpfiles.progress(target)) != was:
+                moved = now
             with self._cond:
                 if self._persist is not None and self._persist.step > job.step:
                     raise CheckpointError(f"superseded by step {self._persist.step} before ranks {missing} "
                                           "persisted theirs")
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"ranks {missing} did not persist their shards within "
+                if now - moved > self.stall_timeout:
+                    raise CheckpointError(f"ranks {_ranks_text(missing)} did not persist their shards: nothing "
+                                          f"in {target} changed for {self.stall_timeout:g} s (did they die?): the "
+                                          "step is not published")
+                if now - started > self.publish_timeout:
+                    raise CheckpointError(f"ranks {_ranks_text(missing)} did not persist their shards within "
                                           f"{self.publish_timeout:g} s: the step is not published")
-                self._cond.wait(0.05)  # woken early by a newer save or close
+                self._cond.wait(_POLL)  # woken early by a newer save or close
         dcpfiles.publish(target, job.world)
         dcpfiles.prune(self.config.durable, self.config.durable_keep)
 
@@ -337,6 +419,12 @@ class DcpTier:
         with self._cond:
             return self._saved
 
+    @property
+    def saved_rank(self) -> int:
+        """The rank this process saved as (0 before any save)."""
+        with self._cond:
+            return self._rank
+
     def close(self) -> Optional[str]:
         """Finishes the newest save, stops the worker; returns why it is not durable (None: it is)."""
         failed = None
@@ -363,7 +451,7 @@ def _current() -> DcpTier:
     global _tier
     from ddplaunch.hostside.ckpt import injob
 
-    config = injob._current().config
+    config = injob.current_config()
     with _lock:
         old = _tier if _tier is not None and _tier.config != config else None
         if _tier is None or old is not None:
@@ -386,12 +474,23 @@ def dcp_load(state_dict: dict[str, Any], *, planner: Optional[LoadPlanner] = Non
     """Loads the newest complete DCP step into `state_dict` in place, like
     `torch.distributed.checkpoint.load` (every rank calls it); returns `(state_dict, step)` with
     `.source` (this rank's RAM, or the durable dir), or None when no step is complete anywhere.
+    Under ddplaunch, rank 0 says what it loaded (a `Loaded` payload line: the step, where it was read).
 
     Args:
         planner: DCP's load planner (default: DefaultLoadPlanner).
         reader: makes the storage reader of a checkpoint directory (default: FileSystemReader).
     """
-    return _current().load(state_dict, planner, reader)
+    got = _current().load(state_dict, planner, reader)
+    if got is not None and _world()[0] == 0 and _under_ddplaunch():
+        source = got.source
+        payloads.say(payloads.Loaded(0, str(source.path)[:300], "ddplaunch.checkpoint.dcp_load", step=got.step,
+                                     source=source.where.value, host=source.host or "", origin=source.origin or ""))
+    return got
+
+
+def _under_ddplaunch() -> bool:
+    """Whether ddplaunch reads this process's payload lines (it started it, through torchrun)."""
+    return bool(os.environ.get(RUN_ENV)) and payloads.under_torchrun()
 
 
 def dcp_wait(timeout: Optional[float] = None) -> Optional[int]:
@@ -403,15 +502,21 @@ def dcp_wait(timeout: Optional[float] = None) -> Optional[int]:
 
 
 def dcp_close() -> Optional[int]:
-    """Finishes this process's newest DCP save and stops its threads; returns that step. Runs at
-    interpreter exit by itself; call it before an `os._exit`."""
+    """Finishes this process's newest DCP save and stops its threads; returns that step. Under
+    ddplaunch, rank 0 says whether it is durable (a `Durable` payload: its step, how long this
+    waited, or why not), which the run's summary shows. Runs at interpreter exit by itself; call it
+    before an `os._exit`."""
     global _tier
     with _lock:
         tier, _tier = _tier, None
     if tier is None:
         return None
-    tier.close()
-    return tier.saved_step
+    started = time.monotonic()
+    failed = tier.close()
+    step = tier.saved_step
+    if step is not None and tier.saved_rank == 0 and _under_ddplaunch():
+        payloads.say(payloads.Durable(0, step, round(time.monotonic() - started, 3), (failed or "")[:300]))
+    return step
 
 
 atexit.register(dcp_close)

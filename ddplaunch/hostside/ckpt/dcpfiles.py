@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ddplaunch.hostside.ckpt import layout
+from ddplaunch.hostside.ckpt import dcpmeta, layout
 from ddplaunch.hostside.ckpt.config import Config
 from ddplaunch.hostside.ckpt.layout import TornCheckpoint
 
@@ -131,11 +131,19 @@ def marked(path: Path, token: str) -> bool:
         return False
 
 
-def persist_rank(durable: Path, version: Path, step: int, rank: int, world: int, token: str) -> Path:
+def _move_synced(source: Path, target: Path) -> None:
+    """`source`, written and fsynced on the durable dir's filesystem already, renamed into place."""
+    os.rename(source, target)
+
+
+def persist_rank(durable: Path, version: Path, step: int, rank: int, world: int, token: str,
+                 move: bool = False) -> Path:
     """Rank `rank`'s sealed RAM `version` into the durable step `step` (nothing to do when its
     manifest of this save is there already): a published step saved again is unpublished first (a
     reader never sees old metadata over new files), then the data files and the rank's metadata,
-    each fsynced and renamed, its manifest last. Returns the step's directory."""
+    each fsynced and renamed, its manifest last. `move`: `version` is a save written straight to
+    the durable dir's filesystem (files fsynced), its files renamed in, not copied. Returns the
+    step's directory."""
     manifest = RankManifest.read(version / layout.MANIFEST)
     target = step_dir(durable, step)
     layout.private_dir(durable)
@@ -148,10 +156,11 @@ def persist_rank(durable: Path, version: Path, step: int, rank: int, world: int,
         return target
     (target / METADATA).unlink(missing_ok=True)
     layout.fsync_dir(target)
+    put = _move_synced if move else _copy_synced
     for name in manifest.files:
         if name != METADATA:
-            _copy_synced(version / name, target / name)
-    _copy_synced(version / METADATA, ranks / f"{rank}{METADATA}")
+            put(version / name, target / name)
+    put(version / METADATA, ranks / f"{rank}{METADATA}")
     layout.fsync_dir(target)
     _write_synced(mark, RankManifest(step, rank, world, token, manifest.files).encode())
     layout.fsync_dir(ranks)
@@ -163,11 +172,35 @@ def missing_ranks(target: Path, world: int, token: str) -> list[int]:
     return [r for r in range(world) if not marked(target / RANKS / f"{r}.json", token)]
 
 
+def progress(target: Path) -> tuple[float, ...]:
+    """What changes while any rank is still persisting into the durable step `target`: the mtimes of
+    the step's directory, of its `.ranks`, and of every temporary file a rank is writing in either
+    (a rank copying a large shard moves its file's mtime; a rank that died moves nothing)."""
+    seen: list[float] = []
+    for directory in (target, target / RANKS):
+        try:
+            seen.append(os.stat(directory).st_mtime)
+            names = [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+        except OSError:
+            continue
+        for name in sorted(names):
+            try:
+                seen.append(os.stat(directory / name).st_mtime)
+            except OSError:
+                seen.append(-1.0)  # renamed meanwhile: itself a change
+    return tuple(seen)
+
+
 def publish(target: Path, world: int) -> None:
     """The step's `.metadata`, merged from every rank's, written last (temp, fsync, rename, directory
-    fsync): from now on torch's FileSystemReader loads it. The ranks' metadata come from the durable
-    dir, trusted as torch's own reader trusts `.metadata` (both are unpickled)."""
-    parts = [pickle.loads((target / RANKS / f"{r}{METADATA}").read_bytes()) for r in range(world)]
+    fsync): from now on torch's FileSystemReader loads it. The ranks' metadata are read without
+    running code (dcpmeta: only DCP's metadata classes; files named inside the step).
+
+    Raises:
+        TornCheckpoint: a rank's metadata is not DCP metadata of plain files (the step is not published).
+    """
+    parts = [dcpmeta.loads_metadata((target / RANKS / f"{r}{METADATA}").read_bytes(), target / RANKS / f"{r}{METADATA}")
+             for r in range(world)]
     _write_synced(target / METADATA, pickle.dumps(merge_metadata(parts)))
     layout.fsync_dir(target)
 

@@ -18,7 +18,7 @@ from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
 from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Tier, Where, rank_world
 
 __all__ = ["CheckpointError", "CheckpointWarning", "Config", "Loaded", "Source", "TornCheckpoint", "Where",
-           "close", "configure", "free", "load", "save", "wait"]
+           "close", "configure", "current_config", "free", "load", "save", "wait"]
 
 _lock = threading.Lock()
 _tier: Optional[Tier] = None
@@ -50,6 +50,15 @@ def _current() -> Tier:
         if _tier is None:
             _tier = Tier(resolve())
         return _tier
+
+
+def current_config() -> Config:
+    """This process's tier's configuration (the environment's when `configure` was not called).
+
+    Raises:
+        CheckpointError: no durable directory is known, or a value is unusable.
+    """
+    return _current().config
 
 
 def save(state: Any, step: int, *, all_ranks: bool = False) -> bool:
