@@ -1,9 +1,10 @@
 """What the checkpoint tier holds, read from its directories (`ckpt ls`, `ckpt verify`): every step
 of a durable dir and of a run's RAM on this machine (each host's own saves and the buddies'
-replicas it holds), each part checked against its manifest by sizes, or by sizes and CRC-32 read in
-chunks (`checksums=True`). Only the manifests (JSON) are parsed: no state is loaded or unpickled,
-and no file that is not a regular file is opened. The paths are hostside/ckpt/layout.py's.
-Data and file I/O."""
+replicas it holds), and the DCP steps of the durable dir (`<durable>/dcp/step-N/`: one part per
+saving rank, complete once its `.metadata` is published), each part checked against its manifest by
+sizes, or by sizes and CRC-32 read in chunks (`checksums=True`). Only the manifests (JSON) are
+parsed: no state is loaded or unpickled, and no file that is not a regular file is opened. The
+paths are hostside/ckpt/layout.py's and dcpfiles.py's. Data and file I/O."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from typing import Iterator, Optional
 from ddplaunch.errors import EXIT_BAD_INPUT, DdplaunchError
 from ddplaunch.hostside.ckpt import layout
 from ddplaunch.hostside.ckpt.config import RAM_ROOT
+from ddplaunch.hostside.ckpt.dcpfiles import DCP_DIR, METADATA, RANKS, RankManifest
 from ddplaunch.record.runs import RUN_ID_RE, load_run, run_dir
 
 _PART = re.compile(r"part-(\d+)")
+_DCP_RANK_FILE = re.compile(r"(\d+)\.(?:json|metadata)")
+_DCP_DATA = re.compile(r"__(\d+)_\d+\.distcp")
 #: A manifest is a few hundred bytes; a bigger file is not one (and is never read whole).
 MAX_MANIFEST = 1 << 20
 
@@ -34,6 +38,14 @@ class CheckpointSourceError(DdplaunchError):
 class Place(StrEnum):
     DURABLE = "durable"
     MEMORY = "memory"
+
+
+class Format(StrEnum):
+    """How a step was saved: `ddplaunch.checkpoint.save` (parts `part-R/`) or `dcp_save` (a DCP
+    checkpoint under `<durable>/dcp/`, a part per saving rank; its steps are apart from the others')."""
+
+    TIER = "tier"
+    DCP = "dcp"
 
 
 class PartState(StrEnum):
@@ -83,6 +95,8 @@ class Copy:
     parts: tuple[PartCopy, ...]
     host: Optional[str] = None
     origin: Optional[str] = None
+    #: a DCP step's: whether its `.metadata` is written (None: not a DCP step)
+    published: Optional[bool] = None
 
     @property
     def ok_parts(self) -> list[int]:
@@ -95,6 +109,12 @@ class StoredStep:
 
     step: int
     copies: tuple[Copy, ...]
+    format: Format = Format.TIER
+
+    @property
+    def unpublished(self) -> bool:
+        """A DCP step no copy of which has its `.metadata` (never loaded, whatever its ranks hold)."""
+        return self.format is Format.DCP and not any(c.published for c in self.copies)
 
     @property
     def parts(self) -> Optional[int]:
@@ -110,7 +130,7 @@ class StoredStep:
 
     @property
     def complete(self) -> bool:
-        return self.parts is not None and not self.missing
+        return self.parts is not None and not self.missing and not self.unpublished
 
     @property
     def corrupt(self) -> list[tuple[Copy, PartCopy]]:
@@ -194,8 +214,12 @@ def scan(places: Places, checksums: bool = False) -> Listing:
     if places.ram is not None:
         for step, copy in _ram_copies(places.ram, checksums):
             found.setdefault(step, []).append(copy)
-    steps = tuple(StoredStep(s, tuple(found[s])) for s in sorted(found, reverse=True))
-    return Listing(places, durable is not None and durable.is_dir(), steps, checksums)
+    steps = [StoredStep(s, tuple(copies)) for s, copies in found.items()]
+    if durable is not None:
+        steps += [StoredStep(s, (copy,), Format.DCP) for s in layout.durable_steps(durable / DCP_DIR)
+                  if (copy := _dcp_copy(durable / DCP_DIR / layout.step_name(s), s, checksums)) is not None]
+    steps.sort(key=lambda s: (s.step, s.format is Format.DCP), reverse=True)
+    return Listing(places, durable is not None and durable.is_dir(), tuple(steps), checksums)
 
 
 def _listdir(path: Path) -> list[str]:
@@ -299,19 +323,76 @@ def check_part(part_dir: Path, step: int, part: int, checksums: bool) -> Optiona
                         mtime, expected, found)
 
     for name in (layout.META, layout.DATA):
-        want_size, want_crc = manifest.files[name]
-        size = _regular_size(part_dir / name)
-        if size is None:
-            return judged(PartState.MISSING_FILE, name)
-        if size != want_size:
-            return judged(PartState.SIZE_MISMATCH, name, want_size, size)
-        if checksums:
-            try:
-                size, crc = layout.crc_of_file(part_dir / name)
-            except OSError:
-                return judged(PartState.MISSING_FILE, name)
-            if size != want_size:
-                return judged(PartState.SIZE_MISMATCH, name, want_size, size)
-            if crc != want_crc:
-                return judged(PartState.CRC_MISMATCH, name, want_crc, crc)
+        problem = _file_problem(part_dir / name, manifest.files[name], checksums)
+        if problem is not None:
+            return judged(problem[0], name, *problem[1:])
     return judged(PartState.OK)
+
+
+def _file_problem(path: Path, want: tuple[int, int], checksums: bool
+                  ) -> Optional[tuple[PartState, Optional[int], Optional[int]]]:
+    """What is wrong with one file against its manifest's (size, CRC-32), and the expected and found
+    values; None when nothing is."""
+    want_size, want_crc = want
+    size = _regular_size(path)
+    if size is None:
+        return PartState.MISSING_FILE, None, None
+    if size != want_size:
+        return PartState.SIZE_MISMATCH, want_size, size
+    if checksums:
+        try:
+            size, crc = layout.crc_of_file(path)
+        except OSError:
+            return PartState.MISSING_FILE, None, None
+        if size != want_size:
+            return PartState.SIZE_MISMATCH, want_size, size
+        if crc != want_crc:
+            return PartState.CRC_MISMATCH, want_crc, crc
+    return None
+
+
+def _dcp_copy(step_dir: Path, step: int, checksums: bool) -> Optional[Copy]:
+    """A durable DCP step: each rank that left a file in it, judged against its manifest
+    (`.ranks/R.json`; its metadata is `.ranks/R.metadata`), and whether `.metadata` is published."""
+    ranks = {int(m.group(1)) for m in map(_DCP_RANK_FILE.fullmatch, _listdir(step_dir / RANKS)) if m} | \
+        {int(m.group(1)) for m in map(_DCP_DATA.fullmatch, _listdir(step_dir)) if m}
+    if not ranks and not step_dir.is_dir():
+        return None
+    parts = [check_dcp_rank(step_dir, step, rank, checksums) for rank in sorted(ranks)]
+    tokens = [t for _, t in parts if t is not None]
+    save = max(set(tokens), key=tokens.count) if tokens else None
+    kept = tuple(p if t == save else PartCopy(p.part, PartState.BAD_MANIFEST, step_dir, p.file, p.parts, p.nbytes)
+                 for p, t in parts)
+    return Copy(Place.DURABLE, step_dir, kept, published=_regular_size(step_dir / METADATA) is not None)
+
+
+def check_dcp_rank(step_dir: Path, step: int, rank: int, checksums: bool) -> tuple[PartCopy, Optional[str]]:
+    """One rank's files of a durable DCP step judged against its manifest, with the save (token) its
+    manifest names (None: none readable)."""
+    mark = step_dir / RANKS / f"{rank}.json"
+    mine = [n for n in _listdir(step_dir) if (m := _DCP_DATA.fullmatch(n)) and int(m.group(1)) == rank]
+    on_disk = sum(_regular_size(step_dir / n) or 0 for n in mine)
+    size = _regular_size(mark)
+    if size is None and not mark.exists():
+        return PartCopy(rank, PartState.TORN, step_dir, f"{RANKS}/{rank}.json", nbytes=on_disk), None
+    try:
+        if size is None or size > MAX_MANIFEST:
+            raise layout.TornCheckpoint("not a regular file, or too big")
+        manifest, mtime = RankManifest.read(mark), os.stat(mark).st_mtime
+        if (manifest.step, manifest.rank) != (step, rank) or not all(_plain(n) for n in manifest.files):
+            raise layout.TornCheckpoint("names another step, rank or place")
+    except (OSError, layout.TornCheckpoint):
+        return PartCopy(rank, PartState.BAD_MANIFEST, step_dir, f"{RANKS}/{rank}.json", nbytes=on_disk), None
+    nbytes = sum(n for n, _ in manifest.files.values())
+    for name, want in sorted(manifest.files.items()):
+        file = f"{RANKS}/{rank}{METADATA}" if name == METADATA else name
+        problem = _file_problem(step_dir / file, want, checksums)
+        if problem is not None:
+            return PartCopy(rank, problem[0], step_dir, file, manifest.world, nbytes, mtime, *problem[1:]), \
+                manifest.token
+    return PartCopy(rank, PartState.OK, step_dir, None, manifest.world, nbytes, mtime), manifest.token
+
+
+def _plain(name: str) -> bool:
+    """A file name inside its directory (a manifest naming `../x` or `a/b` is not trusted)."""
+    return name not in ("", ".", "..") and os.path.basename(name) == name

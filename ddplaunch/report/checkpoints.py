@@ -1,7 +1,8 @@
 """`ddplaunch ckpt ls` and `ckpt verify` rendered from what record/ckptscan.py found: one row per
 step, newest first (complete or which parts are missing, size, age, where it lives: the durable dir
-and each host's RAM, a buddy's replica naming its origin), each verified step's verdict with every
-damaged copy's file, and the same as data for `--json`.
+and each host's RAM, a buddy's replica naming its origin; a DCP step as `durable DCP`, its parts
+its saving ranks, incomplete until published), each verified step's verdict with every damaged
+copy's file, and the same as data for `--json`.
 
 Pure: a listing and the time now in, lines or JSON-ready data out."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ddplaunch.record.ckptscan import Copy, Listing, PartCopy, PartState, Place, StoredStep
+from ddplaunch.record.ckptscan import Copy, Format, Listing, PartCopy, PartState, Place, StoredStep
 from ddplaunch.report.goodput import duration
 
 
@@ -26,9 +27,12 @@ def size_text(nbytes: int) -> str:
 def copy_label(copy: Copy, parts: Optional[int]) -> str:
     """`durable`, `RAM gpu1`, `RAM gpu2 (replica of gpu1)`; `part 0` when it holds only some parts."""
     name = "durable" if copy.place is Place.DURABLE else f"RAM {copy.host}"
+    unit = "rank" if copy.published is not None else "part"
+    if copy.published is not None:
+        name += " DCP"
     ok = copy.ok_parts
     if parts is not None and parts > 1 and len(ok) < parts:
-        name += f" part{'s' if len(ok) > 1 else ''} {','.join(map(str, ok))}"
+        name += f" {unit}{'s' if len(ok) > 1 else ''} {','.join(map(str, ok))}"
     if copy.place is Place.MEMORY and copy.origin != copy.host:
         name += f" (replica of {copy.origin})"
     return name
@@ -46,11 +50,15 @@ def where_text(step: StoredStep) -> str:
 
 
 def missing_text(step: StoredStep) -> str:
-    """`part 1 missing`, `parts 0,2 missing`, `no manifest` (no part says how many there are)."""
+    """`part 1 missing`, `parts 0,2 missing`, `no manifest` (no part says how many there are); a DCP
+    step's `rank 1 missing`, or `not published (no .metadata)` when every rank's files are there."""
+    unit = "rank" if step.format is Format.DCP else "part"
     if step.parts is None:
-        return "no manifest" if any(c.parts for c in step.copies) else "no part"
+        return "no manifest" if any(c.parts for c in step.copies) else f"no {unit}"
     missing = step.missing
-    return f"part{'s' if len(missing) > 1 else ''} {','.join(map(str, missing))} missing"
+    if not missing and step.unpublished:
+        return "not published (no .metadata)"
+    return f"{unit}{'s' if len(missing) > 1 else ''} {','.join(map(str, missing))} missing"
 
 
 def state_text(step: StoredStep) -> str:
@@ -84,17 +92,19 @@ def ls_lines(listing: Listing, now: float) -> list[str]:
 
 def problem_text(copy: Copy, part: PartCopy) -> str:
     """`durable part 0: data does not match its checksum (...): /path/data`."""
+    dcp = copy.published is not None
     what = {
-        PartState.TORN: "no MANIFEST: " + ("not sealed yet, or torn" if copy.place is Place.MEMORY else "torn")
-                        + "; never loaded",
-        PartState.BAD_MANIFEST: "MANIFEST unreadable, or it names another step or part",
+        PartState.TORN: ("no manifest: not persisted yet, or torn" if dcp else "no MANIFEST: "
+                         + ("not sealed yet, or torn" if copy.place is Place.MEMORY else "torn")) + "; never loaded",
+        PartState.BAD_MANIFEST: "manifest unreadable, or it names another step, rank or save" if dcp else
+                                "MANIFEST unreadable, or it names another step or part",
         PartState.MISSING_FILE: f"{part.file} is missing (or not a regular file)",
         PartState.SIZE_MISMATCH: f"{part.file} holds {part.found} bytes, its manifest says {part.expected}",
         PartState.CRC_MISMATCH: f"{part.file} does not match its checksum (CRC-32 {part.found or 0:08x}, "
                                 f"manifest {part.expected or 0:08x})",
     }[part.state]
     at = part.path / part.file if part.file else part.path
-    return f"{copy_label(copy, None)} part {part.part}: {what}: {at}"
+    return f"{copy_label(copy, None)} {'rank' if dcp else 'part'} {part.part}: {what}: {at}"
 
 
 def verdict(step: StoredStep) -> str:
@@ -122,7 +132,7 @@ def verify_lines(listing: Listing) -> list[str]:
 
 def _copy_data(copy: Copy) -> dict[str, Any]:
     return {"place": copy.place.value, "host": copy.host, "origin": copy.origin, "path": str(copy.path),
-            "parts": copy.ok_parts,
+            "parts": copy.ok_parts, "published": copy.published,
             "problems": [{"part": p.part, "state": p.state.value, "file": p.file, "path": str(p.path),
                           "expected": p.expected, "found": p.found} for p in copy.parts if p.state is not PartState.OK]}
 
@@ -134,7 +144,7 @@ def listing_data(listing: Listing, now: float) -> dict[str, Any]:
         "durable": str(places.durable) if places.durable is not None else None,
         "durable_found": listing.durable_found, "run_id": places.run_id,
         "ram": str(places.ram) if places.ram is not None else None, "checksums": listing.checksums,
-        "steps": [{"step": s.step, "complete": s.complete, "corrupt": bool(s.corrupt), "parts": s.parts,
+        "steps": [{"step": s.step, "format": s.format.value, "complete": s.complete, "corrupt": bool(s.corrupt), "parts": s.parts,
                    "missing": s.missing, "bytes": s.nbytes, "mtime": s.mtime,
                    "age_s": None if s.mtime is None else round(max(0.0, now - s.mtime), 3),
                    "where": [_copy_data(c) for c in s.copies]} for s in listing.steps],

@@ -197,3 +197,40 @@ def test_a_missing_dir_or_unknown_run_is_one_line_exit_2(tmp_path, monkeypatch, 
     (tmp_path / "empty").mkdir()
     empty = ckpt(command, tmp_path / "empty")
     assert empty.exit_code == 0 and empty.output.splitlines() == [f"durable {tmp_path / 'empty'}", "no checkpoints"]
+
+
+def test_dcp_steps_are_listed_complete_once_published_and_verified_rank_by_rank(tmp_path):
+    """`<durable>/dcp/` steps saved by dcp_save: complete = `.metadata` published; verify reads each
+    rank's files against its manifest's CRC and names the file of a flipped byte."""
+    durable, run_id = tmp_path / "durable", f"ck-{uuid.uuid4().hex[:10]}"
+    checkpoint.configure(durable, run_id=run_id, host=SAVER, ram_root=tmp_path / "shm")
+    for step in (5, 6):
+        checkpoint.dcp_save({"w": torch.arange(2000, dtype=torch.float32) * step}, step)
+        checkpoint.dcp_wait(timeout=60)
+    checkpoint.dcp_close()
+    checkpoint.free(run_id, ram_root=tmp_path / "shm")
+    dcp_dir = durable / "dcp"
+    six = dcp_dir / layout.step_name(6)
+    for step, world in ((7, 1), (8, 2)):  # 7: every rank's files there, never published; 8: rank 1 never came
+        shutil.copytree(six, dcp_dir / layout.step_name(step))
+        (dcp_dir / layout.step_name(step) / ".metadata").unlink()
+        mark = dcp_dir / layout.step_name(step) / ".ranks" / "0.json"
+        mark.write_text(json.dumps(dict(json.loads(mark.read_text()), step=step, world=world)))
+    listed = rows(ckpt("ls", durable).output)
+    assert [(r[0], r[1], r[4]) for r in listed] == [
+        ("8", "incomplete: rank 1 missing", "durable DCP rank 0"),
+        ("7", "incomplete: not published (no .metadata)", "durable DCP"),
+        ("6", "complete", "durable DCP"), ("5", "complete", "durable DCP")]
+    bad = dcp_dir / layout.step_name(5) / "__0_0.distcp"
+    _flip_a_byte(bad)
+    out = ckpt("verify", durable)
+    assert out.exit_code == 1, out.output
+    lines = out.output.splitlines()
+    assert "step 6: OK: durable DCP" in lines and "step 5: CORRUPT: rank 0 missing" in lines
+    assert "step 7: incomplete (never loaded): not published (no .metadata)" in lines
+    assert any(line.startswith("  durable DCP rank 0: __0_0.distcp does not match its checksum")
+               and line.endswith(f": {bad}") for line in lines), out.output
+    assert lines[-1] == "4 step(s): 1 OK, 1 corrupt, 2 incomplete"
+    data = json.loads(ckpt("ls", durable, "--json").output)
+    assert [(s["step"], s["format"], s["complete"], s["parts"]) for s in data["steps"]] == [
+        (8, "dcp", False, 2), (7, "dcp", False, 1), (6, "dcp", True, 1), (5, "dcp", True, 1)]
