@@ -237,6 +237,19 @@ def reaper_command(python: str, run_id: str, kill: bool, term_pid_files: bool = 
     return host_program("reaper", python, *args)
 
 
+def free_checkpoints_command(python: str, runs: Sequence[tuple[str, Optional[str]]]) -> tuple[str, list[str]]:
+    """(command, a nonce per run) that frees each of `runs` (run id, its durable dir) from a host's
+    RAM, one reaper after the other, each only where nothing of its run is left (no `--kill`):
+    what only RAM holds is persisted to the durable dir first. The run's end frees its own; the
+    next `up` of a spec frees those of its earlier runs whose supervisors died (run/ckptclean.py)."""
+    commands, nonces = [], []
+    for run_id, durable in runs:
+        command, nonce = reaper_command(python, run_id, kill=False, free_checkpoints=True, durable=durable)
+        commands.append(command)
+        nonces.append(nonce)
+    return "; ".join(commands), nonces
+
+
 def describe_reap(answer: object) -> str:
     """One line from the reaper's answer: what was ended, what is still alive."""
     if not isinstance(answer, dict):

@@ -37,6 +37,7 @@ from ddplaunch.record.runs import Local, RunRecord, check_run_id, load_run, new_
 from ddplaunch.record.view import RunView, run_state
 from ddplaunch.report.evidence import EvidenceFiles
 from ddplaunch.report.summary import summarize
+from ddplaunch.run.ckptclean import dry_run_text, free_stale, stale_runs
 from ddplaunch.run.hostmemory import readmit, skip_recorded
 from ddplaunch.run.loop import RunLoop
 from ddplaunch.run.runsession import RunSession
@@ -77,9 +78,11 @@ def dry_run(spec: ClusterSpec, opts: UpOptions, spec_path: str = "<spec>") -> st
     spec, notes = skipped.spec, "".join(f"# {line}\n" for line in skipped.lines())
     backend = make_backend(spec, RunContext(run_id, run_dir(run_id), StopEvent()))
     scheduler = scheduler_of(backend)
+    stale = dry_run_text(spec, stale_runs(spec, spec_path, run_id))  # no scheduler asked: detached runs left out
     if opts.detach and scheduler is not None:
-        return notes + detached_request(spec, scheduler, backend, run_id, spec_path, opts)[1]
-    return notes + backend.allocation_text() + "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
+        return notes + detached_request(spec, scheduler, backend, run_id, spec_path, opts)[1] + stale
+    return notes + backend.allocation_text() + stale + \
+        "".join(backend.render(plan).text() for plan in _plans(spec, backend, run_id, opts))
 
 
 def detached_request(spec: ClusterSpec, scheduler: Scheduler, backend: Launcher[Any], run_id: str, spec_path: str,
@@ -188,6 +191,9 @@ def run_begun(begun: Begun, opts: UpOptions, stream: Optional[IO[str]] = None, s
                 console.note(note)
             context = RunContext(record.run_id, record.dir, stop, say=events.append)  # Slurm says its allocation
             with contextlib.closing(make_backend(spec, context)) as backend:
+                # what earlier runs of this spec, killed outright, left in the hosts' RAM
+                for line in free_stale(spec, backend, stale_runs(spec, record.spec_path, record.run_id, backend)):
+                    console.note(line)
                 RunLoop(RunSession(spec, backend, opts, console, stop, record.run_id, record.dir, events, view)).run()
     except BaseException as err:
         interrupted = isinstance(err, KeyboardInterrupt)

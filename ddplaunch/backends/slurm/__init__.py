@@ -15,7 +15,8 @@ from typing import Iterator, Optional
 
 from ddplaunch.backends.contract import CommandFor, HostResult, JobEnd, Request, RunContext, StopEvent
 from ddplaunch.backends.failfast import follow, unanswered, unstarted
-from ddplaunch.backends.shell import pid_file, reaper_command, runtime_of, stage_bundle
+from ddplaunch.backends.shell import (describe_reap, free_checkpoints_command, pid_file, reaper_command, runtime_of,
+                                      stage_bundle)
 from ddplaunch.backends.slurm.allocation import Allocation
 from ddplaunch.backends.slurm.client import SlurmClient, SlurmJob, describe_sbatch_error
 from ddplaunch.backends.slurm.detached import DetachedRequest, final_state, follow_output, job_active, render_detached
@@ -24,7 +25,7 @@ from ddplaunch.backends.slurm.render import (AT_LAUNCH, NODE_ID, NODE_RANK, Step
 from ddplaunch.backends.slurm.step import SrunStage, SrunStep
 from ddplaunch.errors import BackendError, PlanError
 from ddplaunch.output.stagelines import StageLines
-from ddplaunch.plan.hostprogram import port_probe
+from ddplaunch.plan.hostprogram import parse_answer, port_probe
 from ddplaunch.plan.launch import LaunchPlan, tool_python
 from ddplaunch.plan.shellword import word
 from ddplaunch.plan.stages import UpOptions
@@ -135,7 +136,35 @@ class SlurmBackend:
         return err is not None or answer is None or answer[0] == 0
 
     def down(self, record: RunRecord) -> list[str]:
-        return self.cancel(record)
+        """What is left of the run on its job's nodes ended and its checkpoints freed from their
+        RAM (while the job still holds them), then the job (or the run's steps) cancelled."""
+        return self._free_recorded(record) + self.cancel(record)
+
+    def _free_recorded(self, record: RunRecord) -> list[str]:
+        """With a `checkpoint:` section, one step on every node of the run's running job: the reaper
+        ends what is left of the run there, then frees its checkpoints' RAM, each part's newest
+        intact sealed version the durable dir lacks persisted first; a line per node. A job that no
+        longer runs holds no node to ask (nothing is said: `cancel` says how it ended)."""
+        if self.spec.checkpoint is None:
+            return []
+        job, client = self._recorded_job(record)
+        try:
+            running = job is not None and client.job_state(job.job_id) == "RUNNING"
+            nodes = client.hostnames(client.job_info(job.job_id).get("NodeList", "")) if job and running else []
+        except BackendError:
+            return []
+        if job is None or not nodes:
+            return []
+        self.alloc.job, self.alloc.order = job, {n: i for i, n in enumerate(nodes)}
+        command, nonce = reaper_command(tool_python(self.spec, None), record.run_id, kill=True, term_pid_files=True,
+                                        clean=True, containers=runtime_of(self.spec), free_checkpoints=True,
+                                        durable=self.spec.checkpoint_durable())
+        try:
+            results = self.probe(lambda h: command, timeout=45, hosts=[self.alloc.host(n) for n in nodes])
+        except BackendError as err:
+            return [f"job {job.job_id}: its nodes could not be asked to end the run and free its checkpoints: {err}"]
+        return [f"{host.label}: {err}" if err is not None or answer is None else
+                f"{host.label}: {describe_reap(parse_answer(answer[1], nonce))}" for host, answer, err in results]
 
     def close(self) -> None:
         """The run is over: its checkpoints leave the RAM of the nodes that still answer (one step,
@@ -143,8 +172,8 @@ class SlurmBackend:
         if self._ckpt_run is not None:
             run_id, self._ckpt_run = self._ckpt_run, None
             nodes = [self.alloc.host(n) for n in self.alloc.order if n not in self.alloc.unreachable]
-            command = reaper_command(tool_python(self.spec, None), run_id, kill=False, free_checkpoints=True,
-                                     durable=self.spec.checkpoint_durable())[0]
+            python = tool_python(self.spec, None)
+            command = free_checkpoints_command(python, [(run_id, self.spec.checkpoint_durable())])[0]
             try:
                 if nodes:
                     self.probe(lambda h: command, timeout=20, hosts=nodes)

@@ -22,8 +22,8 @@ from fabric import Connection
 
 from ddplaunch.backends.contract import Admitted, CommandFor, HostResult, RunContext, StartGate, StopEvent
 from ddplaunch.backends.failfast import NoAnswer, follow, unstarted
-from ddplaunch.backends.shell import (ShellLauncher, ShellRequest, describe_reap, pid_file,
-                                      reaper_command, runtime_of)
+from ddplaunch.backends.shell import (ShellLauncher, ShellRequest, describe_reap, free_checkpoints_command,
+                                      pid_file, reaper_command, runtime_of)
 from ddplaunch.backends.ssh.connect import Connector
 from ddplaunch.backends.ssh.lease import Fence, Renewals, renew
 from ddplaunch.backends.ssh.routes import Route, is_ip, needs_asking, reach_addr, resolve_routes
@@ -93,8 +93,8 @@ class SshBackend(ShellLauncher):
         hosts = [h for h in [*self.spec.hosts, *super().spares()] if h.label in live]
 
         def free(host: HostSpec) -> None:
-            command, _ = reaper_command(tool_python(self.spec, host), run_id, kill=False, free_checkpoints=True,
-                                        durable=self.spec.checkpoint_durable())
+            python = tool_python(self.spec, host)
+            command, _ = free_checkpoints_command(python, [(run_id, self.spec.checkpoint_durable())])
             self._exec(host, command, timeout=20)
         if hosts:
             self._each(free, hosts)
