@@ -363,11 +363,15 @@ def test_fsdp_train_with_ckpt_tier_resumes_from_ram_then_resharded_from_the_dura
         assert saved.returncode == 0, saved.stdout
         want = re.search(r"^rank=0 full_params_sha256=([0-9a-f]{64})$", saved.stdout, re.M)
         assert want and ckdcp.published_steps(tmp_path / "ckpt") == [4], saved.stdout
+        said = [p for p in _payloads(saved.stdout) if isinstance(p, payloads.Durable)]  # rank 0's alone
+        assert [(p.rank, p.step, p.failed) for p in said] == [(0, 4, "")], saved.stdout
         for nproc, where in ((2, "memory"), (1, "durable")):
             resumed = run_torchrun(script, *args, nproc=nproc, env=env, timeout=240)
             assert resumed.returncode == 0, resumed.stdout
             assert f"at step 4 (written by 2 ranks with fsdp, now {nproc} with fsdp)" in resumed.stdout, resumed.stdout
             assert f"resumed_source={where}\n" in resumed.stdout, resumed.stdout
             assert f"resumed_full_params_sha256={want.group(1)}" in resumed.stdout, resumed.stdout
+            loaded = [p for p in _payloads(resumed.stdout) if isinstance(p, payloads.Loaded)]
+            assert [(p.rank, p.step, p.source) for p in loaded] == [(0, 4, where)], resumed.stdout
     finally:
         checkpoint.free(run)

@@ -10,27 +10,30 @@ then on the durable step is a plain DCP checkpoint torch's FileSystemReader load
 
 A load at the world size of the save reads every rank's own RAM copy, when every rank's host holds
 it intact (checksums) from the same save; else the newest published durable step, resharded by DCP.
+Past `memory_limit` or on a full /dev/shm a rank's save goes to the durable dir at once (dcpbypass).
+Rank 0 reads the ranks' metadata without running code (dcpmeta), and gives a step up once nothing
+in it moved for STALL_TIMEOUT (a rank that died). Under ddplaunch rank 0 says what it loaded and,
+at close, whether its newest save is durable (`Loaded`, `Durable` payloads: the run's summary).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
 import threading
 import time
-import uuid
 import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ddplaunch.hostside import payloads
 from ddplaunch.hostside.ckpt import dcpbypass, dcpfiles, layout
 from ddplaunch.hostside.ckpt.config import RUN_ENV, Config
-from ddplaunch.hostside.ckpt.dcpfiles import METADATA, RANKS, RankManifest, published_steps, rank_dir, step_dir, verify
+from ddplaunch.hostside.ckpt.dcpfiles import RankManifest, published_steps, rank_dir, step_dir, verify
+from ddplaunch.hostside.ckpt.dcpgroup import agreed_token, distributed, gather, one_process, rank_and_world, write_dcp
 from ddplaunch.hostside.ckpt.layout import CheckpointError, TornCheckpoint
 from ddplaunch.hostside.ckpt.tier import CheckpointWarning, Loaded, Source, Where
 
@@ -51,58 +54,6 @@ _POLL = 0.05
 def _ranks_text(ranks: list[int]) -> str:
     """`[1, 3]`, or `[1, 2, 3, ...] (40 ranks)` for many."""
     return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ...] ({len(ranks)} ranks)"
-
-
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
-@contextlib.contextmanager
-def _one_process() -> Iterator[None]:
-    """DCP without its warning that no process group means one process (it is meant: a rank's own
-    RAM copy is read without collectives)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
-def _gather(value: Any) -> list[Any]:
-    """Every rank's `value` (a collective under a process group)."""
-    import torch.distributed as dist
-
-    rank, world = _world()
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _agreed_token() -> str:
-    import torch.distributed as dist
-
-    box = [uuid.uuid4().hex]
-    if _world()[1] > 1:
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
-
-
-def _write_dcp(state_dict: dict[str, Any], directory: Path, rank: int, sync: bool) -> None:
-    """This rank's DCP files (its data and a metadata of its own chunks, `.metadata`) in `directory`."""
-    import torch.distributed.checkpoint as dcp
-
-    with _one_process():
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, sync_files=sync),
-                 no_dist=not _distributed(), use_collectives=False)
-    os.rename(directory / f"__{rank}{METADATA}", directory / METADATA)
 
 
 @dataclass(frozen=True)
@@ -154,8 +105,8 @@ class DcpTier:
         Raises:
             CheckpointError: a save that had to go to the durable dir could not be written there.
         """
-        rank, world = _world()
-        token = _agreed_token()
+        rank, world = rank_and_world()
+        token = agreed_token()
         rdir = rank_dir(self.config, rank)
         refusal = dcpbypass.over_limit(self.config, rdir, dcpbypass.state_nbytes(state_dict))
         final: Optional[Path] = None
@@ -185,7 +136,7 @@ class DcpTier:
         staging = rdir / f".new-{step}-{token[:12]}"
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _write_dcp(state_dict, staging, rank, sync=False)
+            write_dcp(state_dict, staging, rank, sync=False)
             final = rdir / layout.version_name(step)
             with self._cond:
                 if final.exists():
@@ -202,7 +153,7 @@ class DcpTier:
             layout.private_dir(self.config.durable)
             layout.private_dir(where.parent)
             shutil.rmtree(where, ignore_errors=True)
-            _write_dcp(state_dict, where, rank, sync=True)
+            write_dcp(state_dict, where, rank, sync=True)
             layout.fsync_dir(where)
             return where
         except BaseException as exc:
@@ -327,18 +278,6 @@ class DcpTier:
 
     # -- load -----------------------------------------------------------------------------
 
-    def _ram_versions(self, rank: int, world: int) -> dict[int, RankManifest]:
-        rdir = rank_dir(self.config, rank)
-        found = {}
-        for step in layout.sealed_steps(rdir):
-            try:
-                manifest = RankManifest.read(rdir / layout.version_name(step) / layout.MANIFEST)
-            except TornCheckpoint:
-                continue
-            if (manifest.step, manifest.rank, manifest.world) == (step, rank, world):
-                found[step] = manifest
-        return found
-
     def load(self, state_dict: dict[str, Any], planner: Optional[LoadPlanner] = None,
              reader: Optional[Callable[[Path], StorageReader]] = None) -> Optional[Loaded]:
         """Loads the newest step every rank can read into `state_dict` in place (a collective):
@@ -348,15 +287,15 @@ class DcpTier:
 
         with self._cond:
             self._cond.wait_for(lambda: not self._seal and not self._sealing)  # this rank's newest save counts
-        rank, world = _world()
-        mine = self._ram_versions(rank, world)
-        seen = _gather(({s: m.token for s, m in mine.items()}, published_steps(self.config.durable)))
+        rank, world = rank_and_world()
+        mine = dcpfiles.ram_versions(rank_dir(self.config, rank), rank, world)
+        seen = gather(({s: m.token for s, m in mine.items()}, published_steps(self.config.durable)))
         make = reader or (lambda path: dcp.FileSystemReader(path))
         for step in sorted({s for ram, durable in seen for s in (*ram, *durable)}, reverse=True):
             if len({ram.get(step) for ram, _ in seen} - {None}) == 1 and all(step in ram for ram, _ in seen):
                 version = rank_dir(self.config, rank) / layout.version_name(step)
-                if all(_gather(self._intact(version, mine[step]))):
-                    with _one_process():
+                if all(gather(self._intact(version, mine[step]))):
+                    with one_process():
                         dcp.load(state_dict, storage_reader=make(version), planner=planner, no_dist=True)
                     if step not in seen[0][1]:
                         self.adopt(_Job(step, rank, world, mine[step].token, version))
@@ -364,9 +303,9 @@ class DcpTier:
                                                            self.config.host))
             if all(step in durable for _, durable in seen):
                 target = step_dir(self.config.durable, step)
-                if all(_gather(self._durable_intact(target, rank, world))):
-                    with _one_process():
-                        dcp.load(state_dict, storage_reader=make(target), planner=planner, no_dist=not _distributed())
+                if all(gather(self._durable_intact(target, rank, world))):
+                    with one_process():
+                        dcp.load(state_dict, storage_reader=make(target), planner=planner, no_dist=not distributed())
                     return Loaded(state_dict, step, Source(Where.DURABLE, None, target))
         return None
 
@@ -380,18 +319,10 @@ class DcpTier:
             return False
 
     def _durable_intact(self, target: Path, rank: int, world: int) -> bool:
-        """This rank's share of checking a durable step: the saving ranks' files, spread over the
-        loading ranks (each file read once)."""
-        try:
-            saved = sorted(int(n[:-5]) for n in os.listdir(target / RANKS) if n.endswith(".json"))
-            for r in saved[rank::world]:
-                manifest = RankManifest.read(target / RANKS / f"{r}.json")
-                verify(target, RankManifest(manifest.step, r, manifest.world, manifest.token,
-                                            {n: v for n, v in manifest.files.items() if n != METADATA}))
-            return True
-        except (OSError, ValueError, TornCheckpoint) as exc:
-            self._say_once(f"torn:{target}", f"checkpoint: skipping a torn durable DCP step ({exc})")
-            return False
+        problem = dcpfiles.durable_problem(target, rank, world)
+        if problem is not None:
+            self._say_once(f"torn:{target}", f"checkpoint: skipping a torn durable DCP step ({problem})")
+        return problem is None
 
     # -- wait and close -------------------------------------------------------------------
 
@@ -481,7 +412,7 @@ def dcp_load(state_dict: dict[str, Any], *, planner: Optional[LoadPlanner] = Non
         reader: makes the storage reader of a checkpoint directory (default: FileSystemReader).
     """
     got = _current().load(state_dict, planner, reader)
-    if got is not None and _world()[0] == 0 and _under_ddplaunch():
+    if got is not None and rank_and_world()[0] == 0 and _under_ddplaunch():
         source = got.source
         payloads.say(payloads.Loaded(0, str(source.path)[:300], "ddplaunch.checkpoint.dcp_load", step=got.step,
                                      source=source.where.value, host=source.host or "", origin=source.origin or ""))

@@ -80,6 +80,33 @@ def verify(directory: Path, manifest: RankManifest) -> None:
             raise TornCheckpoint(f"{directory / name} does not match its checksum")
 
 
+def ram_versions(rdir: Path, rank: int, world: int) -> dict[int, RankManifest]:
+    """The sealed RAM versions in `rdir` of rank `rank`'s saves at world size `world`, by step."""
+    found = {}
+    for step in layout.sealed_steps(rdir):
+        try:
+            manifest = RankManifest.read(rdir / layout.version_name(step) / layout.MANIFEST)
+        except TornCheckpoint:
+            continue
+        if (manifest.step, manifest.rank, manifest.world) == (step, rank, world):
+            found[step] = manifest
+    return found
+
+
+def durable_problem(target: Path, rank: int, world: int) -> Optional[str]:
+    """This loading rank's share of checking a durable step (the saving ranks' files spread over the
+    `world` loading ranks, each file read once): what is wrong, or None."""
+    try:
+        saved = sorted(int(n[:-5]) for n in os.listdir(target / RANKS) if n.endswith(".json"))
+        for r in saved[rank::world]:
+            manifest = RankManifest.read(target / RANKS / f"{r}.json")
+            verify(target, RankManifest(manifest.step, r, manifest.world, manifest.token,
+                                        {n: v for n, v in manifest.files.items() if n != METADATA}))
+        return None
+    except (OSError, ValueError, TornCheckpoint) as exc:
+        return str(exc)
+
+
 def merge_metadata(parts: list[Metadata]) -> Metadata:
     """One global DCP metadata from the ranks' own (each naming only its chunks): chunks of a
     tensor joined (a chunk saved by several ranks, a replicated value, once), storage entries joined
