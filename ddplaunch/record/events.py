@@ -231,6 +231,17 @@ class StragglerNamed(_Event):
 
 
 @dataclass
+class HostBack(_Event):
+    """A host the run lost answered the probes long enough (or was cleared by `hosts clear`): a
+    spare again."""
+
+    KIND: ClassVar[str] = "host-back"
+    host: str
+    healthy_s: float
+    cleared: bool = False
+
+
+@dataclass
 class SpareDropped(_Event):
     """A spare that stopped answering while it waited, dropped at no cost to the budget."""
 
@@ -274,13 +285,13 @@ class RunEnded(_Event):
 
 Event = Union[RunStarted, Requested, Shown, HostState, PreflightChecked, StageStarted, StageEnded, Localized,
               HostsExcluded, SparesRejected, Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered,
-              StepWindow, RanksSilent, RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, Allocated, Requeued,
-              RunEnded]
+              StepWindow, RanksSilent, RanksFrozen, HostQuiet, StragglerNamed, SpareDropped, HostBack, Allocated,
+              Requeued, RunEnded]
 KINDS: dict[str, type] = {c.KIND: c for c in typing.get_args(Event)}
 #: Events after which the log is fsynced: a reader on another machine, or after a crash, finds them.
 DURABLE = (RunStarted, Requested, PreflightChecked, StageStarted, StageEnded, Localized, HostsExcluded, SparesRejected,
            Replanned, GateStopped, RecoveryStarted, RecoveryUpdated, NotRecovered, RanksSilent, HostQuiet,
-           StragglerNamed, SpareDropped, Allocated, Requeued, RunEnded)
+           StragglerNamed, SpareDropped, HostBack, Allocated, Requeued, RunEnded)
 
 
 def to_line(event: Event) -> str:

@@ -17,10 +17,11 @@ from typing import Iterable, Optional
 from ddplaunch.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK
 from ddplaunch.plan.launch import Stage
 from ddplaunch.record.diagnosis import Gate, HealthVerdict, Localization, PreflightReport
-from ddplaunch.record.events import (Allocated, Event, GateStopped, HostQuiet, HostState, HostsExcluded, Localized,
-                                     NotRecovered, PreflightChecked, RanksFrozen, RanksSilent, RecoveryStarted,
-                                     RecoveryUpdated, Replanned, Requested, Requeued, RunEnded, RunStarted, SpareDropped,
-                                     SparesRejected, StageEnded, StageStarted, StepWindow, StragglerNamed)
+from ddplaunch.record.events import (Allocated, Event, GateStopped, HostBack, HostQuiet, HostState, HostsExcluded,
+                                     Localized, NotRecovered, PreflightChecked, RanksFrozen, RanksSilent,
+                                     RecoveryStarted, RecoveryUpdated, Replanned, Requested, Requeued, RunEnded,
+                                     RunStarted, SpareDropped, SparesRejected, StageEnded, StageStarted, StepWindow,
+                                     StragglerNamed)
 from ddplaunch.record.incidents import Recovery, Straggler
 from ddplaunch.record.results import RunState, StageResult
 
@@ -71,6 +72,8 @@ class RunView:
     unrecovered: Optional[str] = None
     stragglers: list[Straggler] = field(default_factory=list)
     spares_dropped: dict[str, str] = field(default_factory=dict)
+    #: hosts the run lost that came back as spares, in order (recovery.rejoin_after)
+    hosts_back: list[HostBack] = field(default_factory=list)
     #: the newest window of steps judged in the job launch that runs (a relaunch starts again)
     last_window: Optional[StepWindow] = None
     #: ranks gone silent (host -> ranks), hosts whose step reports stopped while others came
@@ -143,6 +146,8 @@ class RunView:
             self.stragglers.append(event.straggler)
         elif isinstance(event, SpareDropped):
             self.spares_dropped[event.host] = event.why
+        elif isinstance(event, HostBack):
+            self.hosts_back.append(event)
         elif isinstance(event, RanksSilent):
             self.silent.setdefault(event.host, []).extend(r for r in event.ranks if r not in self.silent[event.host])
         elif isinstance(event, RanksFrozen):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from ddplaunch.plan.launch import Stage
+from ddplaunch.record.events import HostBack
 from ddplaunch.record.incidents import Recovery
 from ddplaunch.record.results import STATE_ORDER, NodeState, StageResult, job_failure
 from ddplaunch.record.view import RunView
@@ -31,6 +32,7 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
         out.append(f"not recovered: {report.unrecovered}")
     out += [f"straggler: {s.describe()}" for s in report.stragglers]
     out += [f"spare {label} dropped while it waited: {why}" for label, why in report.spares_dropped.items()]
+    out += [f"{back.host} came back as a spare ({back_why(back)})" for back in report.hosts_back]
     out += _durable(report)
     spent = worth_saying(report)
     if spent is not None:
@@ -40,6 +42,11 @@ def summarize(report: RunView, tail_lines: int = 10) -> str:
     out.append(f"run {report.run_id}: {'ok' if code == 0 else 'interrupted' if code == 130 else 'FAILED'} "
                f"(exit {code})")
     return "\n".join(out)
+
+
+def back_why(back: HostBack) -> str:
+    """`healthy for 30s`, or `readmitted by ddplaunch hosts clear`: why a lost host is a spare again."""
+    return "readmitted by `ddplaunch hosts clear`" if back.cleared else f"healthy for {back.healthy_s:.0f}s"
 
 
 def _durable(report: RunView) -> list[str]:
@@ -119,4 +126,6 @@ def summary_json(report: RunView) -> str:
                        "excluded": report.excluded, "recoveries": [r.to_dict() for r in report.recoveries],
                        "unrecovered": report.unrecovered, "stragglers": [s.to_dict() for s in report.stragglers],
                        "spares_dropped": report.spares_dropped,
+                       "hosts_back": [{"host": b.host, "healthy_s": b.healthy_s, "cleared": b.cleared}
+                                      for b in report.hosts_back],
                        "stages": [s.to_dict() for s in report.stages]}, indent=2, sort_keys=True)

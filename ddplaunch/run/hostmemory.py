@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ddplaunch.errors import PlanError
-from ddplaunch.record.events import Event, Localized, RecoveryStarted, StageEnded
+from ddplaunch.record.events import Event, HostBack, Localized, RecoveryStarted, StageEnded
 from ddplaunch.record.hosthealth import BadHost, clear, health_file, recorded, remember
 from ddplaunch.record.results import NodeState
 from ddplaunch.report.goodput import duration
@@ -41,7 +41,10 @@ class HostMemory:
     def __init__(self, spec: ClusterSpec, run_id: str):
         self.path, self.run_id = health_file(spec.recovery.host_health_file), run_id
         self.on = spec.recovery.remember_bad_hosts > 0
+        self.ttl = spec.recovery.remember_bad_hosts
         self.backend = spec.backend
+        #: the hosts this run recorded bad (label -> why)
+        self.noted: dict[str, str] = {}
 
     def note(self, event: Event) -> None:
         """Record the hosts `event` names bad (a failure to write costs the run nothing)."""
@@ -56,11 +59,26 @@ class HostMemory:
             bad = {o.host: f"its kernel's OOM killer ended {', '.join(o.oom_killed)}"
                    for o in event.result.outcomes if o.oom_killed}
             bad |= {o.host: o.detail or "lost" for o in event.result.outcomes if o.state == NodeState.LOST}
+        if isinstance(event, HostBack) and self.on:  # healthy again: the next runs take it too
+            try:
+                clear(self.path, [event.host])
+            except OSError:
+                pass
         if bad and self.on:
             try:
                 remember(self.path, bad, self.run_id, self.backend)
+                self.noted.update(bad)
             except OSError:
                 pass
+
+    def cleared(self, host: str) -> bool:
+        """Whether an operator cleared a host this run recorded (`ddplaunch hosts clear HOST`)."""
+        if not self.on or host not in self.noted:
+            return False
+        try:
+            return host not in recorded(self.path, self.ttl)
+        except OSError:
+            return False
 
 
 @dataclass

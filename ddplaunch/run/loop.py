@@ -268,8 +268,9 @@ class RunLoop:
         if self.budget.done and self.budget.done[-1].relaunched_at is None:
             self.budget.done[-1].relaunched_at = time.time()
             self.say(RecoveryUpdated(self.budget.done[-1]))
-        spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say) \
-            if job and self.budget.spares else contextlib.nullcontext()
+        spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say,
+                            cleared=self.memory.cleared) \
+            if job and (self.budget.spares or self.budget.comeback()) else contextlib.nullcontext()
         with watchdog or contextlib.nullcontext(), spares, steps or contextlib.nullcontext():
             if gate is not None and isinstance(self.backend, SessionGated):
                 gated = self.backend.launch_gated(request, lines, self.stop, gate)

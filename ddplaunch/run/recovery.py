@@ -44,6 +44,23 @@ class RecoveryBudget:
         self.dropped: dict[str, str] = {}
         #: relaunches in a row that ended before their job's first step
         self.stalled = 0
+        #: hosts the run lost, as they were in its spec (recovery.rejoin_after: each may come back)
+        self.lost_specs: dict[str, HostSpec] = {}
+        #: when each of them began to answer the probes without a failure since (run/spares.py)
+        self.healthy_since: dict[str, float] = {}
+
+    def comeback(self) -> list[HostSpec]:
+        """Hosts the run lost that may come back as spares: lost once (a host lost twice is not
+        taken back by itself), not back already; none when `recovery.rejoin_after` is 0."""
+        if self.spec.rejoin_after <= 0:
+            return []
+        return [h for label, h in self.lost_specs.items() if self.lost.count(label) == 1]
+
+    def readmit(self, label: str) -> None:
+        """A lost host is a spare again (at the end of the spares: the ones that never failed first)."""
+        host = self.lost_specs.pop(label)
+        self.healthy_since.pop(label, None)
+        self.spares.append(host)
 
     @property
     def host_recoveries(self) -> int:
@@ -166,6 +183,7 @@ class RecoveryBudget:
                               f"recovery.min_hosts={floor}")
         self.spares = spares
         self.lost += sorted(gone)
+        self.lost_specs.update({h.label: h for h in hosts if h.label in gone})
         self.done.append(Recovery(
             number=len(self.done) + 1, lost=[o.host for o in lost], causes={o.host: o.detail for o in lost},
             lost_at=min(o.last_heard_at or o.ended_at or time.time() for o in lost),

@@ -7,16 +7,23 @@ rounds in a row, while the control answers in both, is dropped: said once on scr
 summary, at no cost to `recovery.max_host_failures`, and a later recovery takes the next spare
 without first spending a connect timeout on the dead one. A round in which the control does not
 answer either counts for nothing: this machine's own network may be what failed.
+
+Hosts the run lost are probed in the same rounds (recovery.rejoin_after): one that has answered
+every round for `rejoin_after` seconds is a spare again (its bad-host entry cleared), said once; one
+an operator cleared with `ddplaunch hosts clear HOST` is readmitted at its next answer. Rounds come
+at least twice within `rejoin_after`. A host lost twice in the run is not taken back.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+import time
+from typing import Any, Callable, Optional, Union
 
 from ddplaunch.backends.contract import Launcher
 from ddplaunch.output.console import Console
-from ddplaunch.record.events import SpareDropped
+from ddplaunch.record.events import HostBack, SpareDropped
+from ddplaunch.report.summary import back_why
 from ddplaunch.run.recovery import RecoveryBudget
 from ddplaunch.spec.model import HostSpec
 
@@ -32,19 +39,21 @@ class SpareWatch:
     """A background thread for the length of one job launch (a context manager)."""
 
     def __init__(self, backend: Launcher[Any], budget: RecoveryBudget, control: Optional[HostSpec],
-                 console: Console, say: Callable[[SpareDropped], None] = lambda event: None,
-                 every: float = EVERY_S):
+                 console: Console, say: Callable[[Union[SpareDropped, HostBack]], None] = lambda event: None,
+                 every: float = EVERY_S, cleared: Callable[[str], bool] = lambda label: False):
         self.backend, self.budget, self.control, self.console = backend, budget, control, console
-        #: a dropped spare is said to the run's event log through this
+        #: a dropped spare, a host back, is said to the run's event log through this
         self.say = say
         self.every = every
+        #: whether an operator cleared a lost host's bad-host entry (`ddplaunch hosts clear`)
+        self.cleared = cleared
         self.strikes: dict[str, int] = {}
         self._done = threading.Event()
         self._lock = threading.Lock()  # held while the budget's spares change, and by __exit__
         self._thread: Optional[threading.Thread] = None
 
     def __enter__(self) -> "SpareWatch":
-        if self.budget.spares and self.control is not None:
+        if (self.budget.spares or self.budget.comeback()) and self.control is not None:
             self._thread = threading.Thread(target=self._loop, name="ddplaunch-spares", daemon=True)
             self._thread.start()
         return self
@@ -53,26 +62,33 @@ class SpareWatch:
         with self._lock:  # no spare dropped after this: the run loop owns the budget again
             self._done.set()
 
+    def _pace(self) -> float:
+        """Seconds to the next round: twice within rejoin_after while a lost host may come back."""
+        return min(self.every, max(1.0, self.budget.spec.rejoin_after / 2)) if self.budget.comeback() else self.every
+
     def _loop(self) -> None:
-        while not self._done.wait(self.every):
+        while not self._done.wait(self._pace()):
             try:
                 self.check()
             except Exception as err:  # noqa: BLE001 - watching spares is a help, never the run's failure
                 self.console.note(f"spares not checked: {type(err).__name__}: {err}")
 
     def check(self) -> list[str]:
-        """One round: probe the spares and the control; the spares dropped by it."""
-        spares = list(self.budget.spares)
-        if not spares or self.control is None:
+        """One round: probe the spares, the lost hosts that may come back and the control; the
+        spares dropped by it."""
+        spares, back = list(self.budget.spares), self.budget.comeback()
+        if not (spares or back) or self.control is None:
             return []
         answers = {h.label: _failure(answer, err) for h, answer, err in
-                   self.backend.probe(lambda h: "true", timeout=PROBE_S, hosts=[*spares, self.control])}
+                   self.backend.probe(lambda h: "true", timeout=PROBE_S, hosts=[*spares, *back, self.control])}
         if answers.get(self.control.label) is not None:
             return []  # the control did not answer either: this round tells nothing of the spares
         dropped = []
         with self._lock:
             if self._done.is_set():
                 return []
+            for host in back:
+                self._back(host.label, answers.get(host.label, "no answer"))
             for spare in spares:
                 why = answers.get(spare.label, "no answer")
                 self.strikes[spare.label] = self.strikes.get(spare.label, 0) + 1 if why is not None else 0
@@ -86,6 +102,23 @@ class SpareWatch:
                                       f"cost to recovery.max_host_failures ({left} spare{'s' if left != 1 else ''} "
                                       "left)")
         return dropped
+
+
+    def _back(self, label: str, why: Optional[str]) -> None:
+        """A lost host's answer (None) or failure this round: a spare again once it has answered
+        for rejoin_after seconds, or at once after an operator cleared it."""
+        if why is not None:
+            self.budget.healthy_since.pop(label, None)
+            return
+        now = time.time()
+        healthy = now - self.budget.healthy_since.setdefault(label, now)
+        cleared = self.cleared(label)
+        if healthy < self.budget.spec.rejoin_after and not cleared:
+            return
+        self.budget.readmit(label)
+        event = HostBack(label, round(healthy, 1), cleared)
+        self.say(event)
+        self.console.note(f"{label} is back as a spare ({back_why(event)})")
 
 
 def _failure(answer: Optional[tuple[int, str]], err: Optional[Exception]) -> Optional[str]:

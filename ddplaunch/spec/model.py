@@ -187,6 +187,10 @@ class RecoverySpec(_Strict):
     #: seconds a node may say nothing (its shell's heartbeat comes every second) before its host
     #: is probed, and lost if it does not answer (SSH: and a peer cannot reach it either)
     detect_timeout: float = Field(default=2.0, gt=0, le=600)
+    #: seconds a host the run lost must answer the supervisor's probes before it is the run's spare
+    #: again (its bad-host entry cleared; `ddplaunch hosts clear HOST` readmits it at its next
+    #: answer); a host lost twice in a run is not taken back; 0: lost hosts never come back
+    rejoin_after: float = Field(default=30.0, ge=0, le=86400)
     #: a host named a straggler is swapped for a spare at the job's next checkpoint (a planned
     #: recovery within max_host_failures); without a spare it is only named
     evict_stragglers: bool = False

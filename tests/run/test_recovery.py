@@ -383,6 +383,47 @@ def test_a_relaunched_job_that_ignores_its_checkpoint_is_said_to_restart_from_sc
     assert len(launches) == 2 and "elsewhere" not in launches[0] and "elsewhere" in launches[1]
 
 
+def test_a_crashed_host_cleared_comes_back_as_a_spare_and_takes_the_next_lost_hosts_place(sim_cluster, tmp_path,
+                                                                                           reference):
+    """3 hosts + 1 spare. A crashes: the spare takes its place. A's fault cleared: once it has
+    answered the supervisor's probes for recovery.rejoin_after it is a spare again (its bad-host
+    entry cleared). B crashes: A takes B's place, and the run ends at world 3, bitwise equal to an
+    undisturbed run."""
+    hosts = [h.name for h in sim_cluster.hosts]
+    spec = _spec(sim_cluster, tmp_path, "back", [0, 1, 2], [3], "--step-sleep", "0.8",
+                 recovery={"max_host_failures": 2, "rejoin_after": 3})
+    run_id = "rec-back"
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", run_id], tmp_path)
+    said: list[str] = []
+    try:
+        said += read_until(proc, "step=6 ", timeout=180)
+        sim_fault(sim_cluster, hosts[1], crash=True)
+        said += read_until(proc, "[ddplaunch] training resumed", timeout=120)
+        sim_fault(sim_cluster, hosts[1], clear=True)
+        said += read_until(proc, f"[ddplaunch] {hosts[1]} is back as a spare (healthy for ", timeout=60)
+        # its entry in the bad-host memory is gone: the next runs take it too
+        assert hosts[1] not in recorded(Path(tmp_path) / "state" / "host-health.json", 86400)
+        sim_fault(sim_cluster, hosts[2], crash=True)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for victim in hosts[1:3]:
+            sim_fault(sim_cluster, victim, clear=True)
+    out = "".join(said) + rest
+    record = run_view(tmp_path, run_id)
+    assert record.state == "ok", out[-4000:]
+    first, second = record.recoveries
+    assert first.lost == [hosts[1]] and first.replaced == {hosts[1]: hosts[3]}, first
+    assert second.lost == [hosts[2]] and second.replaced == {hosts[2]: hosts[1]}, second
+    assert [(b.host, b.cleared) for b in record.hosts_back] == [(hosts[1], False)]
+    assert record.hosts == [hosts[0], hosts[3], hosts[1]]
+    assert re.search(rf"{hosts[1]} came back as a spare \(healthy for \d+s\)", out), out[-3000:]
+    (got,) = SHA_RE.findall(out)
+    assert got == reference
+    wait_for(lambda: run_processes(run_id) == {}, timeout=15)
+
+
 def test_a_lost_host_that_answers_again_is_fenced_at_once(sim_cluster, tmp_path, reference):
     """Host 2 cut off (its link down) with its ranks stopped, so nothing of theirs ends by itself:
     it is lost and the spare takes its place. When its link comes back, its ranks are killed
