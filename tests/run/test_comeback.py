@@ -101,3 +101,26 @@ def test_the_summary_says_which_host_came_back():
                                     replaced={"f3": "f2"}, hosts_after=3))
     text = summarize(view)
     assert "f2 came back as a spare (healthy for 30s)" in text and "f3 lost (no heartbeat) → replaced by f2" in text
+
+
+def test_hosts_clear_during_the_run_is_what_cleared_reads(tmp_path):
+    """`ddplaunch hosts clear HOST` edits the host-health file the running supervisor recorded the
+    lost host in: its HostMemory then says the host was cleared (and only a host it recorded)."""
+    from click.testing import CliRunner
+
+    from ddplaunch.cli import cli
+    from ddplaunch.record.events import RecoveryStarted
+    from ddplaunch.run.hostmemory import HostMemory
+
+    with fake_registered(FakeScript()):
+        spec = load_spec(fake_spec(tmp_path, recovery=RECOVER))
+    memory = HostMemory(spec, "r-1")
+    memory.note(RecoveryStarted(Recovery(number=1, lost=["f2"], causes={"f2": "no heartbeat"}, lost_at=0.0,
+                                         detected_at=1.0, replaced={"f2": "f4"}, hosts_after=3),
+                                ["f1", "f4", "f3"]))
+    assert not memory.cleared("f2") and not memory.cleared("f3")
+    done = CliRunner().invoke(cli, ["hosts", "clear", "f2"])
+    assert done.exit_code == 0 and "f2: readmitted" in done.output, done.output
+    assert memory.cleared("f2") and not memory.cleared("f3")
+    memory.note(HostBack("f2", 0.0, True))  # back: nothing of it is left in the file
+    assert memory.cleared("f2")
