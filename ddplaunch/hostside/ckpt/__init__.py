@@ -44,7 +44,10 @@ background; each rank persists them to `<durable>/dcp/step-<step>/` with its man
 0, once every rank's manifest of the same save is there, merges the ranks' metadata into the step's
 `.metadata`, written last: a plain DCP checkpoint, loadable at any world size. `dcp_load` reads
 every rank's own RAM copy when all are intact, from one save, at the same world size; else the
-newest step with `.metadata`, resharded by DCP. Not replicated to buddies yet.
+newest step with `.metadata`, resharded by DCP. Past `memory_limit` or on a full /dev/shm a rank
+writes its files straight into the durable step (`dcpbypass.py`); rank 0 says what it loaded and,
+at close, that its newest save is durable (as the API does); the ranks' metadata is read by a
+restricted unpickler (`dcpmeta.py`). Not replicated to buddies yet.
 
 Unmodified scripts (`checkpoint.watch`: `jobfiles.py`, `jobwatch.py`, `restore.py`): the job's own
 checkpoint dir is each node's dir in RAM (`<run>/nodes/<node rank>/`); the node agent's watch seals
