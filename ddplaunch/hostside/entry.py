@@ -432,13 +432,20 @@ def whole_lines() -> None:
             pass
 
 
+def ckpt_siblings() -> Any:
+    """ckpt/restore.py, after the modules it imports (each finds the ones before it loaded)."""
+    for name in ("layout", "jobfiles", "jobwatch"):
+        load_sibling(name)
+    return load_sibling("restore")
+
+
 def watched(script_argv: list[str]) -> list[str]:
     """`checkpoint.watch`: the script's `{checkpoint_dir}` is this host's memory-backed dir, where
     the newest complete checkpoint is put back first (ckpt/restore.py); rank 0 says which step."""
     if os.environ.get(WATCH_ENV) != "1":
         return script_argv
     try:
-        argv, got = load_sibling("restore").begin(os.environ, script_argv)
+        argv, got = ckpt_siblings().begin(os.environ, script_argv)
     except Exception as exc:  # the job would start over without its checkpoint: it does not start
         sys.stderr.write(f"entry.py: checkpoint.watch: the job's checkpoint dir could not be put back: {exc}\n")
         leave(1, finalize=False)
@@ -454,7 +461,7 @@ def watch_finished() -> None:
     if os.environ.get(WATCH_ENV) != "1" or os.environ.get("LOCAL_RANK", "0") != "0":
         return
     started = time.monotonic()
-    done = load_sibling("jobwatch").finish(os.environ, lambda text: sys.stderr.write(f"ddplaunch: {text}\n"))
+    done = ckpt_siblings().jobwatch.finish(os.environ, lambda text: sys.stderr.write(f"ddplaunch: {text}\n"))
     if done is not None and int(os.environ.get("RANK", "0")) == 0 and P.under_torchrun():
         step, failed = done
         P.say(P.Durable(0, step, round(time.monotonic() - started, 3), failed[:300]))

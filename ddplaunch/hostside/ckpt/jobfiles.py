@@ -24,6 +24,7 @@ A *version* of a step is every unit of that step on this host, packed as the tie
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
@@ -31,6 +32,7 @@ import pickle
 import re
 import shutil
 import stat
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,21 +40,8 @@ from typing import Any, Iterator, Optional
 
 try:
     from ddplaunch.hostside.ckpt import layout
-except ImportError:  # staged flat beside entry.py and agent.py (the hosts need no ddplaunch)
-    import importlib.util
-    import sys
-
-    def _sibling(name: str) -> Any:
-        full = f"ddplaunch_hostside_{name}"
-        if full not in sys.modules:
-            spec = importlib.util.spec_from_file_location(full, os.path.join(os.path.dirname(
-                os.path.abspath(__file__)), f"{name}.py"))
-            assert spec is not None and spec.loader is not None
-            sys.modules[full] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        return sys.modules[full]
-
-    layout = _sibling("layout")
+except ImportError:  # staged flat: beside agent.py (on its path), or loaded by entry.py (ckpt_siblings)
+    layout = sys.modules.get("ddplaunch_hostside_layout") or importlib.import_module("layout")
 
 #: The tier part a host's job-dir versions take (the API's parts are ranks, far below).
 FILES_PART = 1_000_000

@@ -18,6 +18,7 @@ CRC-32, is written last:
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -29,20 +30,9 @@ from typing import Any, Callable, Mapping, Optional
 
 try:
     from ddplaunch.hostside.ckpt import jobfiles, layout
-except ImportError:  # staged flat beside entry.py and agent.py
-    import importlib.util
-
-    def _sibling(name: str) -> Any:
-        full = f"ddplaunch_hostside_{name}"
-        if full not in sys.modules:
-            spec = importlib.util.spec_from_file_location(full, os.path.join(os.path.dirname(
-                os.path.abspath(__file__)), f"{name}.py"))
-            assert spec is not None and spec.loader is not None
-            sys.modules[full] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        return sys.modules[full]
-
-    layout, jobfiles = _sibling("layout"), _sibling("jobfiles")
+except ImportError:  # staged flat: beside agent.py (on its path), or loaded by entry.py (ckpt_siblings)
+    jobfiles = sys.modules.get("ddplaunch_hostside_jobfiles") or importlib.import_module("jobfiles")
+    layout = sys.modules.get("ddplaunch_hostside_layout") or importlib.import_module("layout")
 
 WATCH_ENV = "DDPLAUNCH_CHECKPOINT_WATCH"
 LOOK_S = 1.0

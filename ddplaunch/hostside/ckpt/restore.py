@@ -18,6 +18,7 @@ picks it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -33,20 +34,10 @@ import torch.distributed as dist
 
 try:
     from ddplaunch.hostside.ckpt import jobfiles, jobwatch, layout
-except ImportError:  # staged flat beside entry.py, which has loaded these under its own names
-    import importlib.util
-
-    def _sibling(name: str) -> Any:
-        full = f"ddplaunch_hostside_{name}"
-        if full not in sys.modules:
-            spec = importlib.util.spec_from_file_location(full, os.path.join(os.path.dirname(
-                os.path.abspath(__file__)), f"{name}.py"))
-            assert spec is not None and spec.loader is not None
-            sys.modules[full] = module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        return sys.modules[full]
-
-    layout, jobfiles, jobwatch = _sibling("layout"), _sibling("jobfiles"), _sibling("jobwatch")
+except ImportError:  # staged flat: beside agent.py (on its path), or loaded by entry.py (ckpt_siblings)
+    jobfiles = sys.modules.get("ddplaunch_hostside_jobfiles") or importlib.import_module("jobfiles")
+    jobwatch = sys.modules.get("ddplaunch_hostside_jobwatch") or importlib.import_module("jobwatch")
+    layout = sys.modules.get("ddplaunch_hostside_layout") or importlib.import_module("layout")
 
 PREFIX = "ddplaunch/restore"
 DIR_WORD = "{checkpoint_dir}"
