@@ -39,16 +39,17 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 try:
+    from ddplaunch.hostside import payloads
     from ddplaunch.hostside.ckpt import layout
 except ImportError:  # staged flat: beside agent.py (on its path), or loaded by entry.py (ckpt_siblings)
     layout = sys.modules.get("ddplaunch_hostside_layout") or importlib.import_module("layout")
+    payloads = sys.modules.get("ddplaunch_hostside_payloads") or importlib.import_module("payloads")
 
 #: The tier part a host's job-dir versions take (the API's parts are ranks, far below).
 FILES_PART = 1_000_000
 NODES, OWNER, FORMAT = "nodes", ".ddplaunch-host", "ddplaunch-files/1"
 HF_MARKER, DCP_MARKER, DCP_SHARD = "trainer_state.json", ".metadata", ".distcp"
 SAVE_SUFFIXES = (".ckpt", ".pt", ".pth")
-STEP_KEYS = ("global_step", "iter_num", "step")
 #: The Trainer's checkpoint dirs: one without its trainer_state.json is still being written.
 HF_DIR = re.compile(r"checkpoint-\d+")
 MAX_DEPTH, MAX_FILES = 4, 20_000
@@ -161,7 +162,7 @@ class _Inert(pickle.Unpickler):
 
 
 def pickled_step(path: Path) -> Optional[int]:
-    """The step a torch.save file (its zip's `data.pkl`) holds under STEP_KEYS, None when it names none.
+    """The step a torch.save file (its zip's `data.pkl`) holds under payloads.STEP_KEYS, None when it names none.
 
     Raises:
         Unreadable: the file is not a whole torch.save archive.
@@ -176,12 +177,7 @@ def pickled_step(path: Path) -> Optional[int]:
     except (zipfile.BadZipFile, OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError,
             AttributeError, IndexError, KeyError) as exc:
         raise Unreadable(f"{path.name}: {exc}") from exc
-    if isinstance(state, dict):
-        for key in STEP_KEYS:
-            value = state.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                return value
-    return None
+    return payloads.step_in(state)
 
 
 def step_of(root: Path, unit: Unit) -> int:
