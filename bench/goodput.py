@@ -26,10 +26,17 @@ every kind the table also has `steps x step / wall`, the steps the job needed ti
 step interval (rank 0's lines), over the wall time from the launch to the final weights' line:
 the same estimate of goodput for both.
 
+`--kinds ddplaunch,memory` runs the same faults with the job's checkpoints in the memory tier
+(`memory`: `checkpoint: {tier: memory, replicas: 1}`, train.py --ckpt-api, a save every
+`--memory-every` steps, default 10 as the disk's; `memory-N`: every N steps) against its own torch.save + fsync + rename
+(`ddplaunch`), interleaved; the table's last columns are the ledger's `checkpoint` + `redone` and the
+stall per save rank 0 measured (the entry's hooks: the time inside torch.save, or inside
+ddplaunch.checkpoint.save; train.py's fsync and rename after its torch.save are not in it).
+
 Needs root; tears its sim down at the end.
 Needs pdsh for elastic (`apt-get install -y pdsh`).
 Usage: .venv/bin/python bench/goodput.py [--trials 1] [--every 150] [--baseline REV] [--kinds ddplaunch,elastic]
-       [--json out.json]
+       [--kinds ddplaunch,memory --memory-every 10] [--prefix dgp --subnet 10.213.61.0/24] [--json out.json]
 """
 
 from __future__ import annotations
@@ -72,19 +79,25 @@ ELASTIC_TIMEOUT_S = 60
 ELASTIC_GIVE_UP_S = 420
 
 
-def train_args(steps: int) -> list[str]:
-    return ["--epochs", "1", "--samples", str(steps * 8 * 3), "--batch-size", "8", "--ckpt-every", "10",
+def train_args(steps: int, every: int = 10) -> list[str]:
+    return ["--epochs", "1", "--samples", str(steps * 8 * 3), "--batch-size", "8", "--ckpt-every", str(every),
             "--log-every", "1", "--seed", "3", "--step-sleep", "0.3", "--burn-ms", "40"]
 
 
-def spec_for(cluster, work: Path, tag: str, steps: int) -> Path:
+def spec_for(cluster, work: Path, tag: str, steps: int, memory_every: Optional[int] = None) -> Path:
+    """The run's spec: train.py's own torch.save checkpoints every 10 steps, or with `memory_every`
+    ddplaunch.checkpoint's memory tier (one buddy copy) every that many steps."""
     import yaml
 
     data = yaml.safe_load(cluster.spec_path.read_text())
     hosts = data["hosts"]
-    train = train_args(steps)
+    if memory_every is None:
+        train, ckpt = train_args(steps), {"env": {"DDPLAUNCH_CKPT_DIR": str(work / tag / "ckpt")}}
+    else:
+        train = [*train_args(steps, memory_every), "--ckpt-api"]
+        ckpt = {"checkpoint": {"path": str(work / tag / "ckpt"), "tier": "memory", "replicas": 1}}
     data.update(hosts=hosts[:3], nproc_per_node=1, workdir=str(ROOT), healthcheck={"sizes": ["64K"], "iterations": 1},
-                env={"DDPLAUNCH_CKPT_DIR": str(work / tag / "ckpt")}, job={"script": "jobs/train.py", "args": train},
+                job={"script": "jobs/train.py", "args": train}, **ckpt,
                 recovery={"max_host_failures": len(FAULTS), "spares": hosts[3:], "evict_stragglers": True})
     (work / tag).mkdir(parents=True, exist_ok=True)
     path = work / tag / "cluster.yaml"
@@ -217,13 +230,23 @@ def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
     return row
 
 
-def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baseline: Optional[Path]) -> dict:
+def memory_interval(kind: str, memory_every: int) -> Optional[int]:
+    """The memory tier's checkpoint interval in steps for a kind `memory` or `memory-N`; None: not the tier."""
+    if kind == "memory":
+        return memory_every
+    return int(kind.split("-", 1)[1]) if kind.startswith("memory-") else None
+
+
+def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baseline: Optional[Path],
+          memory_every: int = 10) -> dict:
     tag = f"gp-{kind}-{n}"
     env = dict(env, DDPLAUNCH_HOME=str(work / "state" / tag))
     steps = every * (len(FAULTS) + 1)
-    argv = [sys.executable, "-m", "ddplaunch", "up", str(spec_for(cluster, work, tag, steps)), "--run-id", tag]
+    save_every = memory_interval(kind, memory_every)
+    spec = spec_for(cluster, work, tag, steps, save_every)
+    argv = [sys.executable, "-m", "ddplaunch", "up", str(spec), "--run-id", tag]
     cwd = ROOT
-    if kind != "ddplaunch":
+    if kind != "ddplaunch" and save_every is None:  # ddplaunch-REV: an earlier commit's
         cwd, env = baseline, dict(env, PYTHONPATH=str(baseline))
     started = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
@@ -231,7 +254,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
     lines = rec.Lines(proc)
     node1 = cluster.hosts[1].name
     hit: list[str] = []
-    row: dict = {"kind": kind, "trial": n, "faults": {}}
+    row: dict = {"kind": kind, "trial": n, "faults": {}, "save_every": save_every or 10}
     try:
         for i, fault in enumerate(FAULTS):
             target = every * (i + 1)
@@ -252,7 +275,12 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
         spent = ledger(view)
         if spent is not None:
             row["wall_s"], row["goodput"] = round(spent.wall_s, 1), round(spent.goodput, 4)
-            row["parts_s"] = {c: round(s, 1) for c, s in spent.parts.items()}
+            row["parts_s"] = {c: round(s, 2) for c, s in spent.parts.items()}
+        progress = [s.progress for s in view.stages if s.progress is not None]
+        row["saves"] = sum(p.saves for p in progress)
+        row["stall_ms"] = round(1e3 * sum(p.saving_s for p in progress) / row["saves"], 2) if row["saves"] else None
+        row["redone_steps"] = sum(r.steps_before - r.resumed_from for r in view.recoveries
+                                  if r.steps_before is not None and r.resumed_from is not None)
         for fault, said in row["faults"].items():
             mine = next((r for r in view.recoveries if said["host"] in r.lost and r.first_step_at), None)
             said["resumed_s"] = round(mine.first_step_at - said["at"], 1) if mine is not None else None
@@ -286,9 +314,26 @@ def table(rows: list[dict]) -> str:
         resumed = [_med([r["faults"].get(f, {}).get("resumed_s") for r in mine]) for f in FAULTS]
         out.append(f"| {kind} | {len(mine)} | {duration(wall)} | {goodput} | " + " | ".join(parts) + f" | {estimate} | "
                    + " | ".join(resumed) + f" | {', '.join(str(r.get('exit', '-')) for r in mine)} |")
+    out += lost_table([r for r in rows if "parts_s" in r])
     out += [f"\n{r['kind']} (trial {r['trial']}): {r['error']}; its last step {r.get('last_step', '?')} of "
             f"{r.get('steps', '?')}" for r in rows if r.get("error")]
     return "\n".join(out)
+
+
+def lost_table(rows: list[dict]) -> list[str]:
+    """Per run: the ledger's `checkpoint` and `redone`, their sum, the saves and the stall of each."""
+    if not rows:
+        return []
+    out = ["", "| kind | trial | save every (steps) | saves | stall per save (ms) | steps redone | "
+               "`checkpoint` (s) | `redone` (s) | `checkpoint` + `redone` (s) | goodput |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        parts = r["parts_s"]
+        out.append(f"| {r['kind']} | {r['trial']} | {r.get('save_every', '-')} | {r.get('saves', '-')} | "
+                   f"{r.get('stall_ms', '-')} | {r.get('redone_steps', '-')} | {parts['checkpoint']:.2f} | "
+                   f"{parts['redone']:.2f} | **{parts['checkpoint'] + parts['redone']:.2f}** | "
+                   f"{100 * r['goodput']:.1f}% |")
+    return out
 
 
 def main() -> None:
@@ -296,7 +341,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--every", type=int, default=150, help="steps of training between two faults")
     ap.add_argument("--baseline", metavar="REV", default=None)
-    ap.add_argument("--kinds", default="ddplaunch", help="ddplaunch and/or elastic, interleaved")
+    ap.add_argument("--kinds", default="ddplaunch",
+                    help="ddplaunch (train.py's torch.save checkpoints), memory (the memory tier) and/or elastic, "
+                         "interleaved")
+    ap.add_argument("--memory-every", type=int, default=10, help="the memory tier's checkpoint interval in steps")
+    ap.add_argument("--prefix", default=PREFIX)
+    ap.add_argument("--subnet", default=SUBNET)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     global sim_fault
@@ -305,7 +355,7 @@ def main() -> None:
     kinds = args.kinds.split(",") + ([f"ddplaunch-{args.baseline}"] if args.baseline else [])
     if "elastic" in kinds and shutil.which("pdsh") is None:
         sys.exit("goodput.py: elastic is started by pdsh: apt-get install -y pdsh")
-    cluster = sim_up(SimConfig(n_hosts=7, prefix=PREFIX, subnet=SUBNET, nproc_per_node=1, workdir=ROOT))
+    cluster = sim_up(SimConfig(n_hosts=7, prefix=args.prefix, subnet=args.subnet, nproc_per_node=1, workdir=ROOT))
     work = Path(tempfile.mkdtemp(prefix="ddplaunch-bench-goodput-"))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PDSH_RCMD_TYPE="ssh",
                PDSH_SSH_ARGS=(f"-i {cluster.key} -o UserKnownHostsFile={cluster.known_hosts} "
@@ -317,7 +367,7 @@ def main() -> None:
             for n in range(args.trials):
                 for kind in (kinds if n % 2 == 0 else kinds[::-1]):
                     row = (elastic_trial(cluster, work, n, env, args.every) if kind == "elastic"
-                           else trial(kind, cluster, work, n, env, args.every, baseline))
+                           else trial(kind, cluster, work, n, env, args.every, baseline, args.memory_every))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
