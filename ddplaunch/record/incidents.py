@@ -52,13 +52,18 @@ class Recovery:
     #: exception's type and line, or its signal; "" when neither is known).
     failure: str = ""
     failure_key: str = ""
+    #: Growing back (no host lost): the hosts that came back, added at new node ranks once the
+    #: job held at its checkpoint; the world grows from hosts_after - len(grown) to hosts_after.
+    grown: list[str] = field(default_factory=list)
 
     def what(self) -> str:
-        """`dlr1, dlr2 lost`, or `rank 1 on dlr2 raised ...` (a restart): the cause in a few words."""
-        return self.failure or f"{', '.join(self.lost)} lost"
+        """`dlr1, dlr2 lost`, `rank 1 on dlr2 raised ...` (a restart), `dlr3 back` (growing): the cause."""
+        return self.failure or (f"{', '.join(self.grown)} back" if self.grown else f"{', '.join(self.lost)} lost")
 
     def since(self) -> str:
         """What the phases count from: `dlr1 was last heard from`, or `the job failed`."""
+        if self.grown:
+            return "the job held at its checkpoint"
         return "the job failed" if self.failure else f"{', '.join(self.lost)} was last heard from"
 
     def describe(self) -> str:
@@ -66,6 +71,9 @@ class Recovery:
         or `the job failed (rank 1 on dlr2 raised ...) → restarted on the same 3 hosts, ...`."""
         parts = [f"the job failed ({self.failure}) → restarted on the same {self.hosts_after} hosts"] \
             if self.failure else []
+        if self.grown:
+            parts.append(f"{', '.join(self.grown)} back → the world grows from {self.hosts_after - len(self.grown)} "
+                         f"to {self.hosts_after} hosts")
         for host in self.lost:
             spare = self.replaced.get(host)
             parts.append(f"{host} lost ({self.causes.get(host, '?')}) → "

@@ -95,7 +95,7 @@ def ledger(view: RunView) -> Optional[Ledger]:
             after = stepped[i + 1]
             recovery = _recovery_before(view.recoveries, after)
             if recovery is not None:
-                faults += 1
+                faults += not recovery.grown  # growing back is a planned relaunch, not a fault
                 timeline.upto(recovery.detected_at, "detection")
                 timeline.upto(after.first_at, "recovery")
                 redone = _redone_s(progress, recovery)

@@ -207,6 +207,7 @@ def timeline(view: RunView) -> str:
             rows.append((launch.result.ended_at or e.t, f"stage {e.stage} {stage_verdict(launch.result)}"))
     for r in view.recoveries:
         rows.append((r.detected_at, f"restart (relaunch {r.number}): {r.failure}" if r.failure else
+                     f"grown back (relaunch {r.number}): {r.describe()}" if r.grown else
                      f"recovery {r.number}: {', '.join(r.lost)} lost; "
                      + ", ".join(f"{a} → {b}" for a, b in r.replaced.items())))
     for s in view.stragglers:

@@ -67,7 +67,8 @@ def status_lines(view: RunView, backend: str, supervisor_alive: Optional[bool], 
     for r in view.recoveries:
         replaced = ", ".join(f"{lost} -> {spare}" for lost, spare in r.replaced.items())
         lines.append((f"  restart (relaunch {r.number}): {r.failure}" if r.failure else
-                      f"  recovery {r.number}: lost {', '.join(r.lost)}"
+                      f"  grown back (relaunch {r.number}): {', '.join(r.grown)} back; {r.hosts_after} hosts"
+                      if r.grown else f"  recovery {r.number}: lost {', '.join(r.lost)}"
                       + (f"; replaced {replaced}" if replaced else f"; went on with {r.hosts_after} hosts"))
                      + (f"; resumed after {r.resumed_after_s:.0f}s {r.loaded_from()}".rstrip()
                         if r.resumed_after_s is not None else ""))

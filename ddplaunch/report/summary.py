@@ -64,9 +64,11 @@ def _durable(report: RunView) -> list[str]:
 def _failures(recoveries: list[Recovery]) -> str:
     """`2 host failures and 1 job failure` (hosts lost together in one recovery count each)."""
     jobs = sum(1 for r in recoveries if r.failure)
-    hosts = sum(max(1, len(r.lost)) for r in recoveries if not r.failure)
+    hosts = sum(max(1, len(r.lost)) for r in recoveries if not r.failure and not r.grown)
     counts = [(hosts, "host"), (jobs, "job")]
-    return " and ".join(f"{n} {kind} failure{'s' if n > 1 else ''}" for n, kind in counts if n)
+    failures = " and ".join(f"{n} {kind} failure{'s' if n > 1 else ''}" for n, kind in counts if n)
+    grown = sum(1 for r in recoveries if r.grown)
+    return failures + (f" (grown back {'once' if grown == 1 else f'{grown} times'} after)" if grown else "")
 
 
 def stage_verdict(stage: StageResult) -> str:

@@ -64,6 +64,8 @@ class RunLoop:
         #: The pre-flight rides in the next launch's own sessions (`InStagePreflight`)
         self._preflight_in_stage = False
         self.budget = RecoveryBudget(self.spec.recovery, [])
+        #: the job launch's hold at its checkpoint (run/eviction.py): a straggler evicted, or growing back
+        self._eviction: Optional[Eviction] = None
         self.memory = HostMemory(self.spec, self.run_id)  # bad hosts, remembered for the next runs
         #: The values of the spec's secrets, masked in everything the ranks print.
         names = self.spec.secret_names()
@@ -136,6 +138,7 @@ class RunLoop:
         over). A launch that ran the health check is gated: stop, go on, or launch again without
         the hosts it found bad (`healthcheck.on_fail: exclude`)."""
         stages = stages_of(spec, self.opts)
+        self.budget.size = self.budget.size or len(spec.hosts)
         while stages:
             stage = stages[0]
             recovery = len(self.budget.done)
@@ -156,6 +159,10 @@ class RunLoop:
                 self._resumed(result)
             if result.rescheduled:
                 return True
+            grown = self._grown(spec, result)
+            if grown is not None:
+                spec, stages = grown, stages_of(grown, self.opts)
+                continue
             if result.host_failure:
                 recovered = self._recover(spec, result)
                 if recovered is None:
@@ -191,6 +198,21 @@ class RunLoop:
             self.stop.reset()
         self._relaunching(result, hosts, f"recovery {self.budget.host_recoveries} of at most "
                                          f"{spec.recovery.max_host_failures}: {why}")
+        return spec.model_copy(update={"hosts": hosts})
+
+    def _grow_by(self, spec: ClusterSpec, host: str) -> None:
+        """A host is back as a spare: a run that shrank grows back by it at the job's next checkpoint."""
+        if self._eviction is not None and self.budget.can_grow(spec.hosts):
+            self._eviction.grow(host)
+
+    def _grown(self, spec: ClusterSpec, result: StageResult) -> Optional[ClusterSpec]:
+        """After a launch stopped at its checkpoint to grow back: the spec on the grown set (None: it was not)."""
+        held = self._eviction.grown_at if self._eviction is not None else None
+        if held is None or self.stop.by_user or result.host_failure:
+            return None
+        self.stop.reset()
+        hosts, why = self.budget.grow(spec.hosts, held)
+        self._relaunching(result, hosts, f"growing back: {why}")
         return spec.model_copy(update={"hosts": hosts})
 
     def _restart(self, spec: ClusterSpec, result: StageResult) -> bool:
@@ -257,6 +279,7 @@ class RunLoop:
             self.console.note(f"OMP_NUM_THREADS: each host's cores / {omp} processes, at least 1 (torchrun would "
                               "set 1 and say so on every launch); env.OMP_NUM_THREADS in the spec chooses")
         job = plan.stage == Stage.JOB
+        self._eviction = None
         steps = self._steps_of(spec, plan) if job else None
         lines = StageLines(self.console, plan.stage, on_first_step=self._first_step if self.budget.done else None,
                            secrets=self._secrets, on_report=steps.report if steps is not None else None)
@@ -269,7 +292,7 @@ class RunLoop:
             self.budget.done[-1].relaunched_at = time.time()
             self.say(RecoveryUpdated(self.budget.done[-1]))
         spares = SpareWatch(self.backend, self.budget, plan.nodes[0].host, self.console, self.say,
-                            cleared=self.memory.cleared) \
+                            cleared=self.memory.cleared, on_back=lambda label: self._grow_by(spec, label)) \
             if job and (self.budget.spares or self.budget.comeback()) else contextlib.nullcontext()
         with watchdog or contextlib.nullcontext(), spares, steps or contextlib.nullcontext():
             if gate is not None and isinstance(self.backend, SessionGated):
@@ -298,7 +321,7 @@ class RunLoop:
         """What takes a job launch's step reports (run/steps.py): the hosts' windows judged for
         stragglers, their status kept live; a straggler named is, where recovery.evict_stragglers,
         a spare and the budget allow, evicted at the next checkpoint."""
-        eviction = Eviction(self.backend, plan, self.stop, self.console)
+        eviction = self._eviction = Eviction(self.backend, plan, self.stop, self.console)
 
         def on_straggler(found: Straggler) -> None:
             if spec.recovery.evict_stragglers and self.budget.spares and \

@@ -48,6 +48,8 @@ class RecoveryBudget:
         self.lost_specs: dict[str, HostSpec] = {}
         #: when each of them began to answer the probes without a failure since (run/spares.py)
         self.healthy_since: dict[str, float] = {}
+        #: the run's size: the hosts of its first launch (a run that shrank grows back to it)
+        self.size = 0
 
     def comeback(self) -> list[HostSpec]:
         """Hosts the run lost that may come back as spares: lost once (a host lost twice is not
@@ -62,9 +64,23 @@ class RecoveryBudget:
         self.healthy_since.pop(label, None)
         self.spares.append(host)
 
+    def can_grow(self, hosts: list[HostSpec]) -> bool:
+        """Whether a run that shrank (`recovery.min_hosts`) can grow back by a spare now."""
+        return bool(self.spares) and 0 < len(hosts) < self.size and self.spec.min_hosts is not None
+
+    def grow(self, hosts: list[HostSpec], held_at: float) -> tuple[list[HostSpec], str]:
+        """The hosts of a run that shrank, with spares added at new node ranks up to its size
+        (the job held at its checkpoint at `held_at`), and the record of it."""
+        added = self.spares[:self.size - len(hosts)]
+        self.spares = self.spares[len(added):]
+        new = [*hosts, *added]
+        self.done.append(Recovery(number=len(self.done) + 1, lost=[], causes={}, lost_at=held_at,
+                                  detected_at=held_at, hosts_after=len(new), grown=[h.label for h in added]))
+        return new, self.done[-1].describe()
+
     @property
     def host_recoveries(self) -> int:
-        return sum(1 for r in self.done if not r.failure)
+        return sum(1 for r in self.done if not r.failure and not r.grown)
 
     @property
     def restarts(self) -> int:

@@ -40,13 +40,16 @@ class SpareWatch:
 
     def __init__(self, backend: Launcher[Any], budget: RecoveryBudget, control: Optional[HostSpec],
                  console: Console, say: Callable[[Union[SpareDropped, HostBack]], None] = lambda event: None,
-                 every: float = EVERY_S, cleared: Callable[[str], bool] = lambda label: False):
+                 every: float = EVERY_S, cleared: Callable[[str], bool] = lambda label: False,
+                 on_back: Callable[[str], None] = lambda label: None):
         self.backend, self.budget, self.control, self.console = backend, budget, control, console
         #: a dropped spare, a host back, is said to the run's event log through this
         self.say = say
         self.every = every
         #: whether an operator cleared a lost host's bad-host entry (`ddplaunch hosts clear`)
         self.cleared = cleared
+        #: told each host back as a spare (a run that shrank grows back by it: run/loop.py)
+        self.on_back = on_back
         self.strikes: dict[str, int] = {}
         self._done = threading.Event()
         self._lock = threading.Lock()  # held while the budget's spares change, and by __exit__
@@ -119,6 +122,7 @@ class SpareWatch:
         event = HostBack(label, round(healthy, 1), cleared)
         self.say(event)
         self.console.note(f"{label} is back as a spare ({back_why(event)})")
+        self.on_back(label)
 
 
 def _failure(answer: Optional[tuple[int, str]], err: Optional[Exception]) -> Optional[str]:

@@ -124,3 +124,19 @@ def test_hosts_clear_during_the_run_is_what_cleared_reads(tmp_path):
     assert memory.cleared("f2") and not memory.cleared("f3")
     memory.note(HostBack("f2", 0.0, True))  # back: nothing of it is left in the file
     assert memory.cleared("f2")
+
+
+def test_a_run_that_grew_back_says_so_and_counts_no_fault_for_it():
+    """Growing back is a planned relaunch at a checkpoint: said in the summary, the status and the
+    page's timeline, never a host failure."""
+    from ddplaunch.report.status import status_lines
+
+    view = RunView(run_id="r")
+    view.recoveries += [Recovery(number=1, lost=["f3"], causes={"f3": "no heartbeat"}, lost_at=0.0, detected_at=1.0,
+                                 hosts_after=2),
+                        Recovery(number=2, lost=[], causes={}, lost_at=50.0, detected_at=50.0, hosts_after=3,
+                                 grown=["f3"])]
+    text = summarize(view)
+    assert "recovered from 1 host failure (grown back once after):" in text, text
+    assert "  f3 back → the world grows from 2 to 3 hosts" in text and "after the job held at its checkpoint" in text
+    assert "  grown back (relaunch 2): f3 back; 3 hosts" in status_lines(view, "ssh", False)

@@ -632,25 +632,45 @@ def test_a_spare_that_died_while_it_waited_is_dropped_and_the_next_one_used(sim_
     assert len(SHA_RE.findall(out)) == 1, out[-2000:]  # the relaunched job ran to its end
 
 
-def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts(sim_cluster, tmp_path):
+def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts_and_grows_back(sim_cluster, tmp_path):
     """FSDP2 on 3 hosts x 2 ranks, no spare, recovery.min_hosts 2: a crashed host is left out and
-    the job resumes from its sharded checkpoint on 2 hosts x 2 (resharded 6 -> 4 ranks), every rank
-    holding the same full parameters."""
+    the job resumes from its sharded checkpoint on 2 hosts x 2 (resharded 6 -> 4 ranks). Its fault
+    cleared, the host is back as a spare (recovery.rejoin_after) and the run grows back to 3 hosts
+    at the job's next checkpoint (resharded 4 -> 6), every rank holding the same full parameters."""
     data = yaml.safe_load(sim_cluster.spec_path.read_text())
     (tmp_path / "shrink").mkdir()
     data.update(hosts=data["hosts"][:3], workdir=str(ROOT), nproc_per_node=2,
-                recovery={"max_host_failures": 1, "min_hosts": 2}, healthcheck={"enabled": False},
+                recovery={"max_host_failures": 1, "min_hosts": 2, "rejoin_after": 2}, healthcheck={"enabled": False},
                 env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "shrink" / "ckpt")},
-                job={"script": "jobs/fsdp_train.py", "args": ["--steps", "24", "--ckpt-every", "4",
+                job={"script": "jobs/fsdp_train.py", "args": ["--steps", "60", "--ckpt-every", "4",
                                                               "--global-batch", "12", "--step-sleep", "0.3"]})
     spec = tmp_path / "shrink" / "cluster.yaml"
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
-    victim = sim_cluster.hosts[2].name
-    out, record, _ = _crash_during(spec, tmp_path, "rec-shrink", sim_cluster, victim, at="step=10 ")
+    hosts = [h.name for h in sim_cluster.hosts[:3]]
+    proc = popen_ddplaunch(["up", str(spec), "--run-id", "rec-shrink"], tmp_path)
+    said: list[str] = []
+    try:
+        said += read_until(proc, "step=10 ", timeout=180)
+        sim_fault(sim_cluster, hosts[2], crash=True)
+        said += read_until(proc, "[ddplaunch] training resumed", timeout=120)
+        sim_fault(sim_cluster, hosts[2], clear=True)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sim_fault(sim_cluster, hosts[2], clear=True)
+    out = "".join(said) + rest
+    record = run_view(tmp_path, "rec-shrink")
     assert record.state == "ok", out[-4000:]
-    assert f"{victim} lost (" in out and "left out (2 hosts go on)" in out
-    assert re.search(r"resumed from \S+ at step \d+ \(written by 6 ranks", out), out[-3000:]
-    hashes = dict(re.findall(r"rank=(\d+) full_params_sha256=([0-9a-f]{64})", out.split("recovery 1 of")[1]))
-    assert sorted(map(int, hashes)) == [0, 1, 2, 3], hashes  # the 4 ranks of 2 hosts x 2
-    assert len(set(hashes.values())) == 1, hashes  # every rank of the resharded run holds the same parameters
-    assert re.search(r"replicas agree: \w+ on 4 ranks", out.split("recovery 1 of")[1]), out[-3000:]
+    shrunk, grown = record.recoveries
+    assert shrunk.lost == [hosts[2]] and shrunk.hosts_after == 2 and "left out (2 hosts go on)" in out
+    assert grown.grown == [hosts[2]] and grown.lost == [] and grown.hosts_after == 3, grown
+    assert record.hosts == hosts and [b.host for b in record.hosts_back] == [hosts[2]]
+    first, second = out.split("recovery 1 of")[1].split("growing back: ")
+    assert re.search(r"resumed from \S+ at step \d+ \(written by 6 ranks", first), out[-3000:]
+    assert re.search(r"resumed from \S+ at step \d+ \(written by 4 ranks", second), out[-3000:]
+    assert re.search(rf"{hosts[2]} back → the world grows from 2 to 3 hosts", out), out[-3000:]
+    hashes = dict(re.findall(r"rank=(\d+) full_params_sha256=([0-9a-f]{64})", second))
+    assert sorted(map(int, hashes)) == [0, 1, 2, 3, 4, 5], hashes  # 3 hosts x 2 again
+    assert len(set(hashes.values())) == 1, hashes  # every rank of the grown run holds the same parameters
+    assert "goodput" in out and "(2 faults)" not in out  # growing back is no fault
