@@ -23,7 +23,7 @@ from ddplaunch.record.diagnosis import HealthVerdict, Probe
 from ddplaunch.record.events import StepWindow, events_from
 from ddplaunch.record.view import RunView
 from ddplaunch.report.goodput import CAUSES, duration, ledger
-from ddplaunch.report.summary import stage_verdict, summarize
+from ddplaunch.report.summary import back_why, stage_verdict, summarize
 
 W, H, PAD = 760, 260, 48
 #: Windows of steps plotted at most (a day of them is thousands: an even spread of them).
@@ -210,6 +210,7 @@ def timeline(view: RunView) -> str:
                      f"grown back (relaunch {r.number}): {r.describe()}" if r.grown else
                      f"recovery {r.number}: {', '.join(r.lost)} lost; "
                      + ", ".join(f"{a} → {b}" for a, b in r.replaced.items())))
+    rows += [(b.t, f"{b.host} back as a spare ({back_why(b)})") for b in view.hosts_back]
     for s in view.stragglers:
         rows.append((s.named_at, f"straggler {s.host} (rank{'s' if len(s.ranks) > 1 else ''} "
                      f"{', '.join(map(str, s.ranks))}): {s.slowdown:.0%} slower since step {s.since_step}"))

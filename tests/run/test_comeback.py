@@ -129,6 +129,7 @@ def test_hosts_clear_during_the_run_is_what_cleared_reads(tmp_path):
 def test_a_run_that_grew_back_says_so_and_counts_no_fault_for_it():
     """Growing back is a planned relaunch at a checkpoint: said in the summary, the status and the
     page's timeline, never a host failure."""
+    from ddplaunch.report.page import timeline
     from ddplaunch.report.status import status_lines
 
     view = RunView(run_id="r")
@@ -140,3 +141,6 @@ def test_a_run_that_grew_back_says_so_and_counts_no_fault_for_it():
     assert "recovered from 1 host failure (grown back once after):" in text, text
     assert "  f3 back → the world grows from 2 to 3 hosts" in text and "after the job held at its checkpoint" in text
     assert "  grown back (relaunch 2): f3 back; 3 hosts" in status_lines(view, "ssh", False)
+    view.add(HostBack("f3", 30.2))
+    page = timeline(view)
+    assert "f3 back as a spare (healthy for 30s)" in page and "grown back (relaunch 2): f3 back → the world" in page
