@@ -32,11 +32,13 @@ the same estimate of goodput for both.
 (`ddplaunch`), interleaved; the table's last columns are the ledger's `checkpoint` + `redone` and the
 stall per save rank 0 measured (the entry's hooks: the time inside torch.save, or inside
 ddplaunch.checkpoint.save; train.py's fsync and rename after its torch.save are not in it).
+A fault at a multiple of --every comes just after a save of every 10 steps: nothing is redone;
+`--fault-offset 5` puts each half an interval (of 10) later, where a failure comes on average.
 
 Needs root; tears its sim down at the end.
 Needs pdsh for elastic (`apt-get install -y pdsh`).
 Usage: .venv/bin/python bench/goodput.py [--trials 1] [--every 150] [--baseline REV] [--kinds ddplaunch,elastic]
-       [--kinds ddplaunch,memory --memory-every 10] [--prefix dgp --subnet 10.213.61.0/24] [--json out.json]
+       [--kinds ddplaunch,memory --memory-every 10 --fault-offset 5] [--prefix dgp --subnet 10.213.61.0/24] [--json out.json]
 """
 
 from __future__ import annotations
@@ -230,6 +232,17 @@ def elastic_trial(cluster, work: Path, n: int, env: dict, every: int) -> dict:
     return row
 
 
+def redone_steps(view: RunView) -> int:
+    """Steps trained again after the run's recoveries: each lost launch's last step (the step it
+    resumed from plus the steps its rank 0 reported) past the step the relaunch resumed from."""
+    done, base = 0, 0
+    for r in view.recoveries:
+        if r.steps_before is not None and r.resumed_from is not None:
+            done += max(0, base + r.steps_before - r.resumed_from)
+        base = r.resumed_from or 0
+    return done
+
+
 def memory_interval(kind: str, memory_every: int) -> Optional[int]:
     """The memory tier's checkpoint interval in steps for a kind `memory` or `memory-N`; None: not the tier."""
     if kind == "memory":
@@ -238,7 +251,7 @@ def memory_interval(kind: str, memory_every: int) -> Optional[int]:
 
 
 def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baseline: Optional[Path],
-          memory_every: int = 10) -> dict:
+          memory_every: int = 10, offset: int = 0) -> dict:
     tag = f"gp-{kind}-{n}"
     env = dict(env, DDPLAUNCH_HOME=str(work / "state" / tag))
     steps = every * (len(FAULTS) + 1)
@@ -257,7 +270,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
     row: dict = {"kind": kind, "trial": n, "faults": {}, "save_every": save_every or 10}
     try:
         for i, fault in enumerate(FAULTS):
-            target = every * (i + 1)
+            target = every * (i + 1) + offset
             got = lines.wait(lambda line, at=target: (m := rec.STEP_RE.search(line)) is not None
                              and int(m.group(1)) >= at, 600)
             if got is None:
@@ -279,8 +292,7 @@ def trial(kind: str, cluster, work: Path, n: int, env: dict, every: int, baselin
         progress = [s.progress for s in view.stages if s.progress is not None]
         row["saves"] = sum(p.saves for p in progress)
         row["stall_ms"] = round(1e3 * sum(p.saving_s for p in progress) / row["saves"], 2) if row["saves"] else None
-        row["redone_steps"] = sum(r.steps_before - r.resumed_from for r in view.recoveries
-                                  if r.steps_before is not None and r.resumed_from is not None)
+        row["redone_steps"] = redone_steps(view)
         for fault, said in row["faults"].items():
             mine = next((r for r in view.recoveries if said["host"] in r.lost and r.first_step_at), None)
             said["resumed_s"] = round(mine.first_step_at - said["at"], 1) if mine is not None else None
@@ -345,6 +357,10 @@ def main() -> None:
                     help="ddplaunch (train.py's torch.save checkpoints), memory (the memory tier) and/or elastic, "
                          "interleaved")
     ap.add_argument("--memory-every", type=int, default=10, help="the memory tier's checkpoint interval in steps")
+    ap.add_argument("--fault-offset", type=int, default=0,
+                    help="steps past each multiple of --every that its fault comes (ddplaunch and memory kinds): "
+                         "0 is just after a save of the disk's every-10 steps, 5 half its interval, a failure's "
+                         "expected place")
     ap.add_argument("--prefix", default=PREFIX)
     ap.add_argument("--subnet", default=SUBNET)
     ap.add_argument("--json", type=Path)
@@ -367,7 +383,8 @@ def main() -> None:
             for n in range(args.trials):
                 for kind in (kinds if n % 2 == 0 else kinds[::-1]):
                     row = (elastic_trial(cluster, work, n, env, args.every) if kind == "elastic"
-                           else trial(kind, cluster, work, n, env, args.every, baseline, args.memory_every))
+                           else trial(kind, cluster, work, n, env, args.every, baseline, args.memory_every,
+                                      args.fault_offset))
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
