@@ -354,8 +354,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=150, help="steps of training between two faults")
     ap.add_argument("--baseline", metavar="REV", default=None)
     ap.add_argument("--kinds", default="ddplaunch",
-                    help="ddplaunch (train.py's torch.save checkpoints), memory (the memory tier) and/or elastic, "
-                         "interleaved")
+                    help="ddplaunch (train.py's torch.save checkpoints), memory or memory-N (the memory tier, every "
+                         "N steps) and/or elastic, interleaved")
     ap.add_argument("--memory-every", type=int, default=10, help="the memory tier's checkpoint interval in steps")
     ap.add_argument("--fault-offset", type=int, default=0,
                     help="steps past each multiple of --every that its fault comes (ddplaunch and memory kinds): "
