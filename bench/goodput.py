@@ -38,7 +38,8 @@ A fault at a multiple of --every comes just after a save of every 10 steps: noth
 Needs root; tears its sim down at the end.
 Needs pdsh for elastic (`apt-get install -y pdsh`).
 Usage: .venv/bin/python bench/goodput.py [--trials 1] [--every 150] [--baseline REV] [--kinds ddplaunch,elastic]
-       [--kinds ddplaunch,memory --memory-every 10 --fault-offset 5] [--prefix dgp --subnet 10.213.61.0/24] [--json out.json]
+       [--kinds ddplaunch,memory --memory-every 10 --fault-offset 5] [--prefix dgp --subnet 10.213.61.0/24]
+       [--json out.json]
 """
 
 from __future__ import annotations
