@@ -11,7 +11,8 @@ checkpoint every 4 steps, a step every ~0.3 s) with one of two tiers, interleave
 Host 1 (rank 0's, the saver's) crashes (`sim fault --crash`: its link down, every process
 SIGKILLed, its memory tier emptied) 2-3 steps after a save of step 8, 12 or 16 (drawn per trial:
 the fault is injected once rank 0 printed the save's step + 2; a step in flight may still end).
-Per trial, from the run's record (its event log's fold: RunView, report/goodput.py's ledger): crash -> first resumed step, where the checkpoint was read from, the step resumed from,
+Per trial, from the run's record (its event log's fold: RunView, report/goodput.py's ledger):
+crash -> first resumed step, where the checkpoint was read from, the step resumed from,
 the steps redone (the last step rank 0 printed before the relaunch minus that step), the ledger's
 `checkpoint` and `redone` seconds, and whether the final weights equal an uninterrupted run's.
 
