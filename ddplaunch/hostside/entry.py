@@ -402,10 +402,12 @@ def watch_progress() -> ProgressHooks:
 
 
 def _said_first(progress: ProgressHooks, real_exit: Callable[[int], NoReturn]) -> Callable[..., NoReturn]:
-    """`os._exit` that first says the last steps and timing: a script that ends with it (to skip
-    the interpreter's teardown, as jobs/train.py does) ends before entry.py's own last word."""
+    """`os._exit` that first says the last steps and timing (and, `checkpoint.watch`, makes the
+    job's last checkpoint durable): a script that ends with it (to skip the interpreter's teardown,
+    as jobs/train.py does) ends before entry.py's own last word."""
     def _exit(code: int) -> NoReturn:
         try:
+            watch_finished()
             progress.flush()
             if progress.timing is not None:
                 progress.timing.flush()

@@ -4,6 +4,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -365,3 +366,30 @@ def test_a_script_that_ends_with_os_exit_still_says_its_last_steps_and_timing(tm
     timed = [s[0] for m in re.findall(r"^DDPLAUNCH_TIMING_JSON (\{.*\})$", out.stdout, re.M)
              for s in json.loads(m)["steps"]]
     assert timed == [2, 3, 4, 5], out.stdout  # the first step has no start: it is not timed
+
+
+def test_checkpoint_watch_names_the_dir_puts_back_and_persists_even_past_os_exit(tmp_path):
+    """`checkpoint.watch` in one process: `{checkpoint_dir}` is the node's dir in RAM; the first
+    run's last checkpoint is made durable although the script leaves with os._exit; the second run
+    finds it put back in a new RAM dir (its host's RAM lost) before its first line."""
+    job = script(tmp_path, """\
+        import os, sys, torch
+        where = sys.argv[1]
+        found = os.path.exists(os.path.join(where, "last.ckpt"))
+        print("found", found, torch.load(os.path.join(where, "last.ckpt"))["global_step"] if found else None)
+        torch.save({"global_step": 7 + 7 * found}, os.path.join(where, "last.ckpt"))
+        sys.stdout.flush()
+        os._exit(0)
+        """)
+    env = {"DDPLAUNCH_CHECKPOINT_WATCH": "1", "DDPLAUNCH_RUN_ID": "w-1", "DDPLAUNCH_HOST": "h1",
+           "DDPLAUNCH_CHECKPOINT_RAM": str(tmp_path / "shm"), "DDPLAUNCH_CHECKPOINT_DURABLE": str(tmp_path / "durable"),
+           "RANK": "0"}
+    first = run_python(ENTRY, "--no-healthcheck", "--", job, "{checkpoint_dir}", env=env, timeout=120)
+    assert first.returncode == 0 and "found False None" in first.stdout, first.stderr
+    import torch
+    assert torch.load(tmp_path / "durable" / "last.ckpt")["global_step"] == 7  # durable, past os._exit
+    shutil.rmtree(tmp_path / "shm")  # the host's RAM lost
+    again = run_python(ENTRY, "--no-healthcheck", "--", job, "{checkpoint_dir}", env=env, timeout=120)
+    assert again.returncode == 0 and "found True 7" in again.stdout, again.stdout + again.stderr
+    assert "step 7 put back into the job's dir from the durable dir (written by h1)" in again.stderr
+    assert torch.load(tmp_path / "durable" / "last.ckpt")["global_step"] == 14
