@@ -96,8 +96,8 @@ class Recovery:
         """`at step 15 from gpu2's memory (gpu1 lost)`, `at step 15 from the durable dir`: the step the
         relaunched job loaded through ddplaunch.checkpoint, and where it was read ("" when unknown)."""
         got = self.checkpoint
-        if got is None or got.step is None:
-            return ""
+        if got is None or got.step is None or not got.source:
+            return ""  # a job's own load (its step known: resumed_from) is said by its path
         if got.source == "memory":
             where = f"{got.host}'s memory" if got.host else "a host's memory"
             if got.origin and got.origin != got.host:

@@ -55,6 +55,16 @@ def test_a_torch_load_jobs_recovery_says_what_it_said_before():
                          "job loaded /ck/step_8.pt"), text
 
 
+def test_a_job_s_own_load_that_named_its_step_is_said_by_its_path_as_before():
+    """torch.load's dict named its step (the ledger's `redone` is exact from it): the line is the
+    one a torch.load job always had, not a tier's `from <host>'s memory`."""
+    own = Loaded(0, "/ck/step_8.pt", "torch.load", step=8)
+    text = _recovery(own).describe()
+    assert own.step == 8 and _recovery(own).loaded_from() == ""
+    assert text.endswith(", resumed after 9s from step 8; at least 10 optimizer steps done before; the relaunched "
+                         "job loaded /ck/step_8.pt"), text
+
+
 def test_the_load_survives_the_log_and_an_old_log_still_reads():
     recovery = _recovery(_loaded("memory", "f3", "f2"))
     data = to_data(recovery)
