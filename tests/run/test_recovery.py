@@ -643,7 +643,7 @@ def test_without_a_spare_fsdp_goes_on_resharded_on_fewer_hosts_and_grows_back(si
     data.update(hosts=data["hosts"][:3], workdir=str(ROOT), nproc_per_node=2,
                 recovery={"max_host_failures": 1, "min_hosts": 2, "rejoin_after": 2}, healthcheck={"enabled": False},
                 env={"DDPLAUNCH_CKPT_DIR": str(tmp_path / "shrink" / "ckpt")},
-                job={"script": "jobs/fsdp_train.py", "args": ["--steps", "60", "--ckpt-every", "4",
+                job={"script": "jobs/fsdp_train.py", "args": ["--steps", "100", "--ckpt-every", "4",
                                                               "--global-batch", "12", "--step-sleep", "0.3"]})
     spec = tmp_path / "shrink" / "cluster.yaml"
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
