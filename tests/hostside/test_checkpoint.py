@@ -458,3 +458,28 @@ def test_under_torchrun_all_ranks_save_their_own_parts_and_each_loads_its_own(tm
                        {"step": 2, "rank": 1, "shard": [21.0] * 4, "where": "durable"}]
     finally:
         checkpoint.free(run)
+
+
+def test_a_step_dir_another_writer_removed_while_empty_is_made_again(tmp_path, monkeypatch):
+    """Two ranks of one host persist parts of the same step: one's clean-up (clean_stale) removes
+    the step dir in the moment the other has made it and not yet its temporary part in it (seen
+    as a flaky all_ranks test under load): the writer makes it again instead of failing the save."""
+    import zlib as _zlib
+
+    from ddplaunch.hostside.ckpt import layout as _layout
+
+    real, raced = _layout.fsync_dir, []
+
+    def racing(path):
+        real(path)
+        if path == tmp_path and not raced:  # the durable dir fsynced after the step dir was made
+            raced.append(path)
+            (tmp_path / _layout.step_name(2)).rmdir()
+
+    def data(fd: int) -> tuple[int, int]:
+        os.write(fd, b"x")
+        return 1, _zlib.crc32(b"x")
+
+    monkeypatch.setattr(_layout, "fsync_dir", racing)
+    final = _layout.write_durable(tmp_path, 2, 0, 1, b"meta", data, "h1")
+    assert raced and (final / _layout.MANIFEST).is_file() and (final / _layout.DATA).read_bytes() == b"x"

@@ -183,6 +183,14 @@ def write_private(path: Path, body: bytes | bytearray | memoryview, sync: bool) 
         os.close(fd)
 
 
+def replace_synced(path: Path, body: bytes | bytearray | memoryview, tag: str = "") -> None:
+    """`body` as `path`: a temporary file beside it (named by `tag`, the writer, and this process),
+    fsynced, then renamed over it (the directory's fsync is the caller's)."""
+    tmp = path.with_name(f".tmp-{path.name}-{tag + '-' if tag else ''}{os.getpid()}")
+    write_private(tmp, body, sync=True)
+    os.rename(tmp, path)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -229,13 +237,19 @@ def write_durable(durable: Path, step: int, part: int, parts: int, meta: bytes, 
     without its manifest; a crash leaves only a `.tmp-` directory nobody reads. Returns the part."""
     private_dir(durable)
     step_dir = durable / step_name(step)
-    created = not step_dir.exists()
-    step_dir.mkdir(mode=DIR_MODE, exist_ok=True)
-    if created:
-        fsync_dir(durable)
     tmp = step_dir / f".tmp-part-{part}-{tag}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=DIR_MODE)
+    for attempt in range(3):
+        created = not step_dir.exists()
+        step_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+        if created:
+            fsync_dir(durable)
+        try:
+            tmp.mkdir(mode=DIR_MODE)
+            break
+        except FileNotFoundError:  # another writer's clean_stale removed the step dir while it was empty
+            if attempt == 2:
+                raise
     fd = os.open(tmp / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         data_sum = data(fd)
