@@ -133,13 +133,6 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
                     storage_meta=first.storage_meta, version=first.version)
 
 
-def _write_synced(path: Path, body: bytes) -> None:
-    """`body` as `path`: a temporary file fsynced, then renamed (the directory fsync is the caller's)."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    layout.write_private(tmp, body, sync=True)
-    os.rename(tmp, path)
-
-
 def _copy_synced(source: Path, target: Path) -> None:
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, layout.FILE_MODE)
@@ -189,7 +182,7 @@ def persist_rank(durable: Path, version: Path, step: int, rank: int, world: int,
             put(version / name, target / name)
     put(version / METADATA, ranks / f"{rank}{METADATA}")
     layout.fsync_dir(target)
-    _write_synced(mark, RankManifest(step, rank, world, token, manifest.files).encode())
+    layout.replace_synced(mark, RankManifest(step, rank, world, token, manifest.files).encode())
     layout.fsync_dir(ranks)
     return target
 
@@ -228,7 +221,7 @@ def publish(target: Path, world: int) -> None:
     """
     parts = [dcpmeta.loads_metadata((target / RANKS / f"{r}{METADATA}").read_bytes(), target / RANKS / f"{r}{METADATA}")
              for r in range(world)]
-    _write_synced(target / METADATA, pickle.dumps(merge_metadata(parts)))
+    layout.replace_synced(target / METADATA, pickle.dumps(merge_metadata(parts)))
     layout.fsync_dir(target)
 
 

@@ -148,11 +148,10 @@ class Watch:
 
 
 def _careful(target: Path, body: memoryview, host: str) -> None:
-    """`body` as `target`: a temporary beside it, fsynced, renamed, the directory fsynced."""
+    """`body` as `target`: a temporary beside it (named by the host: hosts persist the same file of
+    a step side by side), fsynced, renamed, the directory fsynced."""
     target.parent.mkdir(parents=True, exist_ok=True, mode=layout.DIR_MODE)
-    tmp = target.parent / f".{target.name}.{host}-{os.getpid()}.tmp"
-    layout.write_private(tmp, body, sync=True)
-    os.rename(tmp, target)
+    layout.replace_synced(target, body, host)
     layout.fsync_dir(target.parent)
 
 
