@@ -437,17 +437,12 @@ def dcp_close() -> Optional[int]:
     ddplaunch, rank 0 says whether it is durable (a `Durable` payload: its step, how long this
     waited, or why not), which the run's summary shows. Runs at interpreter exit by itself; call it
     before an `os._exit`."""
+    from ddplaunch.hostside.ckpt import injob
+
     global _tier
     with _lock:
         tier, _tier = _tier, None
-    if tier is None:
-        return None
-    started = time.monotonic()
-    failed = tier.close()
-    step = tier.saved_step
-    if step is not None and tier.saved_rank == 0 and _under_ddplaunch():
-        payloads.say(payloads.Durable(0, step, round(time.monotonic() - started, 3), (failed or "")[:300]))
-    return step
+    return None if tier is None else injob.closed_saying(tier, 0 if tier.saved_rank == 0 else None)
 
 
 atexit.register(dcp_close)

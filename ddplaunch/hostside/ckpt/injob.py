@@ -136,13 +136,18 @@ def close() -> Optional[int]:
     global _tier
     with _lock:
         tier, _tier = _tier, None
-    if tier is None:
-        return None
+    return None if tier is None else closed_saying(tier, rank_world()[0])
+
+
+def closed_saying(tier: Any, rank: Optional[int]) -> Optional[int]:
+    """Closes `tier` (this module's, or dcp.py's: its newest save made durable) and returns that
+    step; under ddplaunch `rank` (None: a rank that does not speak for its saves) says it in a
+    `Durable` payload: its step, how long the close waited, why it is not durable."""
     started = time.monotonic()
     failed = tier.close()
-    step = tier.saved_step
-    if step is not None and os.environ.get(RUN_ENV) and payloads.under_torchrun():
-        payloads.say(payloads.Durable(rank_world()[0], step, round(time.monotonic() - started, 3), failed or ""))
+    step: Optional[int] = tier.saved_step
+    if step is not None and rank is not None and os.environ.get(RUN_ENV) and payloads.under_torchrun():
+        payloads.say(payloads.Durable(rank, step, round(time.monotonic() - started, 3), (failed or "")[:300]))
     return step
 
 
